@@ -1,0 +1,11 @@
+"""jaxflash: FlashAttention for JAX.
+
+`flash_attention` is a drop-in for `jax.nn.dot_product_attention` with more features (softcap,
+ALiBi, segment ids, GQA with any value head dim) and faster backends; `explain` says which
+backend a call would use and why.
+"""
+from jaxflash.api import explain, flash_attention
+from jaxflash.dispatch import target_platform
+
+__version__ = "0.1.0"
+__all__ = ["flash_attention", "explain", "target_platform", "__version__"]

@@ -1,0 +1,115 @@
+"""The canonical form every backend receives.
+
+`jaxflash.api` validates the user's call and brings it into this one form, so backends never see
+leading batch dims other than one, 3D inputs, int windows or broadcast-shaped seq lengths:
+
+- q ``[B, T, N, H]``, k ``[B, S, K, H]``, v ``[B, S, K, Hv]``; N = K * G and query head ``n`` reads
+  key/value head ``n // G`` (the grouping of ``jax.nn.dot_product_attention``).
+- ``AttentionArrays`` holds the optional array arguments, already shaped as below.
+- ``AttentionStatics`` holds everything static (hashable, so it can key caches and custom_vjp
+  nondiff args).
+- Backends return ``(out [B, T, N, Hv] in q.dtype, lse [B, N, T] float32)``; LSE is -inf for a
+  row with no key left to attend to, and that row's output is 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+
+
+class AttentionArrays(NamedTuple):
+    """Optional array operands in canonical shapes (None where absent).
+
+    bias: ``[Bb, Nb, T, S]`` float, with Bb in {1, B} and Nb in {1, N} (broadcast over T, S done).
+    mask: ``[Bb, Nb, T, S]`` bool, True = attend.
+    q_seqlen / kv_seqlen: ``[B]`` int32.
+    alibi_slopes: ``[N]`` float32.
+    q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 (both or neither).
+    """
+
+    bias: Optional[jax.Array] = None
+    mask: Optional[jax.Array] = None
+    q_seqlen: Optional[jax.Array] = None
+    kv_seqlen: Optional[jax.Array] = None
+    alibi_slopes: Optional[jax.Array] = None
+    q_segment_ids: Optional[jax.Array] = None
+    kv_segment_ids: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStatics:
+    """Static, hashable part of a call."""
+
+    scale: float
+    is_causal: bool = False
+    # (left, right): query i may attend key j iff i - left <= j <= i + right.
+    window: Optional[tuple[int, int]] = None
+    softcap: Optional[float] = None
+    # Bitwise-reproducible gradients (backends without atomics are deterministic anyway).
+    deterministic: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a backend needs to know to say whether it can serve a call (no arrays)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    statics: AttentionStatics
+    bias_shape: Optional[tuple[int, ...]] = None
+    has_mask: bool = False
+    has_q_seqlen: bool = False
+    has_kv_seqlen: bool = False
+    has_alibi: bool = False
+    has_segments: bool = False
+    platform: str = "cpu"
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def features(self) -> tuple[str, ...]:
+        """Names of the features in use, for messages and kernel variant keys."""
+        f = []
+        if self.statics.is_causal:
+            f.append("causal")
+        if self.statics.window is not None:
+            f.append("window")
+        if self.statics.softcap is not None:
+            f.append("softcap")
+        if self.has_alibi:
+            f.append("alibi")
+        if self.bias_shape is not None:
+            f.append("bias")
+        if self.has_mask:
+            f.append("mask")
+        if self.has_segments:
+            f.append("segment_ids")
+        if self.has_q_seqlen or self.has_kv_seqlen:
+            f.append("seq_lengths")
+        return tuple(f)
+
+    @classmethod
+    def from_arrays(cls, q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
+                    platform: str) -> "Problem":
+        B, T, N, H = q.shape
+        _, S, K, _ = k.shape
+        return cls(
+            batch=B, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K, head_dim=H,
+            head_dim_v=v.shape[-1], dtype=str(q.dtype), statics=statics,
+            bias_shape=None if arrays.bias is None else tuple(arrays.bias.shape),
+            has_mask=arrays.mask is not None,
+            has_q_seqlen=arrays.q_seqlen is not None,
+            has_kv_seqlen=arrays.kv_seqlen is not None,
+            has_alibi=arrays.alibi_slopes is not None,
+            has_segments=arrays.q_segment_ids is not None,
+            platform=platform,
+        )

@@ -1,0 +1,231 @@
+"""The public entry point: validate, bring into canonical form, dispatch, restore shapes."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import dispatch
+from jaxflash._types import AttentionArrays, AttentionStatics, Problem
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def _shape(x):
+    return tuple(np.shape(x))
+
+
+def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
+             key_value_seq_lengths, local_window_size, softcap, alibi_slopes, q_segment_ids,
+             kv_segment_ids, implementation, deterministic):
+    """Validate a call; return (q, k, v, arrays, statics, batch_shape) in canonical form."""
+    if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {dispatch.IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    q, k, v = (jnp.asarray(x) for x in (query, key, value))
+    qs, ks, vs = q.shape, k.shape, v.shape
+    shapes = f"query {qs}, key {ks}, value {vs}"
+    if q.ndim < 3:
+        raise ValueError(f"query must be [B..., T, N, H] (at least 3 dims); got {shapes}")
+    if k.ndim != q.ndim or v.ndim != q.ndim:
+        raise ValueError(f"query, key and value must have the same rank; got {shapes}")
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype must be float16, bfloat16 or float32; got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"query, key and value must share a dtype; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    batch_shape = qs[:-3]
+    if ks[:-3] != batch_shape or vs[:-3] != batch_shape:
+        raise ValueError(f"batch dims of query, key and value differ; got {shapes}")
+    T, N, H = qs[-3:]
+    S, K, Hk = ks[-3:]
+    Sv, Kv, Hv = vs[-3:]
+    if min(T, N, H, S, K, Hv) <= 0:
+        raise ValueError(f"every dim must be positive; got {shapes}")
+    if Sv != S:
+        raise ValueError(f"key and value sequence lengths differ ({S} vs {Sv}); got {shapes}")
+    if Kv != K:
+        raise ValueError(f"key and value head counts differ ({K} vs {Kv}); got {shapes}")
+    if Hk != H:
+        raise ValueError(f"query and key head dims differ ({H} vs {Hk}); got {shapes}")
+    if N % K != 0:
+        raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({K}); "
+                         f"got {shapes}")
+    B = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
+    nb = len(batch_shape)
+    full = batch_shape + (N, T, S)
+
+    # Scalars.
+    if scale is None:
+        scale = 1.0 / math.sqrt(H)
+    if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite real number; got {scale!r}")
+    if softcap is not None:
+        if (not isinstance(softcap, numbers.Real) or isinstance(softcap, bool)
+                or not math.isfinite(softcap) or softcap <= 0):
+            raise ValueError(f"softcap must be a positive finite number or None; got {softcap!r}")
+        softcap = float(softcap)
+    window = None
+    if local_window_size is not None:
+        w = local_window_size
+        if isinstance(w, numbers.Integral) and not isinstance(w, bool):
+            w = (w, w)
+        if (not isinstance(w, (tuple, list)) or len(w) != 2
+                or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in w)):
+            raise ValueError(f"local_window_size must be an int or a (left, right) pair of ints; "
+                             f"got {local_window_size!r}")
+        if w[0] < 0 or w[1] < 0:
+            raise ValueError(f"local_window_size must be non-negative; got {local_window_size!r}")
+        window = (int(w[0]), int(w[1]))
+
+    def dense(x, name, want_bool):
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        if want_bool and x.dtype != jnp.bool_:
+            raise ValueError(f"{name} must be boolean (True = attend); got dtype {x.dtype}")
+        if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype; got {x.dtype}")
+        if x.ndim > len(full):
+            raise ValueError(f"{name} shape {x.shape} has more dims than [B..., N, T, S] = {full}")
+        try:
+            np.broadcast_shapes(x.shape, full)
+        except ValueError:
+            raise ValueError(f"{name} shape {x.shape} does not broadcast to [B..., N, T, S] = "
+                             f"{full} (query {qs}, key {ks})") from None
+        x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
+        # Keep size-1 batch/head dims (backends broadcast them without copies); expand T, S.
+        bdims = x.shape[:nb]
+        bb = 1 if all(d == 1 for d in bdims) else B
+        x = jnp.broadcast_to(x, (batch_shape if bb != 1 else (1,) * nb) + x.shape[nb:nb + 1]
+                             + (T, S))
+        return x.reshape(bb, x.shape[nb], T, S)
+
+    bias_c = dense(bias, "bias", False)
+    mask_c = dense(mask, "mask", True)
+
+    def lengths(x, name, bound):
+        if x is None:
+            return None
+        x = jnp.asarray(x)
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32; got {x.dtype}")
+        if _shape(x) != (batch_shape if nb else (1,)) and not (nb == 0 and x.ndim == 0):
+            raise ValueError(f"{name} must have shape {batch_shape or (1,)} (the batch dims); "
+                             f"got {x.shape}")
+        return x.reshape(B)
+
+    qlen_c = lengths(query_seq_lengths, "query_seq_lengths", T)
+    kvlen_c = lengths(key_value_seq_lengths, "key_value_seq_lengths", S)
+
+    alibi_c = None
+    if alibi_slopes is not None:
+        a = jnp.asarray(alibi_slopes)
+        if a.shape != (N,):
+            raise ValueError(f"alibi_slopes must have shape (N,) = ({N},); got {a.shape}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"alibi_slopes must be floating; got {a.dtype}")
+        alibi_c = a.astype(jnp.float32)
+
+    qseg_c = kvseg_c = None
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if q_segment_ids is not None:
+        qsg, kvsg = jnp.asarray(q_segment_ids), jnp.asarray(kv_segment_ids)
+        for name, x, want in (("q_segment_ids", qsg, batch_shape + (T,)),
+                              ("kv_segment_ids", kvsg, batch_shape + (S,))):
+            if x.dtype != jnp.int32:
+                raise ValueError(f"{name} must be int32; got {x.dtype}")
+            if x.shape != want:
+                raise ValueError(f"{name} must have shape [B..., {'T' if 'q_' in name else 'S'}]"
+                                 f" = {want}; got {x.shape}")
+        qseg_c, kvseg_c = qsg.reshape(B, T), kvsg.reshape(B, S)
+
+    arrays = AttentionArrays(bias=bias_c, mask=mask_c, q_seqlen=qlen_c, kv_seqlen=kvlen_c,
+                             alibi_slopes=alibi_c, q_segment_ids=qseg_c, kv_segment_ids=kvseg_c)
+    statics = AttentionStatics(scale=float(scale), is_causal=bool(is_causal), window=window,
+                               softcap=softcap, deterministic=bool(deterministic))
+    q = q.reshape((B,) + qs[-3:])
+    k = k.reshape((B,) + ks[-3:])
+    v = v.reshape((B,) + vs[-3:])
+    return q, k, v, arrays, statics, batch_shape
+
+
+def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
+                    is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+                    local_window_size=None, return_residual: bool = False,
+                    softcap: Optional[float] = None, alibi_slopes=None, q_segment_ids=None,
+                    kv_segment_ids=None, implementation: Optional[str] = None,
+                    deterministic: bool = False):
+    """Scaled dot-product attention with the layout and meaning of `jax.nn.dot_product_attention`.
+
+    query ``[B..., T, N, H]``, key ``[B..., S, K, H]``, value ``[B..., S, K, Hv]`` with N a
+    multiple of K (MHA, GQA, MQA). Logits are built in this order: ``scale``, ``softcap``
+    (``softcap * tanh(x / softcap)``), ALiBi (``-alibi_slopes[n] * |i - j|``), ``bias``; then
+    every mask (``mask``, ``is_causal``, ``local_window_size``, the sequence lengths, the segment
+    ids) removes keys. Softmax statistics are float32; the output has the query's dtype.
+
+    One deliberate difference from jax.nn: a query row with no key left to attend to gives
+    output 0, a finite gradient and LSE = -inf.
+
+    ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
+    gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
+    "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
+    """
+    q, k, v, arrays, statics, batch_shape = _prepare(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        implementation=implementation, deterministic=deterministic)
+    problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
+    backend = dispatch.select(problem, implementation)
+    out, lse = backend(q, k, v, arrays, statics, problem)
+    T, N = q.shape[1], q.shape[2]
+    out = out.reshape(batch_shape + out.shape[1:])
+    if not return_residual:
+        return out
+    lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(jnp.float32))
+    return out, lse.reshape(batch_shape + (T, N))
+
+
+def explain(query, key, value, bias=None, mask=None, *, implementation: Optional[str] = None,
+            **kwargs) -> dispatch.Decision:
+    """Which backend `flash_attention` would run for these arguments, and why each other one was
+    refused. Takes the same arguments (arrays or `jax.ShapeDtypeStruct`s). ``str()`` it to read."""
+    kwargs.pop("return_residual", None)
+    q, k, v, arrays, statics, _ = _prepare_abstract(query, key, value, bias, mask,
+                                                    implementation=implementation, **kwargs)
+    problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
+    return dispatch.decide(problem, implementation)
+
+
+def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **kwargs):
+    """`_prepare` on shapes only (no device work), returning abstract canonical operands."""
+    kwargs.setdefault("scale", None)
+    kwargs.setdefault("is_causal", False)
+    for name in ("query_seq_lengths", "key_value_seq_lengths", "local_window_size", "softcap",
+                 "alibi_slopes", "q_segment_ids", "kv_segment_ids"):
+        kwargs.setdefault(name, None)
+    kwargs.setdefault("deterministic", False)
+    out = {}
+
+    def f(q, k, v, b, m, ql, kl, al, qs, ks):
+        r = _prepare(q, k, v, b, m, query_seq_lengths=ql, key_value_seq_lengths=kl,
+                     alibi_slopes=al, q_segment_ids=qs, kv_segment_ids=ks,
+                     implementation=implementation,
+                     **{n: kwargs[n] for n in ("scale", "is_causal", "local_window_size",
+                                               "softcap", "deterministic")})
+        out["statics"] = r[4]
+        return r[:4]
+
+    q, k, v, arrays = jax.eval_shape(
+        f, query, key, value, bias, mask, kwargs["query_seq_lengths"],
+        kwargs["key_value_seq_lengths"], kwargs["alibi_slopes"], kwargs["q_segment_ids"],
+        kwargs["kv_segment_ids"])
+    return q, k, v, arrays, out["statics"], None

@@ -1,0 +1,1 @@
+"""Backend implementations; `jaxflash.dispatch` is the one place that chooses among them."""
