@@ -15,7 +15,12 @@ class PallasBackend(Backend):
         from jaxflash import pallas_fallback
         pallas_fallback.check(problem)
 
-    def __call__(self, q, k, v, arrays, statics, problem):
+    def forward(self, q, k, v, arrays, statics, problem):
         from jaxflash import pallas_fallback
-        return pallas_fallback.attention(q, k, v, arrays, statics,
-                                         interpret=problem.platform == "cpu")
+        return pallas_fallback.forward(q, k, v, arrays, statics,
+                                       interpret=problem.platform == "cpu")
+
+    def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
+        from jaxflash import pallas_fallback
+        return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,
+                                        interpret=problem.platform == "cpu")

@@ -1,5 +1,8 @@
-"""``implementation="xla"``: the reference, differentiated by JAX. Serves every valid call."""
+"""``implementation="xla"``: the reference; its backward is JAX's VJP of it (recomputed, so no
+T x S residual is kept between the passes). Serves every valid call."""
 from __future__ import annotations
+
+import jax
 
 from jaxflash import reference
 from jaxflash.backends.base import Backend
@@ -11,5 +14,13 @@ class XlaBackend(Backend):
     def check(self, problem):
         return None
 
-    def __call__(self, q, k, v, arrays, statics, problem):
+    def forward(self, q, k, v, arrays, statics, problem):
         return reference.attention(q, k, v, arrays, statics)
+
+    def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
+        def f(q, k, v, bias, alibi):
+            arr = arrays._replace(bias=bias, alibi_slopes=alibi)
+            return reference.attention(q, k, v, arr, statics)[0]
+
+        _, vjp = jax.vjp(f, q, k, v, arrays.bias, arrays.alibi_slopes)
+        return vjp(dout)

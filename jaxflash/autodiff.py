@@ -1,0 +1,44 @@
+"""The one `jax.custom_vjp` for every backend.
+
+The forward saves only q, k, v, the optional operands, out and lse (O(T + S) per head beyond the
+inputs), and the backward hands them to the backend's backward. The LSE output carries no
+gradient (the public API stops it, as jax.nn does); ring attention, which does need to combine
+partial results through their LSE, calls the backends' forward/backward directly with the
+global out and lse instead of differentiating through this function.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jaxflash._types import AttentionArrays
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _attention(backend, q, k, v, arrays, statics, problem):
+    return backend.forward(q, k, v, arrays, statics, problem)
+
+
+def _fwd(backend, q, k, v, arrays, statics, problem):
+    out, lse = backend.forward(q, k, v, arrays, statics, problem)
+    return (out, lse), (q, k, v, arrays, out, lse)
+
+
+def _bwd(backend, statics, problem, res, cts):
+    q, k, v, arrays, out, lse = res
+    dout, _ = cts  # the LSE's cotangent is dropped: see the module docstring
+    dq, dk, dv, dbias, dalibi = backend.backward(q, k, v, arrays, statics, problem, out, lse,
+                                                 dout)
+    darrays = AttentionArrays(
+        bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
+        alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), darrays
+
+
+_attention.defvjp(_fwd, _bwd)
+
+
+def attention(backend, q, k, v, arrays, statics, problem):
+    """Differentiable ``(out, lse)`` through `backend`'s own forward and backward."""
+    return _attention(backend, q, k, v, arrays, statics, problem)
