@@ -1,16 +1,126 @@
-"""Our Pallas attention kernels (forward and backward). Not written yet."""
+"""Our Pallas attention kernels, forward and backward (`fwd`, `bwd`), with every feature of the
+canonical form in-kernel: causal/window (fully masked tiles skipped), softcap, ALiBi, segment
+ids, seq lengths, GQA/MQA (K/V read per group, never repeated), dense bias/mask (size-1 batch or
+head dims broadcast by the index_map), any T and S (ragged tails masked in-kernel), head dims up
+to 256 (padded to a power of two inside the kernels by masked loads), Hv != H.
+
+Memory beyond the inputs is O(T + S) per head in both passes: out, lse, delta [B,N,T] and the
+per-row ALiBi partials [B,N,T]. The one T x S sized output is dbias, in the bias's own shape.
+
+Lowering: Pallas' Triton backend on NVIDIA GPUs; interpret mode on CPU (tests). Mosaic (TPU)
+is not supported yet: see `check`.
+"""
 from __future__ import annotations
 
-_WHY = "the Pallas fallback is not written yet"
+import jax
+import jax.numpy as jnp
+
+from jaxflash.pallas_fallback import bwd as _bwd
+from jaxflash.pallas_fallback import config as _config
+from jaxflash.pallas_fallback import fwd as _fwd
+from jaxflash.pallas_fallback.tiles import Spec
+
+_GPU_PLATFORMS = ("cuda", "gpu")
+_INT32_MAX = 2**31 - 1
 
 
 def check(problem):
-    raise NotImplementedError(_WHY)
+    """Raise NotImplementedError(reason) for calls these kernels cannot serve."""
+    p = problem
+    if p.platform not in _GPU_PLATFORMS + ("cpu",):
+        raise NotImplementedError(
+            f"the Pallas kernels lower through Triton (NVIDIA GPUs) or run in interpret mode "
+            f"(CPU); platform {p.platform!r} is not supported (they use masked loads for "
+            f"ragged tails, which Mosaic/TPU and ROCm are not verified with)")
+    for name, d in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
+        if d > _config.MAX_HEAD_DIM:
+            raise NotImplementedError(f"{name} {d} > {_config.MAX_HEAD_DIM}: the tiles would "
+                                      f"not fit in shared memory")
+    biggest = max(p.batch * p.q_len * p.num_heads * max(p.head_dim, p.head_dim_v),
+                  p.batch * p.kv_len * p.num_kv_heads * max(p.head_dim, p.head_dim_v),
+                  (p.batch * p.num_heads * p.q_len * p.kv_len) if p.bias_shape or p.has_mask
+                  else 0)
+    if biggest > _INT32_MAX:
+        raise NotImplementedError(f"an operand has {biggest} elements; the Triton kernels index "
+                                  f"with int32 (limit {_INT32_MAX})")
 
 
-def forward(q, k, v, arrays, statics, *, interpret=False):
-    raise NotImplementedError(_WHY)
+def _spec(q, k, v, arrays, statics) -> Spec:
+    B, T, N, H = q.shape
+    _, S, K, Hv = v.shape
+    window = statics.window
+    if window is not None:  # beyond T + S a window bound changes nothing; keep int32 math safe
+        window = (min(window[0], T + S), min(window[1], T + S))
+    bias, mask = arrays.bias, arrays.mask
+    return Spec(
+        T=T, S=S, H=H, Hv=Hv, Hp=_config.padded_head_dim(H),
+        Hvp=_config.padded_head_dim(Hv), G=N // K, scale=float(statics.scale),
+        is_causal=statics.is_causal, window=window, softcap=statics.softcap,
+        has_alibi=arrays.alibi_slopes is not None, has_bias=bias is not None,
+        has_mask=mask is not None, has_seg=arrays.q_segment_ids is not None,
+        has_qlen=arrays.q_seqlen is not None, has_kvlen=arrays.kv_seqlen is not None,
+        bias_b=bias is not None and bias.shape[0] != 1,
+        bias_n=bias is not None and bias.shape[1] != 1,
+        mask_b=mask is not None and mask.shape[0] != 1,
+        mask_n=mask is not None and mask.shape[1] != 1)
 
 
-def backward(q, k, v, arrays, statics, out, lse, dout, *, interpret=False):
-    raise NotImplementedError(_WHY)
+def _operands(arrays, spec: Spec) -> dict:
+    """The optional arrays in kernel form. Seq lengths are clipped to [0, T] / [0, S] (same
+    mask, and the block-skipping arithmetic stays in range); the bool mask travels as int8
+    (Triton has no i1 memory type)."""
+    ops = {}
+    if arrays.bias is not None:
+        ops["bias"] = arrays.bias
+    if arrays.mask is not None:
+        ops["mask"] = arrays.mask.astype(jnp.int8)
+    if arrays.q_segment_ids is not None:
+        ops["q_seg"] = arrays.q_segment_ids
+        ops["kv_seg"] = arrays.kv_segment_ids
+    if arrays.q_seqlen is not None:
+        ops["q_len"] = jnp.clip(arrays.q_seqlen, 0, spec.T).astype(jnp.int32)
+    if arrays.kv_seqlen is not None:
+        ops["kv_len"] = jnp.clip(arrays.kv_seqlen, 0, spec.S).astype(jnp.int32)
+    if arrays.alibi_slopes is not None:
+        ops["alibi"] = arrays.alibi_slopes.astype(jnp.float32)
+    return ops
+
+
+def _compiler_params(pc, interpret):
+    """Triton launch parameters on GPUs; None elsewhere (interpret ignores them, and writing
+    Triton's class into a TPU call would be wrong). The class is `CompilerParams` in the jax
+    versions we support (0.10, 0.11); older releases named it `TritonCompilerParams`."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as plgpu
+    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+    return cls(num_warps=pc.num_warps, num_stages=pc.num_stages)
+
+
+def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
+    """(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32). `config` overrides the tuned table."""
+    spec = _spec(q, k, v, arrays, statics)
+    cfg = config or _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret)
+    return _fwd.forward(q, k, v, _operands(arrays, spec), spec, cfg.fwd, interpret=interpret,
+                        compiler_params=_compiler_params(cfg.fwd, interpret))
+
+
+def backward(q, k, v, arrays, statics, out, lse, dout, *, interpret=False, config=None):
+    """(dq, dk, dv, dbias or None, dalibi [N] or None)."""
+    spec = _spec(q, k, v, arrays, statics)
+    cfg = config or _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret)
+    ops = _operands(arrays, spec)
+    dout = dout.astype(q.dtype)
+    # delta = rowsum(dO * O): see bwd's docstring for why this is plain XLA.
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    kw = dict(interpret=interpret)
+    dk, dv = _bwd.dkdv(q, k, v, dout, lse, delta, ops, spec, cfg.dkdv,
+                       compiler_params=_compiler_params(cfg.dkdv, interpret), **kw)
+    dq, dal_rows = _bwd.dq(q, k, v, dout, lse, delta, ops, spec, cfg.dq,
+                           compiler_params=_compiler_params(cfg.dq, interpret), **kw)
+    dbias = None
+    if arrays.bias is not None:
+        dbias = _bwd.dbias(q, k, v, dout, lse, delta, ops, spec, cfg.dbias,
+                           compiler_params=_compiler_params(cfg.dbias, interpret), **kw)
+    dalibi = None if dal_rows is None else jnp.sum(dal_rows, axis=(0, 2))
+    return dq, dk, dv, dbias, dalibi

@@ -1,0 +1,132 @@
+"""Forward kernel: one program per (query block, batch, query head); it walks the key blocks
+that can hold a visible pair with an online softmax (FlashAttention-2), keeping the output
+accumulator, row max and row sum in registers. Writes out [B,T,N,Hv] and lse [B,N,T] (natural
+log, -inf for rows with no visible key).
+
+K/V are read through the index_map at head ``n // G``: GQA/MQA never copies K/V. Bias and mask
+keep their size-1 batch/head dims; the index_map pins those to block 0.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxflash.pallas_fallback import tiles
+from jaxflash.pallas_fallback.config import PassConfig
+from jaxflash.pallas_fallback.tiles import Spec
+
+
+def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
+    r = dict(zip(names, refs))
+    bq, bk = cfg.block_q, cfg.block_k
+    i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_lo = i * bq
+    q_idx = q_lo + jnp.arange(bq, dtype=jnp.int32)
+    q_rows = tiles.bounds(q_idx, spec.T, bq)
+    hq = tiles.head_ok(spec.Hp, spec.H)
+    hv = tiles.head_ok(spec.Hvp, spec.Hv)
+
+    q = tiles.load(r["q"], tiles.tile_mask(q_rows, hq))
+    slope = r["alibi"][n] if spec.has_alibi else None
+    q_len = r["q_len"][b] if spec.has_qlen else None
+    kv_len = r["kv_len"][b] if spec.has_kvlen else None
+    q_ids = tiles.load(r["q_seg"], q_rows) if spec.has_seg else None
+    k_tail = spec.S % bk != 0
+
+    def body(j, carry, masked):
+        acc, m, l = carry
+        k_lo = j * bk
+        k_idx = k_lo + jnp.arange(bk, dtype=jnp.int32)
+        # Only the masked path can meet the ragged last key block (see tiles.k_block_range).
+        k_rows = tiles.bounds(k_idx, spec.S, bk) if masked else None
+        ks = pl.ds(pl.multiple_of(k_lo, bk), bk)
+        k = tiles.load(r["k"].at[ks, :], tiles.tile_mask(k_rows, hq))
+        qk = tiles.dot_nt(q, k)
+        bias = dm = k_ids = None
+        if spec.has_bias:
+            bias = tiles.load(r["bias"].at[:, ks], tiles.tile_mask(q_rows, k_rows))
+        if spec.has_mask:
+            dm = tiles.load(r["mask"].at[:, ks], tiles.tile_mask(q_rows, k_rows))
+        if spec.has_seg:
+            k_ids = tiles.load(r["kv_seg"].at[ks], k_rows)
+        s = tiles.logits(qk, q_idx, k_idx, spec, static_masks=masked, q_tail=False,
+                         k_tail=masked and k_tail, slope=slope, bias=bias, dense_mask=dm,
+                         q_ids=q_ids, k_ids=k_ids, q_len=q_len, kv_len=kv_len)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # A row with nothing visible so far keeps m = -inf; exponentiate against 0 instead so
+        # no inf - inf appears (its p and alpha are then exactly 0).
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        v = tiles.load(r["v"].at[ks, :], tiles.tile_mask(k_rows, hv))
+        acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
+    carry = (jnp.zeros((bq, spec.Hvp), jnp.float32),
+             jnp.full((bq,), -jnp.inf, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    acc, m, l = tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
+                                    any_full=spec.S >= bk)
+
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    tiles.store(r["o"], acc / l_safe[:, None], tiles.tile_mask(q_rows, hv))
+    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(l_safe)) * tiles.LN2)
+    tiles.store(r["lse"], lse, q_rows)
+
+
+def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,
+            compiler_params):
+    """ops: the optional operands present (bias, mask [int8], q_seg, kv_seg, q_len, kv_len,
+    alibi), already in kernel form. Returns (out [B,T,N,Hv] q.dtype, lse [B,N,T] float32)."""
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    bq = cfg.block_q
+    G = spec.G
+    kvh = lambda n: lax.div(n, G)
+    names = ["q", "k", "v"]
+    args = [q, k, v]
+    specs = [
+        pl.BlockSpec((None, bq, None, spec.Hp), lambda i, b, n: (b, i, n, 0)),
+        pl.BlockSpec((None, S, None, spec.Hp), lambda i, b, n: (b, 0, kvh(n), 0)),
+        pl.BlockSpec((None, S, None, spec.Hvp), lambda i, b, n: (b, 0, kvh(n), 0)),
+    ]
+    for name, bdim, ndim in (("bias", spec.bias_b, spec.bias_n), ("mask", spec.mask_b,
+                                                                  spec.mask_n)):
+        if name in ops:
+            names.append(name)
+            args.append(ops[name])
+            specs.append(pl.BlockSpec(
+                (None, None, bq, S),
+                functools.partial(_dense_index, bdim=bdim, ndim=ndim)))
+    if "q_seg" in ops:
+        names += ["q_seg", "kv_seg"]
+        args += [ops["q_seg"], ops["kv_seg"]]
+        specs += [pl.BlockSpec((None, bq), lambda i, b, n: (b, i)),
+                  pl.BlockSpec((None, S), lambda i, b, n: (b, 0))]
+    for name, size in (("q_len", B), ("kv_len", B), ("alibi", N)):
+        if name in ops:
+            names.append(name)
+            args.append(ops[name])
+            specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
+    out_shape = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
+                 jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, bq, None, spec.Hvp), lambda i, b, n: (b, i, n, 0)),
+                 pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))]
+    kernel = functools.partial(_kernel, spec=spec, cfg=cfg, names=tuple(names + ["o", "lse"]))
+    out, lse = pl.pallas_call(
+        kernel, grid=(pl.cdiv(T, bq), B, N), in_specs=specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
+        name="jaxflash_fwd")(*args)
+    return out, lse
+
+
+def _dense_index(i, b, n, *, bdim, ndim):
+    return (b if bdim else 0, n if ndim else 0, i, 0)

@@ -1,0 +1,254 @@
+"""What every kernel does to one (query block, key block) tile, written once.
+
+- `Spec`: the static description of a call that the kernels specialize on.
+- `load` / `store`: bounds-masked memory access (tails of T and S, padded head dims).
+- `logits`: raw scores -> logits in base-2 units (x log2 e, so the kernels can use exp2) with
+  every mask applied as -inf, through `jaxflash.masking` (the one definition of the semantics).
+- `q_block_range` / `k_block_range`: which blocks a program must visit, split into the ones
+  that need the causal/window select and the fully visible ones that do not.
+
+Index arithmetic uses `lax.div` on non-negative int32 values: Python's `//` on traced scalars
+lowers to a floor division that Triton's lowering rejects.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import masking
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+try:  # Masked loads/stores: Triton's primitives (they also run in interpret mode).
+    from jax.experimental.pallas import triton as _plgpu
+except ImportError:  # pragma: no cover - every jax we support has it
+    _plgpu = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Static facts the kernels specialize on (hashable)."""
+
+    T: int
+    S: int
+    H: int          # q/k head dim
+    Hv: int         # v head dim
+    Hp: int         # padded head dims (power of two >= 16)
+    Hvp: int
+    G: int          # query heads per kv head
+    scale: float
+    is_causal: bool
+    window: Optional[tuple[int, int]]
+    softcap: Optional[float]
+    has_alibi: bool
+    has_bias: bool
+    has_mask: bool
+    has_seg: bool    # segment ids
+    has_qlen: bool   # query seq lengths ([B] int32, read as one scalar per program)
+    has_kvlen: bool
+    bias_b: bool = False   # bias has a real batch dim (else size 1, broadcast by index_map)
+    bias_n: bool = False   # bias has a real head dim
+    mask_b: bool = False
+    mask_n: bool = False
+
+    @property
+    def plain_logits(self) -> bool:
+        return self.softcap is None and not self.has_alibi and not self.has_bias
+
+    @property
+    def static_masks(self) -> bool:
+        return self.is_causal or self.window is not None
+
+
+def and_(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return jnp.logical_and(a, b)
+
+
+def tile_mask(rows_ok, cols_ok):
+    """[r] and [c] bounds predicates (or None) -> [r, c] (or None)."""
+    if rows_ok is None and cols_ok is None:
+        return None
+    if rows_ok is None:
+        return cols_ok[None, :]
+    if cols_ok is None:
+        return rows_ok[:, None]
+    return jnp.logical_and(rows_ok[:, None], cols_ok[None, :])
+
+
+def load(ref, mask=None, other=0):
+    """Read a ref (view); masked-off elements read `other`. On Triton, out-of-bounds addresses
+    are never touched when masked; in interpret mode Pallas pads, and the mask hides it."""
+    if mask is None:
+        return ref[...]
+    return _plgpu.load(ref, mask=mask, other=other)
+
+
+def store(ref, val, mask=None):
+    if mask is None:
+        ref[...] = val.astype(ref.dtype)
+    else:
+        _plgpu.store(ref, val.astype(ref.dtype), mask=mask)
+
+
+def bounds(idx, n, block):
+    """``idx < n`` when the block may run past n (tail), else None (no select emitted)."""
+    return idx < n if n % block else None
+
+
+def head_ok(hp: int, h: int):
+    return jnp.arange(hp) < h if hp != h else None
+
+
+def dot_nt(a, b):
+    """a [m, d] x b [n, d] -> [m, n] float32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=_prec(a))
+
+
+def dot_tn(a, b):
+    """a [d, m] x b [d, n] -> [m, n] float32 (a transposed)."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=_prec(a))
+
+
+def dot_nn(a, b):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                           precision=_prec(a))
+
+
+def _prec(a):
+    # float32 inputs must not silently drop to tf32 on GPUs: the tests hold them to 2e-5.
+    return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
+def logits(qk, q_idx, k_idx, spec: Spec, *, static_masks: bool, q_tail: bool, k_tail: bool,
+           slope=None, bias=None, dense_mask=None, q_ids=None, k_ids=None, q_len=None,
+           kv_len=None):
+    """qk = q.k (float32 [bq, bk]) -> logits x log2(e), masked entries -inf.
+
+    `static_masks=False` skips the causal/window select for tiles known to be fully visible;
+    q_tail/k_tail add ``q_idx < T`` / ``k_idx < S`` for blocks that may run past the end;
+    q_len/kv_len (the call's seq lengths, clipped to [0, T] / [0, S]) cover the tails too.
+    """
+    if q_len is None and q_tail:
+        q_len = spec.T
+    if kv_len is None and k_tail:
+        kv_len = spec.S
+    if spec.plain_logits:
+        s = qk * (spec.scale * LOG2E)
+    else:
+        s = masking.transform_logits(qk, q_idx[:, None], k_idx[None, :], scale=spec.scale,
+                                     softcap=spec.softcap, alibi_slope=slope, bias=bias)
+        s = s * LOG2E
+    keep = masking.keep(
+        q_idx[:, None], k_idx[None, :],
+        is_causal=spec.is_causal and static_masks,
+        window=spec.window if static_masks else None,
+        q_seqlen=q_len, kv_seqlen=kv_len,
+        q_seg=None if q_ids is None else q_ids[:, None],
+        kv_seg=None if k_ids is None else k_ids[None, :])
+    if dense_mask is not None:
+        keep = and_(keep, dense_mask != 0)
+    if keep is not None:
+        s = jnp.where(keep, s, -jnp.inf)
+    return s
+
+
+def softcap_grad(qk, spec: Spec):
+    """d(softcap * tanh(x / softcap))/dx at x = qk * scale (1 where there is no softcap)."""
+    t = jnp.tanh(qk * (spec.scale / spec.softcap))
+    return 1.0 - t * t
+
+
+# ---- which blocks a program visits --------------------------------------------------------
+
+def _div(x, n):
+    return lax.div(x, jnp.int32(n))
+
+
+def _cdiv(x, n):
+    return lax.div(x + jnp.int32(n - 1), jnp.int32(n))
+
+
+def _clamp(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def k_block_range(q_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
+    """For the query block [q_lo, q_lo + bq): key blocks (lo, a, b, hi). Blocks in [lo, hi) may
+    hold a visible pair; those in [a, b) are fully visible under causal/window and are not the
+    ragged last block, so they skip the static select. Blocks outside [lo, hi) are skipped."""
+    nk = -(-spec.S // bk)
+    q_lo = jnp.asarray(q_lo, jnp.int32)
+    q_hi = q_lo + bq
+    lo = jnp.int32(0)
+    hi = jnp.int32(nk)
+    a, b = lo, jnp.int32(spec.S // bk)  # the ragged last block always takes the masked path
+    if spec.is_causal:
+        hi = jnp.minimum(hi, _cdiv(q_hi, bk))
+        b = jnp.minimum(b, _div(q_lo + 1, bk))
+    if spec.window is not None:
+        left, right = spec.window
+        lo = jnp.maximum(lo, _div(jnp.maximum(q_lo - left, 0), bk))
+        hi = jnp.minimum(hi, _div(q_hi - 1 + right, bk) + 1)
+        a = jnp.maximum(a, _cdiv(jnp.maximum(q_hi - 1 - left, 0), bk))
+        b = jnp.minimum(b, _div(q_lo + right + 1, bk))
+    if kv_len is not None:  # keys past the length are never visible
+        hi = jnp.minimum(hi, _cdiv(kv_len, bk))
+    if q_len is not None:  # a query block past the length has nothing to do
+        hi = jnp.where(q_lo >= q_len, lo, hi)
+    hi = jnp.maximum(hi, lo)
+    a = _clamp(a, lo, hi)
+    b = _clamp(b, a, hi)
+    return lo, a, b, hi
+
+
+def q_block_range(k_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
+    """For the key block [k_lo, k_lo + bk): query blocks (lo, a, b, hi), as `k_block_range`."""
+    nq = -(-spec.T // bq)
+    k_lo = jnp.asarray(k_lo, jnp.int32)
+    k_hi = k_lo + bk
+    lo = jnp.int32(0)
+    hi = jnp.int32(nq)
+    a, b = lo, jnp.int32(spec.T // bq)
+    if spec.is_causal:
+        lo = jnp.maximum(lo, _div(k_lo, bq))
+        a = jnp.maximum(a, _cdiv(k_hi - 1, bq))
+    if spec.window is not None:
+        left, right = spec.window
+        lo = jnp.maximum(lo, _div(jnp.maximum(k_lo - right, 0), bq))
+        hi = jnp.minimum(hi, _div(k_hi - 1 + left, bq) + 1)
+        a = jnp.maximum(a, _cdiv(jnp.maximum(k_hi - 1 - right, 0), bq))
+        b = jnp.minimum(b, _div(k_lo + left + 1, bq))
+    if q_len is not None:
+        hi = jnp.minimum(hi, _cdiv(q_len, bq))
+    if kv_len is not None:
+        hi = jnp.where(k_lo >= kv_len, lo, hi)
+    hi = jnp.maximum(hi, lo)
+    a = _clamp(a, lo, hi)
+    b = _clamp(b, a, hi)
+    return lo, a, b, hi
+
+
+def run_split(lo, a, b, hi, body, carry, *, static_masks: bool, any_full: bool = True):
+    """fori_loop over [lo, hi) calling ``body(j, carry, masked)``, with the fully visible part
+    [a, b) unmasked. Without causal/window there is one unmasked loop and the ragged tail.
+    `any_full=False` (the sequence is shorter than one block) leaves the unmasked loop out: it
+    would never run, and its unmasked full-block reads would not even trace."""
+    if not any_full:
+        return lax.fori_loop(lo, hi, lambda j, c: body(j, c, True), carry)
+    if not static_masks:
+        carry = lax.fori_loop(lo, b, lambda j, c: body(j, c, False), carry)
+        return lax.fori_loop(b, hi, lambda j, c: body(j, c, True), carry)
+    carry = lax.fori_loop(lo, a, lambda j, c: body(j, c, True), carry)
+    carry = lax.fori_loop(a, b, lambda j, c: body(j, c, False), carry)
+    return lax.fori_loop(b, hi, lambda j, c: body(j, c, True), carry)
