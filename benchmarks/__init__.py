@@ -1,0 +1,1 @@
+"""Benchmark harness for jaxflash: `python -m benchmarks.bench --help`."""

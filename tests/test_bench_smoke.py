@@ -1,0 +1,88 @@
+"""The benchmark harness runs end to end on CPU on a tiny grid, writes JSON / PNG / markdown, and
+refuses to time an implementation whose output is wrong."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import bench, grid, impls, report  # noqa: E402
+
+STATUSES = {"ok", "error", "wrong", "skipped"}
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "res"
+    data = bench.main(["--quick", "--out", str(out), "--name", "smoke", "--seed", "7", *extra])
+    return out, data
+
+
+def test_quick_run_writes_sane_results(tmp_path):
+    out, data = _run(tmp_path, "--impl", "xla,pallas")
+    for ext in ("json", "png", "md"):
+        assert (out / f"smoke.{ext}").stat().st_size > 0, ext
+    with open(out / "smoke.json") as f:
+        saved = json.load(f)
+    assert saved["rows"] == data["rows"]
+    env = saved["env"]
+    for k in ("device", "date_utc", "jax", "jaxlib", "cudnn", "platform"):
+        assert k in env
+    rows = saved["rows"]
+    # 2 points (causal 0/1) x 2 modes x 2 impls, plus one latency row per impl.
+    assert len(rows) == 2 * 2 * 2 + 2
+    assert {r["status"] for r in rows} <= STATUSES
+    for r in rows:
+        if r["status"] == "ok":
+            assert r["ms"] > 0 and r["ms_min"] <= r["ms"] <= r["ms_max"]
+            if r["mode"] != "latency":
+                assert r["tflops"] == pytest.approx(
+                    grid.flops(grid.Point(r["B"], r["S"], r["N"], r["D"], bool(r["causal"])),
+                               r["mode"]) / (r["ms"] * 1e-3) / 1e12)
+                assert 0 <= r["rel_l2"] <= 2e-2 * (2.5 if r["mode"] == "fwdbwd" else 1)
+        else:  # every row that did not run says why
+            assert r["error"], r
+    xla = [r for r in rows if r["impl"] == "xla"]
+    assert all(r["status"] == "ok" for r in xla), [r["error"] for r in xla]
+    # No cuDNN on CPU: checked against jax.nn's XLA path instead, and said so.
+    assert {r["check_against"] for r in xla if r["mode"] != "latency"} == {"jax-xla"}
+    assert all(r["ref_err"] < 2e-2 for r in xla if r["mode"] in ("fwd", "latency"))
+    text = (out / "smoke.md").read_text()
+    assert "forward+backward" in text and "| 32 | 64 | 1 |" in text
+
+
+def test_wrong_kernel_is_not_timed(tmp_path, monkeypatch):
+    def broken(q, k, v, causal):  # plausible shape and dtype, wrong values
+        return (v * 1.5).astype(q.dtype)
+    monkeypatch.setitem(impls.IMPLS, "broken", impls.Impl("broken", "test", broken))
+    _, data = _run(tmp_path, "--impl", "broken", "--mode", "fwd", "--causal", "1",
+                   "--no-latency")
+    (r,) = data["rows"]
+    assert r["status"] == "wrong" and r["ms"] is None and r["tflops"] is None
+    assert r["rel_l2"] > 0.1 and "check failed" in r["error"]
+
+
+def test_nan_output_fails_the_check():
+    x = jnp.ones((2, 3)).at[0, 0].set(jnp.nan)
+    err = bench.checks.rel_l2(x, jnp.ones((2, 3)))
+    assert math.isnan(err) and not bench.checks.passes(err, 1.0)
+
+
+def test_flops_and_report_ratios():
+    p = grid.Point(B=16, S=1024, N=32, D=64, causal=False)
+    assert grid.flops(p, "fwd") == 4 * 16 * 32 * 1024 ** 2 * 64
+    pc = grid.Point(B=16, S=1024, N=32, D=64, causal=True)
+    assert grid.flops(pc, "fwdbwd") == 3.5 * grid.flops(p, "fwd") / 2
+    assert [pt.B for pt in grid.points([64], [1024, 16384], [0], 16384, 2048)] == [16, 1]
+
+    def row(impl, tf):
+        return dict(impl=impl, mode="fwd", B=16, S=1024, N=32, D=64, causal=0, status="ok",
+                    ms=1.0, tflops=tf)
+    lines, notes = report.mode_table([row("cudnn", 400.0), row("cute", 500.0)], "fwd")
+    assert lines[0].startswith("| D | S | causal | cute | cudnn | cute/cuDNN |")
+    assert lines[2].endswith("| 1.25 |") and "1.250" in notes[0]
