@@ -6,6 +6,7 @@ backend a call would use and why.
 """
 from jaxflash.api import explain, flash_attention
 from jaxflash.dispatch import target_platform
+from jaxflash.ring import ring_attention
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "explain", "target_platform", "__version__"]

@@ -5,6 +5,9 @@ inputs), and the backward hands them to the backend's backward. The LSE output c
 gradient (the public API stops it, as jax.nn does); ring attention, which does need to combine
 partial results through their LSE, calls the backends' forward/backward directly with the
 global out and lse instead of differentiating through this function.
+
+Both passes go through `jaxflash.sharding`, which partitions them over sharded batch / head dims
+under jit (and is a plain call otherwise).
 """
 from __future__ import annotations
 
@@ -12,24 +15,25 @@ import functools
 
 import jax
 
+from jaxflash import sharding
 from jaxflash._types import AttentionArrays
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
 def _attention(backend, q, k, v, arrays, statics, problem):
-    return backend.forward(q, k, v, arrays, statics, problem)
+    return sharding.forward(backend, q, k, v, arrays, statics, problem)
 
 
 def _fwd(backend, q, k, v, arrays, statics, problem):
-    out, lse = backend.forward(q, k, v, arrays, statics, problem)
+    out, lse = sharding.forward(backend, q, k, v, arrays, statics, problem)
     return (out, lse), (q, k, v, arrays, out, lse)
 
 
 def _bwd(backend, statics, problem, res, cts):
     q, k, v, arrays, out, lse = res
     dout, _ = cts  # the LSE's cotangent is dropped: see the module docstring
-    dq, dk, dv, dbias, dalibi = backend.backward(q, k, v, arrays, statics, problem, out, lse,
-                                                 dout)
+    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q, k, v, arrays, statics, problem,
+                                                  out, lse, dout)
     darrays = AttentionArrays(
         bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
         alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32))

@@ -3,6 +3,7 @@ T x S residual is kept between the passes). Serves every valid call."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxflash import reference
 from jaxflash.backends.base import Backend
@@ -18,9 +19,19 @@ class XlaBackend(Backend):
         return reference.attention(q, k, v, arrays, statics)
 
     def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
+        # Like a flash backward, this honours the given (out, lse): they may be the merged result
+        # of this block and others (ring attention), out = sum_b exp(lse_b - lse) * out_b. The
+        # block's share of the gradient is then the VJP of (out_b, lse_b) with cotangents
+        # (w * dout, w * rowsum(dout * (out_b - out))), w = exp(lse_b - lse). For a plain call
+        # (out, lse) = (out_b, lse_b): w = 1 and the LSE cotangent vanishes.
         def f(q, k, v, bias, alibi):
             arr = arrays._replace(bias=bias, alibi_slopes=alibi)
-            return reference.attention(q, k, v, arr, statics)[0]
+            return reference.attention(q, k, v, arr, statics)
 
-        _, vjp = jax.vjp(f, q, k, v, arrays.bias, arrays.alibi_slopes)
-        return vjp(dout)
+        (out_b, lse_b), vjp = jax.vjp(f, q, k, v, arrays.bias, arrays.alibi_slopes)
+        w = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - lse), 0.0)  # [B, N, T]
+        w_t = jnp.swapaxes(w, 1, 2)[..., None]  # [B, T, N, 1]
+        d32 = dout.astype(jnp.float32)
+        delta = jnp.sum(d32 * (out_b.astype(jnp.float32) - out.astype(jnp.float32)), axis=-1)
+        dlse = w * jnp.swapaxes(delta, 1, 2)
+        return vjp(((d32 * w_t).astype(out_b.dtype), dlse))

@@ -1,0 +1,332 @@
+"""Ring attention: sequence (context) parallelism over one mesh axis.
+
+q, k, v are sharded along the sequence over ``seq_axis`` (P devices). Each device keeps its query
+block and passes key/value blocks around the ring with `lax.ppermute`; every step computes one
+(query block, key block) attention through a backend's own ``forward`` (so the Pallas / CuTe
+kernels do the work) and merges it into the running result through the blocks' LSE. The next
+block's transfer does not depend on the current step's compute, so XLA overlaps the two.
+
+The backward is a ring too (`jax.custom_vjp`): K/V travel again, each together with the
+gradient accumulators dK/dV of its block, which arrive back at their owner after the last step.
+Each step calls the backend's ``backward`` with the GLOBAL (merged) out and LSE: with the global
+LSE the block's softmax probabilities are exactly the global ones, so a flash backward of one
+block is exactly that block's share of the gradient.
+
+Layouts of the sequence dim (what the caller passes, and gets back):
+
+- ``"contiguous"``: device d holds positions ``[d L, (d+1) L)`` (plain sequence sharding). With a
+  causal mask the work is unbalanced: device d computes d + 1 of the P blocks, the rest are
+  skipped (so the step time is set by the last device).
+- ``"zigzag"``: the sequence is cut into 2P chunks and device d holds chunks d and 2P-1-d (load
+  balanced for causal masks: every device computes the same amount in every step, half of a
+  full block per step after the first). Bring arrays into this order with `to_zigzag` (and
+  back with `from_zigzag`); for a model, permute the token ids / positions once at the input
+  (free) rather than the activations per layer. Doing it here instead would cost one
+  all-to-all of q, k, v and of the output per call.
+
+Masks follow `jaxflash.flash_attention` (global positions): causal, key/query sequence lengths
+and segment ids. Fully masked blocks (by causality) are skipped, not computed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxflash import api, dispatch
+from jaxflash._types import AttentionArrays, AttentionStatics, Problem
+from jaxflash.backends.base import Backend
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def to_zigzag(x, num_shards: int, axis: int = 1):
+    """Reorder the sequence `axis` of `x` (natural order) into the zigzag layout for
+    `num_shards` devices: chunks ``0, 2P-1, 1, 2P-2, ...`` (device d's two chunks adjacent)."""
+    n = 2 * num_shards
+    if x.shape[axis] % n:
+        raise ValueError(f"zigzag needs the sequence length ({x.shape[axis]}) to be a multiple "
+                         f"of 2 x {num_shards} shards; got shape {x.shape}")
+    chunks = jnp.split(x, n, axis=axis)
+    order = [c for d in range(num_shards) for c in (d, n - 1 - d)]
+    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def from_zigzag(x, num_shards: int, axis: int = 1):
+    """Inverse of `to_zigzag`."""
+    n = 2 * num_shards
+    if x.shape[axis] % n:
+        raise ValueError(f"zigzag needs the sequence length ({x.shape[axis]}) to be a multiple "
+                         f"of 2 x {num_shards} shards; got shape {x.shape}")
+    chunks = jnp.split(x, n, axis=axis)
+    order = [c for d in range(num_shards) for c in (d, n - 1 - d)]
+    back = [None] * n
+    for pos, c in enumerate(order):
+        back[c] = chunks[pos]
+    return jnp.concatenate(back, axis=axis)
+
+
+def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, head_axis=None,
+                   layout: str = "contiguous", scale: Optional[float] = None,
+                   is_causal: bool = False, softcap: Optional[float] = None,
+                   query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+                   kv_segment_ids=None, implementation: Optional[str] = None,
+                   return_residual: bool = False):
+    """Self-attention with the sequence sharded over ``mesh`` axis ``seq_axis`` (ring).
+
+    query ``[B, T, N, H]``, key ``[B, T, K, H]``, value ``[B, T, K, Hv]`` (one batch dim; T the
+    same for all three), in the sequence `layout` described in the module docstring, are
+    sharded as ``P(batch_axis, seq_axis, head_axis, None)`` (`batch_axis` / `head_axis` are
+    optional further mesh axes: batch rows and kv head groups are independent, so they just
+    split the work). Segment ids ``[B, T]`` shard like the sequence; sequence lengths ``[B]``
+    count global positions in natural order. Semantics and the other arguments are those of
+    `jaxflash.flash_attention`. Returns the output (and with `return_residual` the LSE
+    ``[B, T, N]``, gradient stopped) in the same layout and sharding.
+
+    Runs inside `jax.shard_map` over the whole mesh; call it under `jax.jit`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    shapes = (f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}")
+    if not all(jnp.ndim(x) == 4 for x in (query, key, value)):
+        raise ValueError(f"ring_attention takes [B, T, N, H] arrays (one batch dim); got {shapes}")
+    q, k, v, arrays, statics, _ = api._prepare(
+        query, key, value, None, None, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=None, softcap=softcap, alibi_slopes=None, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, implementation=implementation, deterministic=False)
+    B, T, N, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    if S != T:
+        raise ValueError(f"ring_attention is self-attention: query and key sequence lengths "
+                         f"must match; got {shapes}")
+    names = mesh.axis_names
+    for name, ax in (("seq_axis", seq_axis), ("batch_axis", batch_axis),
+                     ("head_axis", head_axis)):
+        if ax is not None and ax not in names:
+            raise ValueError(f"{name}={ax!r} is not an axis of the mesh {dict(mesh.shape)}")
+    used = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
+    if len(set(used)) != len(used):
+        raise ValueError(f"seq_axis, batch_axis and head_axis must differ; got {used}")
+    nseq = mesh.shape[seq_axis]
+    per = 2 * nseq if layout == "zigzag" else nseq
+    if T % per:
+        raise ValueError(f"sequence length {T} must be a multiple of {per} ({layout} layout over "
+                         f"{nseq} devices on {seq_axis!r}); got {shapes}")
+    if batch_axis is not None and B % mesh.shape[batch_axis]:
+        raise ValueError(f"batch {B} is not divisible by mesh axis {batch_axis!r} of size "
+                         f"{mesh.shape[batch_axis]}; got {shapes}")
+    if head_axis is not None and K % mesh.shape[head_axis]:
+        raise ValueError(f"key/value heads {K} are not divisible by mesh axis {head_axis!r} of "
+                         f"size {mesh.shape[head_axis]} (query heads shard with their kv head); "
+                         f"got {shapes}")
+
+    platform = dispatch.current_platform()
+    L = T // nseq
+    nh = lambda n: n // (mesh.shape[head_axis] if head_axis else 1)
+    nb = B // (mesh.shape[batch_axis] if batch_axis else 1)
+    # The backend is chosen once, for the first step's (largest) block problem; every other
+    # block problem is the same but smaller or non-causal.
+    probe = Problem(batch=nb, q_len=L, kv_len=L, num_heads=nh(N), num_kv_heads=nh(K),
+                    head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=str(q.dtype),
+                    statics=statics, has_q_seqlen=arrays.q_seqlen is not None,
+                    has_kv_seqlen=arrays.kv_seqlen is not None,
+                    has_segments=arrays.q_segment_ids is not None, platform=platform)
+    backend = dispatch.select(probe, implementation)
+    cfg = _Ring(axis=seq_axis, size=nseq, zigzag=layout == "zigzag", backend=backend,
+                statics=statics, platform=platform)
+
+    extras = (arrays.q_seqlen, arrays.kv_seqlen, arrays.q_segment_ids, arrays.kv_segment_ids)
+    spec4 = P(batch_axis, seq_axis, head_axis, None)
+    ext_specs = (P(batch_axis), P(batch_axis), P(batch_axis, seq_axis), P(batch_axis, seq_axis))
+    ext_specs = tuple(None if x is None else s for x, s in zip(extras, ext_specs))
+    fn = jax.shard_map(functools.partial(_ring, cfg), mesh=mesh,
+                       in_specs=(spec4, spec4, spec4, ext_specs),
+                       out_specs=(spec4, P(batch_axis, head_axis, seq_axis)), check_vma=False)
+    out, lse = fn(q, k, v, extras)
+    if not return_residual:
+        return out
+    return out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    axis: str
+    size: int
+    zigzag: bool
+    backend: Backend
+    statics: AttentionStatics
+    platform: str
+
+    @property
+    def perm(self):
+        return [(j, (j + 1) % self.size) for j in range(self.size)]
+
+    def chunks(self, dev):
+        """Global chunk indices a device holds, in local order."""
+        return (dev, 2 * self.size - 1 - dev) if self.zigzag else (dev,)
+
+
+# A step's work: which part of the local queries meets which part of the visiting keys.
+# q "all" | "second" (second chunk); kv "all" | "first" (first chunk); None = skip.
+@dataclasses.dataclass(frozen=True)
+class _Case:
+    q: str
+    kv: str
+    causal: bool
+
+
+_FULL = _Case("all", "all", False)
+
+
+def _cases(cfg: _Ring, step: int):
+    """(case when my index >= step, case otherwise) for a step; the same case twice when it does
+    not depend on the device. Key block of step s comes from device (i - s) mod P, which is
+    below i exactly when i >= s."""
+    if not cfg.statics.is_causal:
+        return _FULL, _FULL
+    if step == 0:
+        diag = _Case("all", "all", True)  # own block: causal (also across the zigzag chunks)
+        return diag, diag
+    if cfg.zigzag:
+        # Earlier source: both my chunks see all of its first chunk and none of its second.
+        # Later source: only my second chunk sees it, all of it.
+        return _Case("all", "first", False), _Case("second", "all", False)
+    return _FULL, None
+
+
+def _prefix_len(total, chunk_ids, C):
+    """Visible length of a slice made of whole chunks (increasing global order) under a
+    global length mask: the visible part is a prefix of the slice."""
+    if total is None:
+        return None
+    return sum(jnp.clip(total - c * C, 0, C) for c in chunk_ids).astype(jnp.int32)
+
+
+def _slices(cfg: _Ring, case: _Case, me, src, L, q_len, kv_len, q_seg, kv_seg):
+    """(q slice, kv slice) as python slices + the block's AttentionArrays."""
+    C = L // 2 if cfg.zigzag else L
+    mine, theirs = cfg.chunks(me), cfg.chunks(src)
+    qs = slice(C, L) if case.q == "second" else slice(0, L)
+    ks = slice(0, C) if case.kv == "first" else slice(0, L)
+    qc = mine[1:] if case.q == "second" else mine
+    kc = theirs[:1] if case.kv == "first" else theirs
+    arrays = AttentionArrays(
+        q_seqlen=_prefix_len(q_len, qc, C), kv_seqlen=_prefix_len(kv_len, kc, C),
+        q_segment_ids=None if q_seg is None else q_seg[:, qs],
+        kv_segment_ids=None if kv_seg is None else kv_seg[:, ks])
+    return qs, ks, arrays
+
+
+def _block_problem(cfg, case, q, k, v, arrays):
+    statics = dataclasses.replace(cfg.statics, is_causal=case.causal)
+    problem = Problem.from_arrays(q, k, v, arrays, statics, cfg.platform)
+    cfg.backend.check(problem)
+    return statics, problem
+
+
+def _merge(out, lse, out_b, lse_b):
+    """Combine two partial softmax results through their LSE (rows with -inf stay empty)."""
+    m = jnp.maximum(lse, lse_b)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    a, b = jnp.exp(lse - m_safe), jnp.exp(lse_b - m_safe)
+    tot = a + b
+    new_lse = jnp.where(tot > 0, m_safe + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+    inv = jnp.where(tot > 0, 1.0 / jnp.where(tot > 0, tot, 1.0), 0.0)
+    wa = jnp.swapaxes(a * inv, 1, 2)[..., None]
+    wb = jnp.swapaxes(b * inv, 1, 2)[..., None]
+    return out * wa + out_b.astype(jnp.float32) * wb, new_lse
+
+
+def _forward(cfg: _Ring, q, k, v, extras):
+    q_len, kv_len, q_seg, kv_seg = extras
+    B, L, N, _ = q.shape
+    Hv = v.shape[-1]
+    me = lax.axis_index(cfg.axis)
+    out = jnp.zeros((B, L, N, Hv), jnp.float32)
+    lse = jnp.full((B, N, L), -jnp.inf, jnp.float32)
+
+    for step in range(cfg.size):
+        src = (me - step) % cfg.size
+
+        def run(case, out, lse, k=k, v=v, kv_seg=kv_seg, src=src):
+            if case is None:
+                return out, lse
+            qs, ks, arrays = _slices(cfg, case, me, src, L, q_len, kv_len, q_seg, kv_seg)
+            qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
+            statics, problem = _block_problem(cfg, case, qb, kb, vb, arrays)
+            out_b, lse_b = cfg.backend.forward(qb, kb, vb, arrays, statics, problem)
+            o, l = _merge(out[:, qs], lse[..., qs], out_b, lse_b)
+            return out.at[:, qs].set(o), lse.at[..., qs].set(l)
+
+        hi, lo = _cases(cfg, step)
+        if hi == lo:
+            out, lse = run(hi, out, lse)
+        else:
+            out, lse = lax.cond(me >= step, functools.partial(run, hi),
+                                functools.partial(run, lo), out, lse)
+        if step + 1 < cfg.size:  # pass the key/value block on (overlaps the next compute)
+            k, v, kv_seg = lax.ppermute((k, v, kv_seg), cfg.axis, cfg.perm)
+    return out.astype(q.dtype), lse
+
+
+def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout):
+    q_len, kv_len, q_seg, kv_seg = extras
+    L = q.shape[1]
+    me = lax.axis_index(cfg.axis)
+    f32 = lambda x: x.astype(jnp.float32)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+
+    for step in range(cfg.size):
+        src = (me - step) % cfg.size
+
+        def run(case, dq, dk, dv, k=k, v=v, kv_seg=kv_seg, src=src):
+            if case is None:
+                return dq, dk, dv
+            qs, ks, arrays = _slices(cfg, case, me, src, L, q_len, kv_len, q_seg, kv_seg)
+            qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
+            statics, problem = _block_problem(cfg, case, qb, kb, vb, arrays)
+            gq, gk, gv, _, _ = cfg.backend.backward(qb, kb, vb, arrays, statics, problem,
+                                                    out[:, qs], lse[..., qs], dout[:, qs])
+            return (dq.at[:, qs].add(f32(gq)), dk.at[:, ks].add(f32(gk)),
+                    dv.at[:, ks].add(f32(gv)))
+
+        hi, lo = _cases(cfg, step)
+        if hi == lo:
+            dq, dk, dv = run(hi, dq, dk, dv)
+        else:
+            dq, dk, dv = lax.cond(me >= step, functools.partial(run, hi),
+                                  functools.partial(run, lo), dq, dk, dv)
+        # dK/dV travel with their block; after the last step they are one hop from home.
+        if step + 1 < cfg.size:
+            k, v, kv_seg, dk, dv = lax.ppermute((k, v, kv_seg, dk, dv), cfg.axis, cfg.perm)
+        else:
+            dk, dv = lax.ppermute((dk, dv), cfg.axis, cfg.perm)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg, q, k, v, extras):
+    return _forward(cfg, q, k, v, extras)
+
+
+def _ring_fwd(cfg, q, k, v, extras):
+    out, lse = _forward(cfg, q, k, v, extras)
+    return (out, lse), (q, k, v, extras, out, lse)
+
+
+def _ring_bwd(cfg, res, cts):
+    q, k, v, extras, out, lse = res
+    dout, _ = cts  # LSE carries no gradient (as in jaxflash.flash_attention)
+    dq, dk, dv = _backward(cfg, q, k, v, extras, out, lse, dout)
+    return dq, dk, dv, tuple(None for _ in extras)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,252 @@
+"""Batch / head SPMD partitioning of every backend's forward and backward.
+
+Under `jax.jit` with q, k, v sharded over a mesh on the batch dim and/or the head dims, XLA would
+otherwise treat an attention kernel (a Pallas call, an FFI custom call) as opaque and all-gather
+its operands. Attention is independent per (batch row, kv head group), so each shard can run the
+backend on its own slice with no communication. `forward` and `backward` wrap the backend in
+`jax.experimental.custom_partitioning` to say exactly that, to both partitioners:
+
+- Shardy (the default): a sharding rule in einsum notation, one factor per dim. Query heads are
+  the compound factor ``(k g)`` (kv head major, group minor: query head n reads kv head n // G),
+  so head shardings of q and k/v stay consistent for GQA/MQA. Sequence dims and head dims are
+  ``need_replication`` factors: sequence sharding is ring attention's job (`jaxflash.ring`).
+- GSPMD: `infer_sharding_from_operands` and `partition` derive the same plan from q's sharding.
+
+Both end in `partition`, which recomputes the `Problem` for the local shapes and runs the
+backend on each shard. The only communication ever added is in the backward, for gradients of
+operands broadcast over a sharded dim (a size-1 batch/head dim of `bias`, and `alibi_slopes`
+over batch): those are summed over the shards with `psum`.
+
+Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
+with a single device, eager calls, and calls under `vmap` (custom_partitioning has no batching
+rule; such calls run unpartitioned, as any jnp code would).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxflash._types import AttentionArrays, Problem
+
+try:  # jit-traced values; anything else (eager arrays, vmap tracers) runs unpartitioned.
+    from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
+except ImportError:  # pragma: no cover - moved in some jax version: partition every traced call
+    _JitTracer = jax.core.Tracer
+
+
+def forward(backend, q, k, v, arrays: AttentionArrays, statics, problem: Problem):
+    """``backend.forward``, partitioned over sharded batch / head dims under jit."""
+    if not _wanted(q, k, v):
+        return backend.forward(q, k, v, arrays, statics, problem)
+    op = _op("fwd", _Layout.of(q, k, v, arrays))
+    return op(backend, q, k, v, arrays, statics, problem)
+
+
+def backward(backend, q, k, v, arrays: AttentionArrays, statics, problem: Problem, out, lse,
+             dout):
+    """``backend.backward``, partitioned over sharded batch / head dims under jit."""
+    if not _wanted(q, k, v):
+        return backend.backward(q, k, v, arrays, statics, problem, out, lse, dout)
+    op = _op("bwd", _Layout.of(q, k, v, arrays))
+    return op(backend, q, k, v, arrays, statics, problem, out, lse, dout)
+
+
+def _wanted(*xs) -> bool:
+    return jax.device_count() > 1 and all(isinstance(x, _JitTracer) for x in xs)
+
+
+class _Layout(NamedTuple):
+    """Which optional operands a call has and which of their dims are broadcast (size 1): the
+    sharding rule depends on exactly this (plus the GQA group size)."""
+
+    group: int
+    bias: Optional[tuple[bool, bool]]  # (batch dim full, head dim full), None if absent
+    mask: Optional[tuple[bool, bool]]
+    q_seqlen: bool
+    kv_seqlen: bool
+    alibi: bool
+    segments: bool
+
+    @classmethod
+    def of(cls, q, k, v, arrays: AttentionArrays) -> "_Layout":
+        B, N = q.shape[0], q.shape[2]
+
+        def dense(x):
+            # A dim of size 1 is "broadcast" unless the full dim is 1 too (then it is full).
+            return None if x is None else (x.shape[0] == B, x.shape[1] == N)
+
+        return cls(group=N // k.shape[2], bias=dense(arrays.bias), mask=dense(arrays.mask),
+                   q_seqlen=arrays.q_seqlen is not None, kv_seqlen=arrays.kv_seqlen is not None,
+                   alibi=arrays.alibi_slopes is not None,
+                   segments=arrays.q_segment_ids is not None)
+
+    def rule(self, kind: str):
+        """Shardy rule (einsum string, need_replication factors, factor sizes)."""
+        nq = "(k g)" if self.group > 1 else "k"
+        repl = ["t", "s", "h", "hv"]
+
+        def dense(full, name):
+            bf, nf = full
+            b = "b" if bf else f"{name}b1"
+            n = nq if nf else f"{name}n1"
+            repl.extend(x for x in (b, n) if x.endswith("1"))
+            return f"{b} {n} t s"
+
+        q, kk, vv = f"b t {nq} h", "b s k h", "b s k hv"
+        ops = [q, kk, vv]
+        bias = dense(self.bias, "bias") if self.bias else None
+        ops += [bias] if bias else []
+        ops += [dense(self.mask, "mask")] if self.mask else []
+        ops += ["b"] if self.q_seqlen else []
+        ops += ["b"] if self.kv_seqlen else []
+        ops += [nq] if self.alibi else []
+        ops += ["b t", "b s"] if self.segments else []
+        out, lse = f"b t {nq} hv", f"b {nq} t"
+        if kind == "fwd":
+            res = [out, lse]
+        else:
+            ops += [out, lse, out]
+            res = [q, kk, vv] + ([bias] if bias else []) + ([nq] if self.alibi else [])
+        sizes = {"g": self.group} if self.group > 1 else {}
+        rule = f"{', '.join(ops)} -> {', '.join(res)}"
+        # Shardy wants special factors in the order they first appear (their factor index).
+        order = [w for w in rule.replace(",", " ").replace("(", " ").replace(")", " ").split()]
+        repl = sorted(set(repl), key=order.index)
+        return rule, tuple(repl), sizes
+
+
+@functools.lru_cache(maxsize=None)
+def _op(kind: str, layout: _Layout):
+    """One custom_partitioning op per (direction, layout); static args: backend, statics,
+    problem (all hashable)."""
+    if kind == "fwd":
+        def fun(backend, q, k, v, arrays, statics, problem):
+            return backend.forward(q, k, v, arrays, statics, problem)
+        static = (0, 5, 6)
+    else:
+        def fun(backend, q, k, v, arrays, statics, problem, out, lse, dout):
+            return backend.backward(q, k, v, arrays, statics, problem, out, lse, dout)
+        static = (0, 5, 6)
+    op = custom_partitioning(fun, static_argnums=static)
+    rule, repl, sizes = layout.rule(kind)
+    op.def_partition(
+        partition=functools.partial(_partition, kind),
+        infer_sharding_from_operands=functools.partial(_infer, kind),
+        sharding_rule=rule, need_replication_factors=repl, **sizes)
+    return op
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: which mesh axes shard the batch, the query heads and the kv heads.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    batch: tuple[str, ...]
+    q_heads: tuple[str, ...]
+    kv_heads: tuple[str, ...]
+
+    def spec(self, *dims):
+        """PartitionSpec from dim kinds: 'b', 'n' (query heads), 'k' (kv heads) or None."""
+        pick = {"b": self.batch, "n": self.q_heads, "k": self.kv_heads}
+        out = []
+        for d in dims:
+            axes = pick.get(d, ())
+            out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*out)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _make_plan(mesh, q_sharding, problem: Problem) -> _Plan:
+    """The plan from q's sharding. Kv heads take the leading query-head axes whose product
+    divides K; any further axes must then split the groups of a single kv head each (the only
+    block layouts of N = K x G that are products of a kv-head block and a group block). Head
+    sharding that fits neither is dropped (heads replicated), as is any we cannot read."""
+    spec = getattr(q_sharding, "spec", None)
+    if spec is None:  # not a NamedSharding (no mesh known): nothing to keep
+        return _Plan((), (), ())
+    spec = tuple(spec) + (None,) * (4 - len(spec))
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    batch = _axes(spec[0])
+    if problem.batch % size(batch):
+        batch = ()
+    heads = _axes(spec[2])
+    kv = ()
+    for i in range(len(heads) + 1):
+        if problem.num_kv_heads % size(heads[:i]) == 0:
+            kv = heads[:i]
+        else:
+            break
+    rest = heads[len(kv):]
+    ok = (problem.num_heads % size(heads) == 0
+          and (not rest or (size(kv) == problem.num_kv_heads
+                            and problem.group_size % size(rest) == 0)))
+    if not ok:
+        heads, kv = (), ()
+    return _Plan(batch, heads, kv)
+
+
+def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
+    """(arg shardings, result shardings) as pytrees matching the op's operands and results."""
+    ns = lambda *dims: NamedSharding(mesh, plan.spec(*dims))
+    q, kv = ns("b", None, "n", None), ns("b", None, "k", None)
+    dense = lambda full: None if full is None else ns("b" if full[0] else None,
+                                                      "n" if full[1] else None, None, None)
+    arrays = AttentionArrays(
+        bias=dense(layout.bias), mask=dense(layout.mask),
+        q_seqlen=ns("b") if layout.q_seqlen else None,
+        kv_seqlen=ns("b") if layout.kv_seqlen else None,
+        alibi_slopes=ns("n") if layout.alibi else None,
+        q_segment_ids=ns("b", None) if layout.segments else None,
+        kv_segment_ids=ns("b", None) if layout.segments else None)
+    out, lse = q, ns("b", "n", None)
+    if kind == "fwd":
+        return (q, kv, kv, arrays), (out, lse)
+    return ((q, kv, kv, arrays, out, lse, out),
+            (q, kv, kv, arrays.bias, arrays.alibi_slopes))
+
+
+def _infer(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
+    """GSPMD: result shardings from the operands' (Shardy uses the rule instead)."""
+    layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
+    plan = _make_plan(mesh, arg_shapes[0].sharding, problem)
+    return _shardings(kind, mesh, plan, layout)[1]
+
+
+def _partition(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
+    """Per-shard lowering: the backend on local shapes, plus the psums of broadcast grads."""
+    layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
+    plan = _make_plan(mesh, arg_shapes[0].sharding, problem)
+    arg_sh, res_sh = _shardings(kind, mesh, plan, layout)
+
+    def local_problem(q, k, v, arrays):
+        return Problem.from_arrays(q, k, v, arrays, statics, problem.platform)
+
+    if kind == "fwd":
+        def lower(q, k, v, arrays):
+            return backend.forward(q, k, v, arrays, statics, local_problem(q, k, v, arrays))
+    else:
+        def lower(q, k, v, arrays, out, lse, dout):
+            dq, dk, dv, dbias, dalibi = backend.backward(
+                q, k, v, arrays, statics, local_problem(q, k, v, arrays), out, lse, dout)
+            if dbias is not None:
+                # A size-1 (broadcast) dim of bias collects gradient from every shard of it.
+                axes = ((plan.batch if not layout.bias[0] else ())
+                        + (plan.q_heads if not layout.bias[1] else ()))
+                if axes:
+                    dbias = jax.lax.psum(dbias, axes)
+            if dalibi is not None and plan.batch:
+                dalibi = jax.lax.psum(dalibi, plan.batch)
+            return dq, dk, dv, dbias, dalibi
+    return mesh, lower, res_sh, arg_sh
