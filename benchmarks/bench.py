@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 if __package__ in (None, ""):  # `python benchmarks/bench.py`
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=None, help="timed reps per point (default 7)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting measurements after this many seconds (rest: 'skipped')")
+    p.add_argument("--stall-s", type=float, default=240.0,
+                   help="a single measurement taking longer is taken for a hang: the row is "
+                        "recorded and the process exits (status 3) so the JSON survives")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default benchmarks/results)")
     p.add_argument("--name", default="bench", help="file stem: NAME.json, NAME.png, NAME.md")
@@ -127,6 +131,26 @@ class Runner:
         self.t_start = time.perf_counter()
         self.seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._fns = {}
+        self._current = None  # (row, started) of the measurement in progress, for the watchdog
+        if args.stall_s:
+            threading.Thread(target=self._watchdog, daemon=True).start()
+
+    def _watchdog(self):
+        """A kernel that hangs would hold the device until the call's limit and lose every later
+        row; record it and leave instead (the JSON already holds every earlier row)."""
+        while True:
+            time.sleep(1.0)
+            cur = self._current
+            if cur is not None and time.perf_counter() - cur[1] > self.args.stall_s:
+                row = dict(cur[0], status="error",
+                           error=f"stalled: no result after {self.args.stall_s:.0f} s (hang?); "
+                                 f"run aborted here")
+                self.rec.add(row)
+                print("watchdog: aborting the run", flush=True)
+                os._exit(3)
+
+    def _measuring(self, row):
+        self._current = None if row is None else (row, time.perf_counter())
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -181,48 +205,52 @@ class Runner:
         return None, "; ".join(reasons)
 
     def run_point(self, index, p, mode, group):
-        rows = []
+        """Measure `group` at point p; the recorder gets each row as soon as it is done."""
         if self.over_budget():
             for impl in group:
                 r = self.base_row(impl.name, p, mode)
                 r.update(status="skipped", error="time budget of the run spent")
-                rows.append(r)
-            return rows
+                self.rec.add(r)
+            return
         args = self.inputs(index, p, mode)
         rows_ref = checks.sample_rows(p.S, 64, self.seed + index)
         base_name, base = self.baseline(p, mode, args)
         for impl in group:
             r = self.base_row(impl.name, p, mode)
-            rows.append(r)
-            why = impl.skip_reason(p)
-            if why:
-                r.update(status="skipped", error=why)
-                continue
-            if self.over_budget():
-                r.update(status="skipped", error="time budget of the run spent")
-                continue
-            if base_name is None:
-                r.update(status="error", error=f"no baseline could run here to check against "
-                                              f"({base})")
-                continue
-            try:
-                f = self.fn(impl, mode, p.causal)
-                t0 = time.perf_counter()
-                out = jax.block_until_ready(f(*args))
-                r["first_call_s"] = round(time.perf_counter() - t0, 3)
-                ok = self.check(r, out, base, base_name, impl.name, args, p, mode, rows_ref)
-                del out
-                if not ok:
-                    r["status"] = "wrong"
-                    continue
-                t = timing.time_throughput(f, args, reps=self.args.reps,
-                                           min_rep_s=self.args.min_rep_s)
-                r.update(status="ok", ms=t.median_s * 1e3, ms_min=t.min_s * 1e3,
-                         ms_max=t.max_s * 1e3, n_calls=t.n, reps=t.reps,
-                         tflops=grid.flops(p, mode) / t.median_s / 1e12)
-            except Exception as e:  # noqa: BLE001 - an implementation's failure is a result
-                r.update(status="error", error=_error_text(e))
-        return rows
+            self.measure(r, impl, p, mode, args, base_name, base, rows_ref)
+            self.rec.add(r)
+
+    def measure(self, r, impl, p, mode, args, base_name, base, rows_ref):
+        why = impl.skip_reason(p)
+        if why:
+            r.update(status="skipped", error=why)
+            return
+        if self.over_budget():
+            r.update(status="skipped", error="time budget of the run spent")
+            return
+        if base_name is None:
+            r.update(status="error", error=f"no baseline could run here to check against ({base})")
+            return
+        self._measuring(r)
+        try:
+            f = self.fn(impl, mode, p.causal)
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(f(*args))
+            r["first_call_s"] = round(time.perf_counter() - t0, 3)
+            ok = self.check(r, out, base, base_name, impl.name, args, p, mode, rows_ref)
+            del out
+            if not ok:
+                r["status"] = "wrong"
+                return
+            t = timing.time_throughput(f, args, reps=self.args.reps,
+                                       min_rep_s=self.args.min_rep_s)
+            r.update(status="ok", ms=t.median_s * 1e3, ms_min=t.min_s * 1e3,
+                     ms_max=t.max_s * 1e3, n_calls=t.n, reps=t.reps,
+                     tflops=grid.flops(p, mode) / t.median_s / 1e12)
+        except Exception as e:  # noqa: BLE001 - an implementation's failure is a result
+            r.update(status="error", error=_error_text(e))
+        finally:
+            self._measuring(None)
 
     def check(self, r, out, base, base_name, name, args, p, mode, rows_ref):
         r["check_against"] = base_name
@@ -261,6 +289,7 @@ class Runner:
                 r.update(status="skipped", error="time budget of the run spent")
                 self.rec.add(r)
                 continue
+            self._measuring(r)
             try:
                 f = self.fn(chosen[name], "fwd", False)
                 t0 = time.perf_counter()
@@ -279,6 +308,8 @@ class Runner:
                              ms_max=t.max_s * 1e3, n_calls=1, reps=t.reps)
             except Exception as e:  # noqa: BLE001
                 r.update(status="error", error=_error_text(e))
+            finally:
+                self._measuring(None)
             self.rec.add(r)
 
     # -- the whole run ----------------------------------------------------------------------
@@ -290,8 +321,7 @@ class Runner:
         for n, (mode, group) in enumerate(impls.phases(self.args.impls, self.args.modes)):
             print(f"# {mode}: {', '.join(i.name for i in group)}", flush=True)
             for pt in pts:
-                for row in self.run_point(index[pt], pt, mode, group):
-                    self.rec.add(row)
+                self.run_point(index[pt], pt, mode, group)
             if n == 0 and not self.args.no_latency:
                 print("# latency: B=1, N=1, T=S=128, D=64, forward, wall time per call",
                       flush=True)
