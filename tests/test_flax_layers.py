@@ -1,0 +1,367 @@
+"""Flax integration: `attention_fn` inside Flax's own attention modules, the NNX and Linen
+`FlashMultiHeadAttention` layers against Flax's attention with the same parameters, fallbacks,
+KV-cache decoding, remat, jit and parameter sharding over the 8 host devices."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen, nnx
+
+import jaxflash
+import jaxflash.flax_layers as fl
+from tests.common import assert_close, fresh_key
+
+FWD, GRAD = 2e-5, 1e-4
+
+
+def _inputs(shape, key=None):
+    return jax.random.normal(fresh_key() if key is None else key, shape, jnp.float32)
+
+
+def _tree_close(a, b, tol, what):
+    """Leaf-wise relative L2; a leaf that is zero in exact arithmetic (the key-projection bias
+    gradient: softmax ignores a shift shared by all keys) is compared against the tree's norm."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and la, f"{what}: trees differ ({len(la)} vs {len(lb)} leaves)"
+    total = np.sqrt(sum(float(np.sum(np.square(np.asarray(y, np.float64)))) for y in lb))
+    for i, (x, y) in enumerate(zip(la, lb)):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        if np.linalg.norm(y) < tol * total:
+            assert not np.any(np.isnan(x)), f"{what}[{i}]: NaN"
+            err = np.linalg.norm(x - y) / total
+            assert err <= tol, f"{what}[{i}] (near-zero leaf): error {err:.2e} of the tree norm"
+        else:
+            assert_close(x, y, tol, f"{what}[{i}]")
+
+
+def _nnx_loss_grads(model, x, w, **call):
+    def loss(m, x):
+        return jnp.sum(m(x, **call) * w)
+    return nnx.value_and_grad(loss, argnums=(0, 1))(model, x)
+
+
+def _padding_mask(B, T, key):
+    """Flax-style float mask [B, 1, T, T] of random key padding; key 0 always valid, so no row is
+    empty (there Flax averages the values while jaxflash gives 0, by design)."""
+    valid = jax.random.bernoulli(key, 0.7, (B, T)).at[:, 0].set(True)
+    return nnx.make_attention_mask(jnp.ones((B, T)), valid)
+
+
+# --------------------------------------------------------------------------------------------
+# attention_fn inside Flax's own modules
+
+@pytest.mark.parametrize("variant", ["plain", "mask", "causal_gqa"])
+def test_attention_fn_in_nnx_mha(variant):
+    B, T, F, N = 2, 9, 32, 4
+    kv = 2 if variant == "causal_gqa" else None
+    mk = lambda fn: nnx.MultiHeadAttention(N, F, num_kv_heads=kv, decode=False, attention_fn=fn,
+                                           rngs=nnx.Rngs(3))
+    ref, ours = mk(nnx.dot_product_attention), mk(fl.attention_fn)
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    x, w = _inputs((B, T, F)), _inputs((B, T, F))
+    call = {}
+    if variant == "mask":
+        call["mask"] = _padding_mask(B, T, fresh_key())
+    if variant == "causal_gqa":
+        call["is_causal"] = True
+
+    fwd = nnx.jit(lambda m, x: m(x, **call))
+    assert_close(fwd(ours, x), fwd(ref, x), FWD, "out")
+    assert fl.last_fallback_reason is None
+    (l0, g0), (l1, g1) = _nnx_loss_grads(ref, x, w, **call), _nnx_loss_grads(ours, x, w, **call)
+    _tree_close(g1, g0, GRAD, "grads")
+
+
+def test_attention_fn_in_linen_mha_jit_and_grads():
+    B, T, F, N = 2, 11, 32, 4
+    x, w = _inputs((B, T, F)), _inputs((B, T, F))
+    mask = _padding_mask(B, T, fresh_key())
+    ref = linen.MultiHeadDotProductAttention(num_heads=N)
+    ours = linen.MultiHeadDotProductAttention(num_heads=N, attention_fn=fl.attention_fn)
+    params = ref.init(fresh_key(), x, mask=mask)
+
+    def loss(mod, p, x):
+        return jnp.sum(mod.apply(p, x, mask=mask) * w)
+
+    for mod in (ref, ours):
+        assert mod.apply(params, x, mask=mask).shape == (B, T, F)
+    out_r = jax.jit(lambda p, x: ref.apply(p, x, mask=mask))(params, x)
+    out_o = jax.jit(lambda p, x: ours.apply(p, x, mask=mask))(params, x)
+    assert_close(out_o, out_r, FWD, "out")
+    g_r = jax.jit(jax.grad(lambda p, x: loss(ref, p, x), argnums=(0, 1)))(params, x)
+    g_o = jax.jit(jax.grad(lambda p, x: loss(ours, p, x), argnums=(0, 1)))(params, x)
+    _tree_close(g_o, g_r, GRAD, "grads")
+
+
+def test_attention_fn_in_nnx_mha_decode():
+    """Flax's own decode loop (float masks from combine_masks, cache) through attention_fn."""
+    B, L, F, N = 2, 6, 16, 2
+    mk = lambda fn: nnx.MultiHeadAttention(N, F, decode=True, attention_fn=fn, rngs=nnx.Rngs(5))
+    ref, ours = mk(nnx.dot_product_attention), mk(fl.attention_fn)
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    for m in (ref, ours):
+        m.init_cache((B, L, F))
+    x = _inputs((B, L, F))
+    for t in range(L):
+        assert_close(ours(x[:, t:t + 1]), ref(x[:, t:t + 1]), FWD, f"step {t}")
+
+
+# --------------------------------------------------------------------------------------------
+# Fallbacks: dropout and sown weights go to the weights path, visibly, and stay correct
+
+def test_dropout_fallback_matches_flax_and_is_visible(caplog):
+    B, T, F, N = 2, 8, 16, 2
+    mk = lambda fn: nnx.MultiHeadAttention(N, F, dropout_rate=0.4, decode=False,
+                                           attention_fn=fn, rngs=nnx.Rngs(params=1, dropout=7))
+    fl.reset_fallback_record()
+    for broadcast in (True, False):
+        ref, ours = mk(nnx.dot_product_attention), mk(fl.attention_fn)
+        ref.broadcast_dropout = ours.broadcast_dropout = broadcast
+        x = _inputs((B, T, F))
+        with caplog.at_level(logging.WARNING, logger="jaxflash.flax"):
+            y_o = ours(x, deterministic=False)
+        y_r = ref(x, deterministic=False)  # same dropout stream state -> same keep mask
+        assert "dropout" in fl.last_fallback_reason
+        assert_close(y_o, y_r, FWD, f"dropout out (broadcast={broadcast})")
+        y_det = ours(x, deterministic=True)
+        assert fl.last_fallback_reason is None
+        assert rel_diff(y_o, y_det) > 1e-2, "dropout had no effect"
+    warned = [r for r in caplog.records if "dropout" in r.getMessage()]
+    assert len(warned) == 1, "the fallback must be logged exactly once per reason"
+    assert sum(v for k, v in fl.fallback_counts.items() if "dropout" in k) == 2
+
+
+def rel_diff(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_dropout_without_rng_is_a_value_error():
+    q = _inputs((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="dropout_rng"):
+        fl.attention_fn(q, q, q, dropout_rate=0.5, deterministic=False)
+
+
+def test_sow_weights_nnx_and_linen():
+    B, T, F, N = 2, 7, 16, 2
+    x = _inputs((B, T, F))
+    mk = lambda fn: nnx.MultiHeadAttention(N, F, decode=False, attention_fn=fn,
+                                           rngs=nnx.Rngs(2))
+    ref, ours = mk(nnx.dot_product_attention), mk(fl.attention_fn)
+    y_r, y_o = ref(x, sow_weights=True, is_causal=True), ours(x, sow_weights=True,
+                                                               is_causal=True)
+    assert "sow" in fl.last_fallback_reason
+    assert_close(y_o, y_r, FWD, "out")
+    w_r = nnx.state(ref, nnx.Intermediate)["attention_weights"][0]
+    w_o = nnx.state(ours, nnx.Intermediate)["attention_weights"][0]
+    assert w_o.shape == (B, N, T, T)
+    assert_close(w_o, w_r, FWD, "sown weights")
+
+    lr = linen.MultiHeadDotProductAttention(num_heads=N)
+    lo = linen.MultiHeadDotProductAttention(num_heads=N, attention_fn=fl.attention_fn)
+    p = lr.init(fresh_key(), x)
+    (_, st_r) = lr.apply(p, x, sow_weights=True, mutable=["intermediates"])
+    (y, st_o) = lo.apply(p, x, sow_weights=True, mutable=["intermediates"])
+    assert "sow" in fl.last_fallback_reason
+    _tree_close(st_o, st_r, FWD, "linen sown weights")
+
+
+def test_custom_einsum_goes_to_weights_path():
+    q, k, v = (_inputs((2, 5, 4, 8)) for _ in range(3))
+    calls = []
+
+    def einsum(sub, a, b):
+        calls.append(sub)
+        return jnp.einsum(sub, a, b, precision=jax.lax.Precision.HIGHEST)
+
+    out = fl.attention_fn(q, k[..., :2, :], v[..., :2, :], qk_attn_weights_einsum=einsum,
+                          attn_weights_value_einsum=einsum, is_causal=True)
+    assert len(calls) == 2 and "einsum" in fl.last_fallback_reason
+    ref = jaxflash.flash_attention(q, k[..., :2, :], v[..., :2, :], is_causal=True,
+                                   implementation="xla")
+    assert_close(out, ref, FWD, "custom einsum path")
+
+
+# --------------------------------------------------------------------------------------------
+# FlashMultiHeadAttention (NNX) against Flax's attention with the same parameters
+
+@pytest.mark.parametrize("variant", ["causal", "gqa_qknorm", "bf16"])
+def test_flash_mha_nnx_matches_flax(variant):
+    B, T, F, N = 2, 10, 32, 4
+    kv = 2 if variant == "gqa_qknorm" else None
+    qkn = variant == "gqa_qknorm"
+    dt = jnp.bfloat16 if variant == "bf16" else None
+    ref = nnx.MultiHeadAttention(N, F, num_kv_heads=kv, normalize_qk=qkn, dtype=dt,
+                                 decode=False, rngs=nnx.Rngs(0))
+    ours = fl.FlashMultiHeadAttention(N, F, num_kv_heads=kv, normalize_qk=qkn, dtype=dt,
+                                      is_causal=True, rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    x, w = _inputs((B, T, F)), _inputs((B, T, F))
+    fwd_tol, grad_tol = (2e-2, 5e-2) if dt else (FWD, GRAD)
+    y_o = nnx.jit(lambda m, x: m(x))(ours, x)
+    y_r = ref(x, is_causal=True)
+    assert y_o.dtype == y_r.dtype
+    assert_close(y_o, y_r, fwd_tol, "out")
+    (_, g_o), (_, g_r) = _nnx_loss_grads(ours, x, w), _nnx_loss_grads(ref, x, w, is_causal=True)
+    _tree_close(nnx.state(g_o[0], nnx.Param), nnx.state(g_r[0], nnx.Param), grad_tol, "params")
+    assert_close(g_o[1], g_r[1], grad_tol, "dx")
+
+
+def test_flash_mha_nnx_cross_attention_and_remat():
+    B, T, S, F, N = 2, 6, 9, 16, 2
+    ref = nnx.MultiHeadAttention(N, F, decode=False, rngs=nnx.Rngs(0))
+    ours = fl.FlashMultiHeadAttention(N, F, rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    xq, xkv, w = _inputs((B, T, F)), _inputs((B, S, F)), _inputs((B, T, F))
+    assert_close(ours(xq, xkv), ref(xq, xkv), FWD, "cross-attention out")
+
+    def loss(m, x):
+        return jnp.sum(m(x, xkv) * w)
+
+    def remat_loss(m, x):
+        return jnp.sum(nnx.remat(lambda m, x: m(x, xkv))(m, x) * w)
+
+    g_plain = nnx.grad(loss, argnums=(0, 1))(ours, xq)
+    g_remat = nnx.jit(nnx.grad(remat_loss, argnums=(0, 1)))(ours, xq)
+    g_ref = nnx.grad(loss, argnums=(0, 1))(ref, xq)
+    _tree_close(nnx.state(g_remat[0], nnx.Param), nnx.state(g_plain[0], nnx.Param), GRAD, "remat")
+    _tree_close(nnx.state(g_plain[0], nnx.Param), nnx.state(g_ref[0], nnx.Param), GRAD, "vs flax")
+
+
+def test_flash_mha_segment_ids_and_window_match_masked_flax():
+    B, T, F, N = 2, 12, 16, 2
+    ref = nnx.MultiHeadAttention(N, F, decode=False, rngs=nnx.Rngs(0))
+    ours = fl.FlashMultiHeadAttention(N, F, is_causal=True, local_window_size=(3, 0),
+                                      softcap=None, rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    x = _inputs((B, T, F))
+    seg = jnp.sort(jax.random.randint(fresh_key(), (B, T), 0, 3), axis=-1).astype(jnp.int32)
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    dense = (seg[:, None, :, None] == seg[:, None, None, :]) & (j <= i) & (j >= i - 3)
+    assert_close(ours(x, segment_ids=seg), ref(x, mask=dense), FWD, "segments + window")
+
+
+def test_softcap_rope_against_direct_computation():
+    B, T, F, N = 2, 8, 16, 2
+    m = fl.FlashMultiHeadAttention(N, F, is_causal=True, softcap=5.0, rope=True, rngs=nnx.Rngs(0))
+    x = _inputs((B, T, F))
+    q, k, v = m.query(x), m.key(x), m.value(x)
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    q, k = fl.apply_rope(q, pos), fl.apply_rope(k, pos)
+    ref = jaxflash.flash_attention(q, k, v, is_causal=True, softcap=5.0, implementation="xla")
+    assert_close(m(x), m.out(ref), FWD, "softcap + rope")
+
+
+def test_apply_rope_is_relative_and_matches_complex_rotation():
+    T, N, H = 7, 2, 8
+    q, k = _inputs((1, T, N, H)), _inputs((1, T, N, H))
+    pos = jnp.arange(T)[None]
+    shift = 13
+    s0 = jnp.einsum("btnh,bsnh->bnts", fl.apply_rope(q, pos), fl.apply_rope(k, pos))
+    s1 = jnp.einsum("btnh,bsnh->bnts", fl.apply_rope(q, pos + shift),
+                    fl.apply_rope(k, pos + shift))
+    assert_close(s1, s0, 1e-5, "shift invariance")
+    half = H // 2
+    z = np.asarray(q[..., :half]) + 1j * np.asarray(q[..., half:])
+    ang = np.arange(T)[None, :, None, None] * 10000.0 ** (-np.arange(half) / half)
+    zr = z * np.exp(1j * ang)
+    want = np.concatenate([zr.real, zr.imag], axis=-1)
+    assert_close(fl.apply_rope(q, pos), want, 1e-5, "complex rotation")
+    with pytest.raises(ValueError, match="even head dim"):
+        fl.apply_rope(q[..., :3], pos)
+
+
+# --------------------------------------------------------------------------------------------
+# KV-cache decoding equals the full causal forward
+
+@pytest.mark.parametrize("variant", ["rope_gqa", "window_softcap"])
+def test_nnx_kv_cache_decode_equals_full_forward(variant):
+    B, L, F, N = 2, 9, 32, 4
+    kw = (dict(num_kv_heads=2, rope=True) if variant == "rope_gqa"
+          else dict(local_window_size=(2, 0), softcap=4.0))
+    m = fl.FlashMultiHeadAttention(N, F, is_causal=True, rngs=nnx.Rngs(0), **kw)
+    x = _inputs((B, L, F))
+    full = m(x)
+    m.init_cache(x.shape)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = [step(m, x[:, :3])]                           # a prefill chunk of 3 tokens
+    outs += [step(m, x[:, t:t + 1]) for t in range(3, L)]  # then one token at a time
+    assert int(m.cache_index[...]) == L
+    assert_close(jnp.concatenate(outs, axis=1), full, FWD, "decode vs full")
+
+
+def test_linen_layer_matches_flax_and_decodes():
+    B, L, F, N = 2, 8, 32, 4
+    x, w = _inputs((B, L, F)), _inputs((B, L, F))
+    ref = linen.MultiHeadDotProductAttention(num_heads=N, normalize_qk=True)
+    ours = fl.LinenFlashMultiHeadAttention(num_heads=N, normalize_qk=True, is_causal=True)
+    params = ref.init(fresh_key(), x)
+    assert (jax.tree.structure(ours.init(fresh_key(), x)) == jax.tree.structure(params))
+    mask = nnx.make_causal_mask(jnp.ones((B, L)))
+    y_r = ref.apply(params, x, mask=mask)
+    y_o = jax.jit(ours.apply)(params, x)
+    assert_close(y_o, y_r, FWD, "linen out")
+    g_r = jax.grad(lambda p: jnp.sum(ref.apply(p, x, mask=mask) * w))(params)
+    g_o = jax.jit(jax.grad(lambda p: jnp.sum(ours.apply(p, x) * w)))(params)
+    _tree_close(g_o, g_r, GRAD, "linen grads")
+
+    # GQA + rope, decoding with the Linen cache convention.
+    dec = fl.LinenFlashMultiHeadAttention(num_heads=N, num_kv_heads=2, is_causal=True, rope=True,
+                                          decode=True)
+    full_mod = dec.clone(decode=False)
+    v = dec.init(fresh_key(), x)
+    p, cache = v["params"], v["cache"]
+    full = full_mod.apply({"params": p}, x)
+    step = jax.jit(lambda p, c, xt: dec.apply({"params": p, "cache": c}, xt, mutable=["cache"]))
+    outs = []
+    for lo, hi in ((0, 2), (2, 3), (3, 4), (4, 8)):
+        y, upd = step(p, cache, x[:, lo:hi])
+        cache = upd["cache"]
+        outs.append(y)
+    assert_close(jnp.concatenate(outs, axis=1), full, FWD, "linen decode vs full")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter sharding over a mesh of the 8 host devices
+
+def test_sharded_params_and_batch_match_unsharded():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 host devices (tests/conftest.py sets them)")
+    # Auto axes: XLA propagates shardings through the projections (explicit-mode meshes would
+    # need out_sharding on every contraction over a sharded axis).
+    mesh = jax.make_mesh((2, 4), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    B, T, F, N = 4, 8, 32, 4
+    init = nnx.initializers.lecun_normal()
+    ref_model = fl.FlashMultiHeadAttention(N, F, num_kv_heads=4, is_causal=True, rope=True,
+                                           rngs=nnx.Rngs(0))
+    with jax.set_mesh(mesh):  # Flax places annotated parameters on the mesh as it creates them
+        model = fl.FlashMultiHeadAttention(
+            N, F, num_kv_heads=4, is_causal=True, rope=True, rngs=nnx.Rngs(0),
+            kernel_init=nnx.with_partitioning(init, (None, "model", None)),
+            out_kernel_init=nnx.with_partitioning(init, ("model", None, None)))
+    # Same values as the unsharded model, keeping each parameter's sharding.
+    dst = nnx.state(model, nnx.Param)
+    vals = jax.tree.map(lambda s, d: jax.device_put(s, d.sharding),
+                        nnx.to_pure_dict(nnx.state(ref_model, nnx.Param)), nnx.to_pure_dict(dst))
+    nnx.replace_by_pure_dict(dst, vals)
+    nnx.update(model, dst)
+    assert model.query.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "model",
+                                                                                None)
+    assert len(model.query.kernel[...].sharding.device_set) == 8
+    x, w = _inputs((B, T, F)), _inputs((B, T, F))
+    xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+
+    @nnx.jit
+    def step(m, x):
+        return nnx.value_and_grad(lambda m, x: jnp.sum(m(x) * w))(m, x)
+
+    (l_s, g_s), (l_r, g_r) = step(model, xs), step(ref_model, x)
+    assert_close(l_s, l_r, FWD, "loss")
+    _tree_close(nnx.state(g_s, nnx.Param), nnx.state(g_r, nnx.Param), GRAD, "sharded grads")
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model", None))
+    assert g_s.query.kernel[...].sharding.is_equivalent_to(want, 3), "grads left the mesh layout"
