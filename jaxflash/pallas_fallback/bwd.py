@@ -297,7 +297,7 @@ def _dbias_kernel(*refs, spec: Spec, cfg: PassConfig, names, RB: int, RN: int):
             rb, rn = lax.div(t, RN), lax.rem(t, RN)
             b = bb * RB + rb          # global batch row and query head
             n = nb * RN + rn
-            kh = lax.div(rn, spec.G) if RN > 1 else 0
+            kh = lax.div(rn, spec.G) if RN > 1 else jnp.int32(0)  # a Python 0 trips the discharge
             q = tiles.load(r["q"].at[rb, :, rn, :], tiles.tile_mask(q_rows, hq))
             do = tiles.load(r["do"].at[rb, :, rn, :], tiles.tile_mask(q_rows, hv))
             lse = tiles.load(r["lse"].at[rb, rn, :], q_rows)
@@ -306,7 +306,8 @@ def _dbias_kernel(*refs, spec: Spec, cfg: PassConfig, names, RB: int, RN: int):
             v = tiles.load(r["v"].at[rb, ks, kh, :], tiles.tile_mask(k_rows, hv))
             dm = q_ids = k_ids = None
             if spec.has_mask:
-                ref = r["mask"].at[b if spec.mask_b else 0, n if spec.mask_n else 0]
+                zero = jnp.int32(0)
+                ref = r["mask"].at[b if spec.mask_b else zero, n if spec.mask_n else zero]
                 dm = tiles.load(ref.at[:, ks], tiles.tile_mask(q_rows, k_rows))
             if spec.has_seg:
                 q_ids = tiles.load(r["q_seg"].at[b, :], q_rows)
