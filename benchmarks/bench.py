@@ -17,6 +17,7 @@ so a run cut short keeps what it measured; the table, markdown and PNG come at t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
@@ -32,6 +33,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import checks, envinfo, grid, impls, report, timing  # noqa: E402
+
+# Implementations whose compilation is CPU-bound (Triton or CuTe DSL lowering) and runs nothing on
+# the device: a phase's programs for these are compiled together in threads before the phase is
+# timed, so compile time overlaps itself, never a measurement. XLA and cuDNN programs compile in
+# the measuring thread: XLA's GPU compiler autotunes on the device, and parallel autotuning could
+# disturb its choices (and so the peers' figures).
+PRECOMPILE = ("cute", "pallas", "pallas-triton", "tokamax")
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -60,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--stall-s", type=float, default=240.0,
                    help="a single measurement taking longer is taken for a hang: the row is "
                         "recorded and the process exits (status 3) so the JSON survives")
+    p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help=f"threads compiling {PRECOMPILE} ahead of each phase (0: compile "
+                        f"lazily)")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh)")
     p.add_argument("--out", default=DEFAULT_OUT, help="output folder (default benchmarks/results)")
     p.add_argument("--name", default="bench", help="file stem: NAME.json, NAME.png, NAME.md")
@@ -131,6 +142,7 @@ class Runner:
         self.t_start = time.perf_counter()
         self.seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._fns = {}
+        self._compiled = {}  # (impl, mode, point) -> (Compiled, seconds) or the exception
         self._current = None  # (row, started) of the measurement in progress, for the watchdog
         if args.stall_s:
             threading.Thread(target=self._watchdog, daemon=True).start()
@@ -169,6 +181,36 @@ class Runner:
                 self._fns[key] = jax.jit(fwdbwd)
         return self._fns[key]
 
+    def precompile(self, mode, group, pts):
+        """Compile the PRECOMPILE implementations of a phase at every point, in threads."""
+        todo = [(impl, p) for impl in group if impl.name in PRECOMPILE for p in pts
+                if impl.skip_reason(p) is None]
+        if not todo or self.args.compile_workers <= 0 or self.over_budget():
+            return
+
+        def job(impl, p):
+            spec = jax.ShapeDtypeStruct((p.B, p.S, p.N, p.D), jnp.bfloat16)
+            t0 = time.perf_counter()
+            compiled = self.fn(impl, mode, p.causal).lower(*[spec] * (3 if mode == "fwd" else 4))
+            compiled = compiled.compile()
+            return compiled, time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ex = concurrent.futures.ThreadPoolExecutor(self.args.compile_workers)
+        futs = {(impl.name, mode, p): ex.submit(job, impl, p) for impl, p in todo}
+        concurrent.futures.wait(futs.values(), timeout=self.args.stall_s)
+        ex.shutdown(wait=False, cancel_futures=True)
+        for key, fut in futs.items():
+            if not fut.done():
+                self._compiled[key] = TimeoutError(
+                    f"compilation not finished after {self.args.stall_s:.0f} s")
+            elif fut.exception() is not None:
+                self._compiled[key] = fut.exception()
+            else:
+                self._compiled[key] = fut.result()
+        print(f"# compiled {len(todo)} programs ahead in {time.perf_counter() - t0:.1f} s "
+              f"({self.args.compile_workers} threads)", flush=True)
+
     def inputs(self, index, p: grid.Point, mode):
         key = jax.random.fold_in(jax.random.key(self.seed), index)
         shape = (p.B, p.S, p.N, p.D)
@@ -184,7 +226,7 @@ class Runner:
         return dict(impl=impl, mode=mode, B=p.B, S=p.S, N=p.N, D=p.D, causal=int(p.causal),
                     status=None, ms=None, ms_min=None, ms_max=None, n_calls=None, reps=None,
                     tflops=None, rel_l2=None, rel_l2_parts=None, ref_err=None,
-                    check_against=None, first_call_s=None, error=None)
+                    check_against=None, compile_s=None, first_call_s=None, error=None)
 
     # -- one point ------------------------------------------------------------------------
 
@@ -233,7 +275,13 @@ class Runner:
             return
         self._measuring(r)
         try:
-            f = self.fn(impl, mode, p.causal)
+            pre = self._compiled.pop((impl.name, mode, p), None)
+            if isinstance(pre, BaseException):
+                raise pre
+            if pre is not None:
+                f, r["compile_s"] = pre[0], round(pre[1], 3)
+            else:
+                f = self.fn(impl, mode, p.causal)
             t0 = time.perf_counter()
             out = jax.block_until_ready(f(*args))
             r["first_call_s"] = round(time.perf_counter() - t0, 3)
@@ -320,6 +368,7 @@ class Runner:
         index = {pt: i for i, pt in enumerate(pts)}
         for n, (mode, group) in enumerate(impls.phases(self.args.impls, self.args.modes)):
             print(f"# {mode}: {', '.join(i.name for i in group)}", flush=True)
+            self.precompile(mode, group, pts)
             for pt in pts:
                 self.run_point(index[pt], pt, mode, group)
             if n == 0 and not self.args.no_latency:
