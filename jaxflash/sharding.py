@@ -14,8 +14,9 @@ backend on its own slice with no communication. `forward` and `backward` wrap th
 
 Both end in `partition`, which recomputes the `Problem` for the local shapes and runs the
 backend on each shard. The only communication ever added is in the backward, for gradients of
-operands broadcast over a sharded dim (a size-1 batch/head dim of `bias`, and `alibi_slopes`
-over batch): those are summed over the shards with `psum`.
+operands broadcast over a sharded dim: a size-1 batch/head dim of `bias`, `alibi_slopes` over
+the batch, and dK/dV when the query heads of one kv head are split over devices (sharded
+query heads beyond the kv heads, e.g. MQA): those are summed over the shards with `psum`.
 
 Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
 with a single device, eager calls, and calls under `vmap` (custom_partitioning has no batching
@@ -240,6 +241,9 @@ def _partition(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
         def lower(q, k, v, arrays, out, lse, dout):
             dq, dk, dv, dbias, dalibi = backend.backward(
                 q, k, v, arrays, statics, local_problem(q, k, v, arrays), out, lse, dout)
+            group_axes = plan.q_heads[len(plan.kv_heads):]
+            if group_axes:  # a kv head's query heads are split: its dK/dV are partial sums
+                dk, dv = jax.lax.psum((dk, dv), group_axes)
             if dbias is not None:
                 # A size-1 (broadcast) dim of bias collects gradient from every shard of it.
                 axes = ((plan.batch if not layout.bias[0] else ())
