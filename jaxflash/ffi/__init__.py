@@ -68,3 +68,24 @@ must therefore be dynamic. The FFI target is the DSL runtime's ``CuteDSLRT_NvJax
 (library from ``$CUTE_DSL_RUNTIME_LIB`` or the installed DSL), registered once on first use.
 """
 from __future__ import annotations
+
+from jaxflash.ffi.cache import (  # noqa: E402
+    Binary, MissingVariantError, aot_command, dsl_available, find_artifact, get_binary)
+from jaxflash.ffi.primitive import call  # noqa: E402
+from jaxflash.ffi.runtime import (  # noqa: E402
+    TARGET, RuntimeLibraryError, find_runtime_library, is_registered)
+from jaxflash.ffi.runtime import register as register_runtime  # noqa: E402
+from jaxflash.ffi.variant import Launch, TensorArg, current_arch  # noqa: E402
+
+
+def export_safety_checks():
+    """Pass as ``disabled_checks=`` to `jax.export.export`: our custom call is not on jax's list
+    of targets with a stability guarantee (the artifact is only valid with this runtime)."""
+    import jax.export
+    return [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
+
+
+__all__ = ["Binary", "Launch", "MissingVariantError", "RuntimeLibraryError", "TARGET",
+           "TensorArg", "aot_command", "call", "current_arch", "dsl_available",
+           "export_safety_checks", "find_artifact", "find_runtime_library", "get_binary",
+           "is_registered", "register_runtime"]

@@ -1,0 +1,269 @@
+"""Where compiled kernels come from: memory, a precompiled directory, the disk cache, or the DSL.
+
+`get_binary(launch)` looks, in order, at
+1. the in-process cache (one entry per variant key);
+2. ``$JAXFLASH_KERNEL_DIR``: artifacts made by ``python -m jaxflash.aot`` (read-only to us);
+3. the disk cache ``$JAXFLASH_CACHE_DIR`` (default ``~/.cache/jaxflash``), in a subdirectory per
+   DSL version (so a DSL upgrade never loads an old binary);
+4. the CuTe DSL, if importable: compile, then store in the disk cache.
+Without the DSL (runtime-only mode) only 1 and 2 can serve; a miss raises `MissingVariantError`
+naming the variant and the exact ``python -m jaxflash.aot`` command that builds it.
+
+Concurrency: one lock per variant key makes two threads lowering the same variant compile it
+once (the second waits and takes the first one's result); an advisory file lock does the same
+across processes sharing the disk cache. Every entry is written atomically (temp file + rename,
+object before its metadata) and verified on load (size and sha256 of the object, variant key,
+DSL version), so a truncated, corrupt or stale entry is reported and rebuilt, never loaded.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shlex
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from jaxflash.ffi.variant import Launch
+
+logger = logging.getLogger("jaxflash.ffi")
+
+FORMAT = 1
+ENV_KERNEL_DIR = "JAXFLASH_KERNEL_DIR"
+ENV_CACHE_DIR = "JAXFLASH_CACHE_DIR"
+ENV_NO_DSL = "JAXFLASH_NO_DSL"  # "1": behave as if the CuTe DSL were not installed
+
+
+class MissingVariantError(RuntimeError):
+    """No binary for a kernel variant and no way to build one here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Binary:
+    module: bytes   # object bytes, the FFI handler's ``module`` attribute
+    digest: bytes   # sha256(module), the handler's ``key`` attribute (its load cache key)
+    source: str     # "memory", "kernel_dir", "disk_cache" or "compiled": where it came from
+
+
+# -- DSL availability --------------------------------------------------------------------------
+def dsl_available() -> bool:
+    """Whether the CuTe DSL can compile here (``JAXFLASH_NO_DSL=1`` forces runtime-only mode)."""
+    if os.environ.get(ENV_NO_DSL, "") not in ("", "0"):
+        return False
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except Exception:  # ImportError, or a broken install: either way we cannot compile
+        return False
+    return True
+
+
+def dsl_version() -> Optional[str]:
+    if not dsl_available():
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        import cutlass
+        return str(getattr(cutlass, "__version__", "unknown"))
+
+
+def kernel_dir() -> Optional[str]:
+    d = os.environ.get(ENV_KERNEL_DIR)
+    return os.path.abspath(os.path.expanduser(d)) if d else None
+
+
+def cache_root() -> str:
+    d = os.environ.get(ENV_CACHE_DIR) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflash")
+    return os.path.abspath(os.path.expanduser(d))
+
+
+def cache_dir(version: str) -> str:
+    return os.path.join(cache_root(), f"cute-dsl-{version}")
+
+
+def aot_command(launch: Launch, out: Optional[str] = None) -> str:
+    """The exact command that builds `launch` into `out` (default: $JAXFLASH_KERNEL_DIR)."""
+    out = out or kernel_dir() or "DIR"
+    return (f"CUTE_DSL_ARCH={launch.arch} python -m jaxflash.aot --arch {launch.arch} "
+            f"--out {shlex.quote(out)} --variant {shlex.quote(launch.to_json_str())}")
+
+
+# -- one directory of artifacts ----------------------------------------------------------------
+def _paths(directory: str, launch: Launch) -> tuple[str, str]:
+    base = os.path.join(directory, launch.name)
+    return base + ".o", base + ".json"
+
+
+def read_entry(directory: str, launch: Launch, version: Optional[str]
+               ) -> tuple[Optional[bytes], str]:
+    """(module bytes, "") for a valid entry, else (None, why). `version` None accepts any DSL
+    version (runtime-only mode: the runtime library checks the object's own version)."""
+    obj, meta = _paths(directory, launch)
+    if not os.path.exists(meta):
+        return None, "absent"
+    try:
+        with open(meta) as f:
+            m = json.load(f)
+        with open(obj, "rb") as f:
+            data = f.read()
+    except (OSError, ValueError) as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        return None, "unknown metadata format"
+    if m.get("key") != launch.key:
+        return None, "stale (variant key or kernel sources differ)"
+    if version is not None and m.get("dsl_version") != version:
+        return None, f"stale (built by CuTe DSL {m.get('dsl_version')}, this is {version})"
+    if len(data) != m.get("size"):
+        return None, f"corrupt (object has {len(data)} bytes, metadata says {m.get('size')})"
+    if hashlib.sha256(data).hexdigest() != m.get("sha256"):
+        return None, "corrupt (object checksum mismatch)"
+    return data, ""
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    d = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_entry(directory: str, launch: Launch, module: bytes, version: str) -> str:
+    """Store `module` for `launch` in `directory`; returns the object's path."""
+    os.makedirs(directory, exist_ok=True)
+    obj, meta = _paths(directory, launch)
+    _atomic_write(obj, module)  # object first: metadata appears only once the object is whole
+    m = {"format": FORMAT, "key": launch.key, "name": launch.name, "size": len(module),
+         "sha256": hashlib.sha256(module).hexdigest(), "dsl_version": version,
+         "arch": launch.arch, "source_hash": launch.source_hash,
+         "launch": launch.to_json(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _atomic_write(meta, json.dumps(m, indent=1, sort_keys=True).encode())
+    return obj
+
+
+@contextlib.contextmanager
+def _file_lock(directory: str, name: str):
+    """Advisory lock between processes compiling the same variant into one cache."""
+    os.makedirs(directory, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: threads are still serialized by the in-process lock
+        yield
+        return
+    with open(os.path.join(directory, name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# -- the lookup ---------------------------------------------------------------------------------
+_memory: dict[str, Binary] = {}
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+# Counts per source, for tests and `explain`-style diagnostics.
+stats = {"memory": 0, "kernel_dir": 0, "disk_cache": 0, "compiled": 0}
+
+
+def _lock_for(key: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(key, threading.Lock())
+
+
+def clear_memory_cache() -> None:
+    with _locks_guard:
+        _memory.clear()
+
+
+def _binary(module: bytes, source: str) -> Binary:
+    return Binary(module, hashlib.sha256(module).digest(), source)
+
+
+def find_artifact(launch: Launch) -> tuple[Optional[bytes], list[str]]:
+    """A valid precompiled/cached object for `launch` without compiling: (bytes, []) or
+    (None, reasons per place looked)."""
+    reasons = []
+    kd = kernel_dir()
+    version = dsl_version()
+    if kd:
+        data, why = read_entry(kd, launch, version)
+        if data is not None:
+            return data, []
+        reasons.append(f"${ENV_KERNEL_DIR}={kd}: {why}")
+    else:
+        reasons.append(f"${ENV_KERNEL_DIR} is not set")
+    if version is not None:
+        data, why = read_entry(cache_dir(version), launch, version)
+        if data is not None:
+            return data, []
+        reasons.append(f"disk cache {cache_dir(version)}: {why}")
+    return None, reasons
+
+
+def get_binary(launch: Launch) -> Binary:
+    """The compiled binary of `launch` (see the module docstring for the order of lookups)."""
+    key = launch.key
+    hit = _memory.get(key)
+    if hit is not None:
+        stats["memory"] += 1
+        return hit
+    with _lock_for(key):
+        hit = _memory.get(key)  # another thread may have built it while we waited
+        if hit is not None:
+            stats["memory"] += 1
+            return hit
+        b = _load_or_build(launch)
+        stats[b.source] += 1
+        _memory[key] = b
+        return b
+
+
+def _load_or_build(launch: Launch) -> Binary:
+    version = dsl_version()
+    kd = kernel_dir()
+    tried = []
+    if kd:
+        data, why = read_entry(kd, launch, version)
+        if data is not None:
+            return _binary(data, "kernel_dir")
+        tried.append(f"${ENV_KERNEL_DIR}={kd}: {why}")
+        if why != "absent":
+            logger.warning("jaxflash: not loading %s from %s: %s", launch.name, kd, why)
+    else:
+        tried.append(f"${ENV_KERNEL_DIR} is not set")
+    if version is None:
+        raise MissingVariantError(
+            f"no compiled kernel for variant {launch.name}\n  {launch.describe()}\n"
+            f"and the CuTe DSL is not installed here (runtime-only mode), so it cannot be "
+            f"compiled. Looked in: {'; '.join(tried)}.\nBuild it on any machine with the DSL:\n  "
+            f"{aot_command(launch)}\nthen point ${ENV_KERNEL_DIR} at that directory.")
+    cdir = cache_dir(version)
+    with _file_lock(cdir, launch.name):
+        data, why = read_entry(cdir, launch, version)
+        if data is not None:
+            return _binary(data, "disk_cache")
+        if why != "absent":
+            logger.warning("jaxflash: rebuilding %s in %s: %s", launch.name, cdir, why)
+        from jaxflash.ffi import compiler
+        t0 = time.perf_counter()
+        module = compiler.compile_launch(launch)
+        logger.info("jaxflash: compiled %s in %.1f s", launch.name, time.perf_counter() - t0)
+        write_entry(cdir, launch, module, version)
+        return _binary(module, "compiled")
