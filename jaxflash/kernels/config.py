@@ -1,0 +1,146 @@
+"""Static configuration of the Hopper forward kernel: one frozen, validated object per variant.
+
+Everything here changes the compiled binary (it is part of the variant key); everything that does
+not (batch, sequence lengths, scale, softcap value, window bounds, GQA ratio) is a runtime argument
+of the kernel and deliberately absent.
+
+Tile shapes follow the register and shared-memory budget of sm_90 with one producer warpgroup and
+``tile_m // 64`` consumer warpgroups (2 here: 128 query rows per CTA), 2 K/V stages and P kept in
+registers for the PV GEMM (RS wgmma). Shared memory = Q + stages * (K + V) (O reuses Q's buffer),
+which must stay under the 227 KB a CTA may use.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+SMEM_LIMIT_BYTES = 227 * 1024
+# Per head dim: (tile_m, tile_n). hdim 64/96/128: 128x128. 192: 128x112 and 256: 128x80 keep
+# Q + 2 K + 2 V stages inside the shared-memory limit (O reuses Q), and the 64 x hdim fp32
+# O accumulator + 64 x tile_n S accumulator inside 240 registers per consumer thread.
+# Runtime scalars of a launch (`jaxflash.ffi` Launch.scalars / int_scalars), in tensor order.
+FLOAT_SCALARS = ("softmax_scale", "softcap")
+INT_SCALARS = ("window_left", "window_right")
+_TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """One compiled variant of `FlashFwdSm90`.
+
+    dtype: "bfloat16" or "float16" (q, k, v and o share it; lse is float32).
+    head_dim / head_dim_v: H and Hv (equal; Hv != H is refused for now).
+    is_causal: top-left aligned causal mask (key j visible to query i iff j <= i).
+    has_window: a (left, right) sliding window, bounds given at run time.
+    has_softcap: logits -> softcap * tanh(logits / softcap), softcap given at run time.
+    has_q_seqlen / has_kv_seqlen: per-batch valid lengths given as [B] int32 arrays.
+    tile_m, tile_n, num_stages: CTA tile and K/V pipeline depth (None: the per-head-dim default).
+    intra_wg_overlap: overlap softmax of block j with the PV GEMM of block j-1 (FA3 Alg. 2).
+    pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
+    """
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: Optional[int] = None
+    is_causal: bool = False
+    has_window: bool = False
+    has_softcap: bool = False
+    has_q_seqlen: bool = False
+    has_kv_seqlen: bool = False
+    tile_m: Optional[int] = None
+    tile_n: Optional[int] = None
+    num_stages: int = 2
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        default = _TILES.get(self.head_dim, (128, 128))
+        if self.tile_m is None:
+            object.__setattr__(self, "tile_m", default[0])
+        if self.tile_n is None:
+            object.__setattr__(self, "tile_n", default[1])
+        ok, why = self.check()
+        if not ok:
+            raise ValueError(f"invalid FwdConfig {self}: {why}")
+
+    # -- validation ------------------------------------------------------------------------
+    def check(self) -> tuple[bool, str]:
+        """(True, "") when this variant can be built, else (False, reason)."""
+        if self.dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {self.dtype} not in {SUPPORTED_DTYPES}"
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.head_dim_v != self.head_dim:
+            return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
+        if self.tile_m not in (128,):
+            return False, f"tile_m {self.tile_m} must be 128 (two 64-row consumer warpgroups)"
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
+        if self.num_stages < 1 or self.num_stages > 4:
+            return False, f"num_stages {self.num_stages} must be in [1, 4]"
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
+                           f"(tile {self.tile_m}x{self.tile_n}, {self.num_stages} stages)")
+        return True, ""
+
+    def smem_bytes(self) -> int:
+        elt = 2
+        q = self.tile_m * self.head_dim * elt
+        o = self.tile_m * self.head_dim_v * elt
+        kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elt
+        return max(q, o) + kv + 1024  # + barriers and alignment
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def key(self) -> str:
+        """Stable, readable variant key (changes iff the binary changes)."""
+        feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
+                                 ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
+                                 ("kvlen", self.has_kv_seqlen)) if on]
+        sched = ("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
+        return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
+                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
+                f"_{'-'.join(feats) or 'dense'}")
+
+
+def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str]:
+    """Whether the Hopper forward kernel serves a problem.
+
+    Pass either a `FwdConfig` or keyword facts: dtype, head_dim, head_dim_v, features (a tuple
+    of `jaxflash._types.Problem.features()` names). Returns (ok, reason-if-not).
+    """
+    if config is not None:
+        return config.check()
+    dtype = problem.get("dtype")
+    if dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} not supported (only {SUPPORTED_DTYPES})"
+    hd, hdv = problem.get("head_dim"), problem.get("head_dim_v", problem.get("head_dim"))
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dim {hd} not supported (only {SUPPORTED_HEAD_DIMS})"
+    if hdv != hd:
+        return False, f"value head dim {hdv} != head dim {hd} not supported"
+    unsupported = [f for f in problem.get("features", ())
+                   if f not in ("causal", "window", "softcap", "seq_lengths")]
+    if unsupported:
+        return False, f"features {unsupported} not supported by the Hopper forward kernel yet"
+    return True, ""
+
+
+def config_for(problem) -> FwdConfig:
+    """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
+    ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                            head_dim_v=problem.head_dim_v, features=problem.features())
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    return FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                     has_window=st.window is not None, has_softcap=st.softcap is not None,
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen)

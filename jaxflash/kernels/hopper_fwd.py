@@ -1,0 +1,533 @@
+"""FlashAttention forward for Hopper (sm_90a) in the CuTe DSL: `FlashFwdSm90`.
+
+Shape of the kernel (FlashAttention-3's design, written here from the paper and NVIDIA's docs):
+
+- One CTA computes a tile of ``tile_m`` query rows of one (batch, head): 1 producer warpgroup and
+  ``tile_m / 64`` consumer warpgroups (2: 384 threads), one CTA per SM (setmaxnreg moves
+  registers from the producer, 24, to the consumers, 240).
+- Producer: warp 0 issues TMA loads of Q (1-stage pipeline) and K, V (``num_stages`` each) into
+  swizzled shared memory, in the order the consumers use them: K[last], Q, then (K[j-1], V[j])
+  pairs, then V[first]. Key blocks run right to left so the masked blocks come first.
+- Consumers: S = Q K^T by wgmma from shared memory; online softmax in registers with exp2; P
+  converted to 16-bit in registers and fed to O += P V as the A operand (RS wgmma). With
+  ``intra_wg_overlap`` the QK GEMM of block j and the PV GEMM of block j+1 are in flight while
+  the softmax of block j runs (FA3 Alg. 2); with ``pingpong`` the two warpgroups take turns
+  issuing GEMMs (named barriers), so one's softmax hides under the other's GEMMs.
+- Epilogue: O scaled by 1/rowsum, converted, written to shared memory (Q's buffer) with stmatrix
+  and stored by TMA (which clips rows past T); LSE (natural log, float32) written per row.
+
+GQA/MQA: query head n reads K/V head n // (N // K); K/V are never copied. Batch, T, S, heads,
+scale, softcap and window bounds are runtime values: only `FwdConfig` fixes the binary.
+Rows with no visible key produce O = 0 and LSE = -inf.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from jaxflash.kernels import layouts
+from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
+from jaxflash.kernels.mask import BlockRange, apply_mask
+from jaxflash.kernels.scheduler import TileScheduler
+from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
+
+LOG2_E = math.log2(math.e)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_EPILOGUE = 1
+_BAR_WG_SCHED = 2  # 2 + consumer warpgroup index
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+
+
+
+class FlashFwdSm90:
+    """Hopper forward attention kernel for one `FwdConfig` variant.
+
+    Host entry (``@cute.jit __call__``), tensors in the canonical jaxflash layouts:
+      mQ [B, T, N, H], mK [B, S, K, H], mV [B, S, K, Hv], mO [B, T, N, Hv] (q's dtype, row-major),
+      mLSE [B, N, T] float32, mQSeqlen / mKVSeqlen [B] int32 (only when the config has them),
+      softmax_scale, softcap (ignored unless ``has_softcap``), window_left / window_right
+      (ignored unless ``has_window``; causal alone needs none), stream.
+    """
+
+    def __init__(self, config: FwdConfig):
+        ok, why = config.check()
+        if not ok:
+            raise ValueError(why)
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.hd, self.hdv = config.head_dim, config.head_dim_v
+        self.num_stages = config.num_stages
+        self.num_mma_wg = config.num_mma_warpgroups
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = 128 * (self.num_mma_wg + 1)
+        self.producer_regs, self.mma_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[
+            self.num_mma_wg]
+        self.has_right = config.is_causal or config.has_window
+        self.has_left = config.has_window
+        self.overlap = config.intra_wg_overlap
+        # Ping-pong needs two warpgroups; FA3 finds it pays up to hdim 128 (beyond, the O
+        # accumulator leaves too few registers for two softmaxes in flight to matter).
+        self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
+
+    @classmethod
+    def can_implement(cls, config: FwdConfig) -> tuple[bool, str]:
+        return config.check()
+
+    # ------------------------------------------------------------------------------------
+    # host
+    # ------------------------------------------------------------------------------------
+    def launch_layout(self):
+        """Names of the launch's tensors, in `__call__` order (see `jaxflash.ffi`)."""
+        ins = ["q", "k", "v"]
+        if self.cfg.has_q_seqlen:
+            ins.append("q_seqlen")
+        if self.cfg.has_kv_seqlen:
+            ins.append("kv_seqlen")
+        return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
+
+    @cute.jit
+    def __call__(self, *args):
+        """The bridge's order: q, k, v, [q_seqlen], [kv_seqlen], o, lse, fscalars,
+        [iscalars], stream (see the module docstring of `jaxflash.ffi`)."""
+        args = list(args)
+        mQ, mK, mV = args[0], args[1], args[2]
+        pos = 3
+        mQSeqlen = None
+        mKVSeqlen = None
+        if const_expr(self.cfg.has_q_seqlen):
+            mQSeqlen = args[pos]
+            pos += 1
+        if const_expr(self.cfg.has_kv_seqlen):
+            mKVSeqlen = args[pos]
+            pos += 1
+        mO, mLSE, mFScalars = args[pos], args[pos + 1], args[pos + 2]
+        pos += 3
+        mIScalars = None
+        if const_expr(self.cfg.has_window):
+            mIScalars = args[pos]
+            pos += 1
+        stream = args[pos]
+        if const_expr(pos + 1 != len(args)):
+            raise TypeError(f"FlashFwdSm90({self.cfg.key}) got {len(args)} arguments")
+        self.launch(mQ, mK, mV, mQSeqlen, mKVSeqlen, mO, mLSE, mFScalars, mIScalars, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
+               mO: cute.Tensor, mLSE: cute.Tensor, mFScalars: cute.Tensor,
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
+        for t in (mQ, mK, mV, mO):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        if const_expr(mLSE.element_type != Float32):
+            raise TypeError("lse must be float32")
+
+        # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want.
+        mQ, mK, mV, mO = [layouts.select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = layouts.select_modes(mLSE, [2, 1, 0])  # (T, N, B)
+
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n))
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.hdv),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd)
+        sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, self.num_stages)
+        sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv, self.num_stages)
+        sO_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hdv)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, self.hd))
+        tma_K, tma_mK = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hd), 1)
+        tma_V, tma_mV = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdv), 1)
+        tma_O, tma_mO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdv))
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        sq_elems = cute.cosize(sQ_layout)
+        if const_expr(cute.cosize(sO_layout) > sq_elems):
+            sq_elems = cute.cosize(sO_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq_elems], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        T = mQ.shape[0]
+        num_m_blocks = (T + self.tile_m - 1) // self.tile_m
+        num_heads = mQ.shape[2]
+        batch = mQ.shape[3]
+        num_tiles = num_m_blocks * num_heads * batch
+        scheduler = TileScheduler(lpt=self.has_right)
+
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen,
+            tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
+            sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv, scheduler, num_m_blocks, SharedStorage,
+        ).launch(grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------
+    # device
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_O: cute.CopyAtom,
+        mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        scheduler: cutlass.Constexpr, num_m_blocks: Int32,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=mma_warps, tx_count=self.q_bytes, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.k_bytes,
+            defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.v_bytes,
+            defer_sync=True)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
+
+        # Runtime scalars (device-resident, so new values never recompile). Softcap folds into
+        # the exp2 scale: p = exp2(c * tanh(x * s / c) * log2(e) - ...).
+        softmax_scale = mFScalars[0]
+        pre_scale = Float32(1.0)
+        scale_log2 = softmax_scale * LOG2_E
+        if const_expr(self.cfg.has_softcap):
+            softcap = mFScalars[1]
+            pre_scale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        window_left = Int32(0)
+        window_right = Int32(0)
+        if const_expr(self.cfg.has_window):
+            window_left = mIScalars[0]
+            window_right = mIScalars[1]
+            if const_expr(self.cfg.is_causal):
+                window_right = cutlass.min(window_right, Int32(0))
+
+        # Which tile, and how much of the key axis it sees.
+        T = mQ.shape[0]
+        S = mK.shape[0]
+        num_heads = mQ.shape[2]
+        num_kv_heads = mK.shape[2]
+        batch_size = mQ.shape[3]
+        bid, _, _ = cute.arch.block_idx()
+        kv_bytes_per_head = S * (self.hd + self.hdv) * (self.dtype.width // 8)
+        m_block, head, batch = scheduler.decode(bid, num_m_blocks, num_heads, batch_size,
+                                                kv_bytes_per_head)
+        kv_head = head // (num_heads // num_kv_heads)
+        seqlen_q = T
+        if const_expr(mQSeqlen is not None):
+            seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
+        seqlen_k = S
+        if const_expr(mKVSeqlen is not None):
+            seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
+        blocks = BlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
+                            window_left, window_right)
+        n_min, n_max = blocks.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        if m_block * self.tile_m >= seqlen_q:
+            n_max = n_min  # every row of the tile is past the query length: nothing to load
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                             m_block, head, kv_head, batch, n_min, n_max)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v,
+                         tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
+                         pre_scale, scale_log2, window_left, window_right, blocks,
+                         m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k, T)
+
+    @cute.jit
+    def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                m_block: Int32, head: Int32, kv_head: Int32, batch: Int32,
+                n_min: Int32, n_max: Int32):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
+        gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        if n_max > n_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                    self.num_stages)
+            n = n_max - 1
+            # K of the first (rightmost) block before Q: the consumers need both to start.
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_K, tKgK[None, n], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            if const_expr(self.overlap):
+                # The consumers use K[j-1] before V[j]: load in that order.
+                for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                    n_prev = n_max - 1 - i
+                    prev_state = kv_state.clone()
+                    kv_state.advance()
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(tma_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(prev_state)
+                    cute.copy(tma_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_V, tVgV[None, n_min], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            else:
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_V, tVgV[None, n], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                    n = n_max - 2 - i
+                    kv_state.advance()
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(tma_K, tKgK[None, n], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(tma_V, tVgV[None, n], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+
+    @cute.jit
+    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32,
+                warp_idx: Int32, pre_scale: Float32, scale_log2: Float32,
+                window_left: Int32, window_right: Int32, blocks: cutlass.Constexpr,
+                m_block: Int32, head: Int32, batch: Int32, n_min: Int32, n_max: Int32,
+                seqlen_q: Int32, seqlen_k: Int32, T: Int32):
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        wg_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg * 128)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(layouts.transpose_mn(sV)))
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdv)))
+        acc_O.fill(0.0)
+        tOrP = cute.make_rmem_tensor_like(layouts.acc_as_operand_a(acc_S), self.dtype)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+        num_rows = cute.size(layouts.acc_as_rows_cols(acc_S), mode=[0])
+        # Epilogue partitions, derived before the mainloop mutates the MMA atoms' accumulate flag.
+        tOcO_rc = layouts.acc_as_rows_cols(
+            thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdv))))
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        softmax = OnlineSoftmax(scale_log2, num_rows)
+        softmax.row_max.fill(-Float32.inf)
+        softmax.row_sum.fill(0.0)
+
+        if const_expr(self.pingpong):
+            if wg == 0:  # warpgroup 0 issues first
+                cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
+                                         number_of_threads=2 * 128)
+
+        if n_max > n_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                    self.num_stages)
+            pipe_q.consumer_wait(q_state)
+            step = lambda st, n, ms, mr, ml: self.one_block(
+                st, n, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S,
+                acc_O, tOrP, tScS, softmax, wg, m_block, seqlen_k, pre_scale, window_left,
+                window_right, ms, mr, ml)
+
+            n = n_max - 1
+            if const_expr(self.overlap):
+                # First half block: S and P of the rightmost block only.
+                pipe_k.consumer_wait(kv_state)
+                layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                              zero_init=True, wait=0)
+                pipe_k.consumer_release(kv_state)
+                self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
+                            window_right, True, self.has_right, self.has_left)
+                softmax.step(acc_S, is_first=True)
+                tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+            else:
+                kv_state = step(kv_state, n, True, self.has_right, self.has_left)
+            # Blocks cut by the right (causal/window) bound.
+            n_right = blocks.n_block_min_right_mask(m_block, n_min)
+            count = cutlass.max(n - n_right, 0)
+            for i in cutlass.range(count, unroll=1):
+                kv_state = step(kv_state, n - 1 - i, False, self.has_right, self.has_left)
+            n = n - count
+            # Fully visible blocks.
+            n_left = blocks.n_block_min_no_left_mask(m_block, n_min)
+            count = cutlass.max(n - n_left, 0)
+            for i in cutlass.range(count, unroll=1):
+                kv_state = step(kv_state, n - 1 - i, False, False, False)
+            n = n - count
+            # Blocks cut by the window's left bound.
+            if const_expr(self.has_left):
+                count = cutlass.max(n - n_min, 0)
+                for i in cutlass.range(count, unroll=1):
+                    kv_state = step(kv_state, n - 1 - i, False, self.has_right, True)
+            pipe_q.consumer_release(q_state)
+            if const_expr(self.overlap):
+                # Last half block: O += P V of the leftmost block.
+                pipe_v.consumer_wait(kv_state)
+                layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                              zero_init=False, wait=0)
+                pipe_v.consumer_release(kv_state)
+                kv_state.advance()
+
+        # ---- epilogue ----
+        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        inv = softmax.finalize(lse)
+        if const_expr(self.cfg.has_q_seqlen):
+            # Rows past the query length: output 0 and LSE -inf (they attend to nothing).
+            for r in cutlass.range_constexpr(num_rows):
+                if m_block * self.tile_m + tOcO_rc[r, 0][0] >= seqlen_q:
+                    inv[r] = Float32(0.0)
+                    lse[r] = -Float32.inf
+        rescale_rows(acc_O, inv)
+
+        if tOcO_rc[0, 0][1] == 0:  # the thread holding column 0 of its rows writes LSE
+            for r in cutlass.range_constexpr(num_rows):
+                row = m_block * self.tile_m + tOcO_rc[r, 0][0]
+                if row < T:
+                    mLSE[row, head, batch] = lse[r]
+
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        # Each warpgroup overwrites only the Q rows its own (finished) GEMMs read.
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+        cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdv), (m_block, 0))
+        tOsO, tOgO = cpasync.tma_partition(tma_O, 0, cute.make_layout(1),
+                                           cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+        if warp_idx == 4:
+            cute.copy(tma_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
+               pre_scale: Float32, window_left: Int32, window_right: Int32,
+               mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
+               mask_left: cutlass.Constexpr):
+        """Logit transform (softcap) then masks, in place on the S accumulator."""
+        if const_expr(self.cfg.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
+        if const_expr(mask_seqlen or mask_right or mask_left):
+            apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
+                       window_left, window_right, mask_seqlen, mask_right, mask_left)
+
+    @cute.jit
+    def one_block(self, kv_state, n_block: Int32, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                  tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, tScS, softmax: cutlass.Constexpr,
+                  wg: Int32, m_block: Int32, seqlen_k: Int32, pre_scale: Float32,
+                  window_left: Int32, window_right: Int32, mask_seqlen: cutlass.Constexpr,
+                  mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
+        """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight
+        together, softmax of S_j under the PV GEMM. Returns the advanced pipeline state."""
+        if const_expr(self.overlap):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            pipe_k.consumer_wait(kv_state)
+            self.sched_sync(wg)
+            layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                          zero_init=True, wait=-1)
+            pipe_v.consumer_wait(v_state)
+            layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                          zero_init=False, wait=-1)
+            self.sched_arrive(wg)
+            warpgroup.wait_group(1)
+            pipe_k.consumer_release(kv_state)
+            self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
+                        window_right, mask_seqlen, mask_right, mask_left)
+            row_scale = softmax.step(acc_S, is_first=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(v_state)
+            # P's registers are free only now that the PV GEMM reading them is done.
+            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+            rescale_rows(acc_O, row_scale)
+        else:
+            pipe_k.consumer_wait(kv_state)
+            self.sched_sync(wg)
+            layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                          zero_init=True, wait=-1)
+            self.sched_arrive(wg)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(kv_state)
+            self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
+                        window_right, mask_seqlen, mask_right, mask_left)
+            row_scale = softmax.step(acc_S, is_first=False)
+            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+            rescale_rows(acc_O, row_scale)
+            pipe_v.consumer_wait(kv_state)
+            layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                          zero_init=False, wait=0)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def sched_sync(self, wg: Int32):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_WG_SCHED + wg, number_of_threads=2 * 128)
+
+    @cute.jit
+    def sched_arrive(self, wg: Int32):
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED + (1 - wg),
+                                     number_of_threads=2 * 128)

@@ -1,0 +1,85 @@
+"""Layout helpers for sm_90 wgmma fragments and shared-memory tiles (CuTe DSL).
+
+A wgmma accumulator fragment per thread has the layout ``((2, 2, N/8), MMA_M, MMA_N)``: mode
+0.0 walks two adjacent columns, mode 0.1 two rows 8 apart, mode 0.2 the 8-column groups. The
+softmax wants it as a (rows, cols) matrix, and the PV GEMM (A from registers) wants the same
+registers grouped as A-operand k-blocks of 16 columns. Both are pure re-views: no data moves.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+
+def acc_as_rows_cols(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm_90 accumulator ((2, 2, V), M, N) as ((2, M), (2, V, N)) = (rows, cols)."""
+    flat = cute.make_layout(acc.layout.shape)  # compact column-major view of the index space
+    s, d = flat.shape, flat.stride
+    rows = ((s[0][1], s[1]), (d[0][1], d[1]))
+    cols = ((s[0][0], s[0][2], s[2]), (d[0][0], d[0][2], d[2]))
+    mn = cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1]))
+    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+
+def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm_90 16-bit-input accumulator ((2, 2, V), M, N) as an RS A operand.
+
+    wgmma's A fragment for a 16-wide k-block is ((2, 2, 2), M, K): two 8-column groups of the
+    accumulator form one k-block, so V splits as (2, V/2) and the V/2 part becomes the k mode.
+    """
+    lay = acc.layout
+    v = lay.shape[0][2]
+    assert v % 2 == 0, "accumulator width must be a multiple of 16 to feed an RS wgmma"
+    split = cute.logical_divide(lay, ((None, None, 2), None, None))
+    s, d = split.shape, split.stride
+    a = cute.make_layout(
+        ((s[0][0], s[0][1], s[0][2][0]), s[1], (s[0][2][1], s[2])),
+        stride=((d[0][0], d[0][1], d[0][2][0]), d[1], (d[0][2][1], d[2])),
+    )
+    return cute.make_tensor(acc.iterator, a)
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Swizzled K-major (row-major) shared-memory layout for a rows x cols tile (x stages).
+
+    The swizzle atom width follows the row width in bytes (128B when it allows), so TMA writes
+    and wgmma reads are bank-conflict free.
+    """
+    kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def transpose_mn(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a (rows, cols, ...) smem tensor without moving data."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
+    """Reorder a tensor's modes (a view)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, modes))
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+    """Issue acc (+)= a @ b over all k-blocks as one wgmma group; wait for <= `wait` groups
+    in flight afterwards (-1: do not wait)."""
+    warpgroup.fence()
+    # The accumulate flag is state of the MMA atom's IR value; setting it on the caller's
+    # tiled MMA inside runtime control flow would leak a region-local value. Use a fresh atom.
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for kb in cutlass.range_constexpr(cute.size(a.shape[2])):
+        cute.gemm(atom, acc, a[None, None, kb], b[None, None, kb], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if cutlass.const_expr(wait >= 0):
+        warpgroup.wait_group(wait)

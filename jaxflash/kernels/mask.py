@@ -1,0 +1,108 @@
+"""Tile masking and block ranges for the forward kernels (jax.nn semantics: top-left aligned).
+
+Key j is visible to query i iff ``j < seqlen_k`` and, with a causal mask, ``j <= i``, and with a
+window (left, right), ``i - left <= j <= i + right``. Causal and a window combine as a window with
+``right = min(right, 0)``. A CTA tile covers rows [m0, m0 + tile_m) and key blocks are visited
+right to left; this module says which blocks a tile needs at all (block skipping) and which of
+those need an element mask (the rest run unmasked).
+
+All bounds are runtime Int32 (window sizes never force a recompile); which bounds exist is static.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Float32
+
+from jaxflash.kernels.carry import Carried
+from jaxflash.kernels.layouts import acc_as_rows_cols
+
+
+class BlockRange(Carried):
+    """Which key blocks a query tile visits, and where masking is needed.
+
+    has_right: a right bound exists (causal or window); has_left: a left bound exists (window).
+    window_right must already be min(right, 0) when causal.
+    """
+
+    _dynamic = ("window_left", "window_right")
+
+    def __init__(self, tile_m: int, tile_n: int, has_right: bool, has_left: bool,
+                 window_left: Int32, window_right: Int32):
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.has_right = has_right
+        self.has_left = has_left
+        self.window_left = window_left
+        self.window_right = window_right
+
+    @cute.jit
+    def n_block_min_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[n_min, n_max) of key blocks holding any key visible to some row of the tile."""
+        n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        if cutlass.const_expr(self.has_right):
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
+            # columns <= last_row + right are visible; a negative bound means no block.
+            lim = cutlass.max(last_row + self.window_right + 1, 0)
+            n_max = cutlass.min(n_max, (lim + self.tile_n - 1) // self.tile_n)
+        n_min = Int32(0)
+        if cutlass.const_expr(self.has_left):
+            first_col = cutlass.max(m_block * self.tile_m - self.window_left, 0)
+            n_min = first_col // self.tile_n
+        return n_min, n_max
+
+    @cute.jit
+    def n_block_min_right_mask(self, m_block: Int32, n_min: Int32):
+        """Blocks >= this need the right (causal/window) mask; below it they are fully left
+        of every row's right bound."""
+        r = n_min
+        if cutlass.const_expr(self.has_right):
+            first_row = m_block * self.tile_m
+            lim = cutlass.max(first_row + self.window_right + 1, 0)
+            r = cutlass.max(n_min, lim // self.tile_n)
+        return r
+
+    @cute.jit
+    def n_block_min_no_left_mask(self, m_block: Int32, n_min: Int32):
+        """Blocks >= this are fully right of every row's left bound (no left mask needed)."""
+        r = n_min
+        if cutlass.const_expr(self.has_left):
+            last_row = (m_block + 1) * self.tile_m - 1
+            need = cutlass.max(last_row - self.window_left, 0)
+            r = cutlass.max(n_min, (need + self.tile_n - 1) // self.tile_n)
+        return r
+
+
+@cute.jit
+def apply_mask(acc_s: cute.Tensor, t_coord: cute.Tensor, m_block: Int32, n_block: Int32,
+               tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
+               seqlen_k: Int32, window_left: Int32, window_right: Int32,
+               mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+               mask_left: cutlass.Constexpr[bool]):
+    """Set invisible scores of one (tile_m x tile_n) block to -inf.
+
+    t_coord is the thread's partition of an identity tensor over the tile (same layout as
+    acc_s), giving each register's (row, col) inside the tile.
+    """
+    s = acc_as_rows_cols(acc_s)
+    c = acc_as_rows_cols(t_coord)
+    col0 = n_block * tile_n
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = m_block * tile_m + c[r, 0][0]
+        # Visible local columns are [lo, hi) for this row.
+        hi = Int32(tile_n)
+        if cutlass.const_expr(mask_seqlen):
+            hi = cutlass.min(hi, seqlen_k - col0)
+        if cutlass.const_expr(mask_right):
+            hi = cutlass.min(hi, row + window_right + 1 - col0)
+        lo = Int32(0)
+        if cutlass.const_expr(mask_left):
+            lo = row - window_left - col0
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = c[0, j][1]
+            if cutlass.const_expr(mask_left):
+                if col >= hi or col < lo:
+                    s[r, j] = -Float32.inf
+            else:
+                if col >= hi:
+                    s[r, j] = -Float32.inf
