@@ -75,12 +75,13 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
             delta = tiles.load(r["delta"].at[g, qs], q_rows)
             qk = tiles.dot_nt(q, k)
             bias = dm = q_ids = None
+            # One indexer per access: Triton's lowering takes no chained .at[].at[].
             if spec.has_bias:
-                ref = r["bias"].at[g] if spec.bias_n else r["bias"]
-                bias = tiles.load(ref.at[qs, :], tiles.tile_mask(q_rows, k_rows))
+                ref = r["bias"].at[g, qs, :] if spec.bias_n else r["bias"].at[qs, :]
+                bias = tiles.load(ref, tiles.tile_mask(q_rows, k_rows))
             if spec.has_mask:
-                ref = r["mask"].at[g] if spec.mask_n else r["mask"]
-                dm = tiles.load(ref.at[qs, :], tiles.tile_mask(q_rows, k_rows))
+                ref = r["mask"].at[g, qs, :] if spec.mask_n else r["mask"].at[qs, :]
+                dm = tiles.load(ref, tiles.tile_mask(q_rows, k_rows))
             if spec.has_seg:
                 q_ids = tiles.load(r["q_seg"].at[qs], q_rows)
             s = tiles.logits(qk, q_idx, k_idx, spec, static_masks=masked,
@@ -307,8 +308,8 @@ def _dbias_kernel(*refs, spec: Spec, cfg: PassConfig, names, RB: int, RN: int):
             dm = q_ids = k_ids = None
             if spec.has_mask:
                 zero = jnp.int32(0)
-                ref = r["mask"].at[b if spec.mask_b else zero, n if spec.mask_n else zero]
-                dm = tiles.load(ref.at[:, ks], tiles.tile_mask(q_rows, k_rows))
+                ref = r["mask"].at[b if spec.mask_b else zero, n if spec.mask_n else zero, :, ks]
+                dm = tiles.load(ref, tiles.tile_mask(q_rows, k_rows))
             if spec.has_seg:
                 q_ids = tiles.load(r["q_seg"].at[b, :], q_rows)
                 k_ids = tiles.load(r["kv_seg"].at[b, ks], k_rows)
