@@ -19,8 +19,10 @@ the batch, and dK/dV when the query heads of one kv head are split over devices 
 query heads beyond the kv heads, e.g. MQA): those are summed over the shards with `psum`.
 
 Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
-with a single device, eager calls, and calls under `vmap` (custom_partitioning has no batching
-rule; such calls run unpartitioned, as any jnp code would).
+with a single device, eager calls, and calls traced under `vmap` (custom_partitioning has no
+batching rule; such calls run unpartitioned, as any jnp code would). A jaxpr that already holds
+the op and is vmapped later (vmap of a jitted or checkpointed function) gets the op's body
+batched by the rule registered below.
 """
 from __future__ import annotations
 
@@ -39,6 +41,32 @@ try:  # jit-traced values; anything else (eager arrays, vmap tracers) runs unpar
     from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
 except ImportError:  # pragma: no cover - moved in some jax version: partition every traced call
     _JitTracer = jax.core.Tracer
+
+
+def _register_batching():
+    """custom_partitioning has no batching rule, and a jaxpr holding our op can still meet vmap
+    (vmap of a jitted or checkpointed function). Batch the op's own body then: same result,
+    unpartitioned. Registered only if JAX has none (private API: skipped if it moves)."""
+    try:
+        from jax._src import core as jcore
+        from jax._src.custom_partitioning import custom_partitioning_p as prim
+        from jax._src.interpreters import batching
+    except ImportError:  # pragma: no cover
+        return
+    registry = getattr(batching, "fancy_primitive_batchers", batching.primitive_batchers)
+    if prim in registry:
+        return
+
+    def rule(args, dims, *, call, **_):
+        nm = getattr(batching, "not_mapped", None)
+        axes = tuple(None if d is nm else d for d in dims)
+        outs = jax.vmap(jcore.jaxpr_as_fun(call), in_axes=axes)(*args)
+        return outs, [0] * len(outs)
+
+    batching.primitive_batchers[prim] = rule
+
+
+_register_batching()
 
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, problem: Problem):

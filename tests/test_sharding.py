@@ -139,7 +139,8 @@ def test_hlo_check_can_fail(partitioned, monkeypatch):
 
 
 def test_unsharded_calls_are_untouched():
-    """One device, eager, or vmap: no custom partitioning in the program at all."""
+    """One device, eager, or vmap: no custom partitioning in the program at all; and a jaxpr
+    holding the op can still be vmapped."""
     q, k, v, _ = Case(B=2, T=8, S=8, N=2, K=2, H=8).make()
     f = lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True, implementation="xla")
     text = jax.jit(f).lower(q, k, v).as_text()
@@ -149,6 +150,11 @@ def test_unsharded_calls_are_untouched():
     assert_close(f(q, k, v), ref, FWD_TOL["float32"], "eager")
     batched = jax.jit(jax.vmap(f))(q[None], k[None], v[None])[0]
     assert_close(batched, ref, FWD_TOL["float32"], "vmap")
+    # vmap of an already traced (jitted / checkpointed) call: the op's body is batched.
+    loss = lambda q: jnp.sum(jax.vmap(jax.checkpoint(jax.jit(f)))(q, k[None], v[None]) ** 2)
+    g = jax.jit(jax.grad(loss))(q[None])[0]
+    g_ref = jax.grad(lambda q: jnp.sum(f(q, k, v) ** 2))(q)
+    assert_close(g, g_ref, GRAD_TOL["float32"], "grad of vmap of checkpoint of jit")
 
 
 def _pallas_reason():
