@@ -1,0 +1,263 @@
+"""Build, check and time the Hopper forward kernel on the device machine (no DSL needed there).
+
+  # here (DSL installed): compile every variant the device run needs into a kernel directory
+  python -m jaxflash.kernels.devrun build --out .device/kernels
+  # on the H200 (JAXFLASH_KERNEL_DIR=.device/kernels, CUTE_DSL_RUNTIME_LIB=<unpacked lib>)
+  python -m jaxflash.kernels.devrun check --out $OUT/check.json
+  python -m jaxflash.kernels.devrun bench --out $OUT/bench.json
+
+`check` compares output and LSE with the float32 reference (fresh random inputs, odd lengths,
+GQA/MQA, causal with T != S, windows, softcap, per-batch lengths including empty rows) and also
+records cuDNN's error on the same inputs. `bench` times the kernel beside
+``jax.nn.dot_product_attention(implementation="cudnn")`` in the same process on the anchor grid
+(B*S = 16384, N*D = 2048, bf16, D in {64, 128, 256}, S in {1k, 4k, 16k}, causal in {0, 1}).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from jaxflash.kernels.config import FwdConfig
+from jaxflash.kernels.fwd_launch import fwd_launch
+
+# (name, config kwargs, problem): problem = (B, T, S, N, K, extras)
+CHECKS = [
+    ("bf16 h128 dense gqa4 odd", dict(head_dim=128), (2, 1000, 1000, 8, 2, {})),
+    ("bf16 h128 causal T<S", dict(head_dim=128, is_causal=True), (2, 777, 1300, 4, 4, {})),
+    ("bf16 h128 causal T>S", dict(head_dim=128, is_causal=True), (1, 1300, 700, 4, 2, {})),
+    ("bf16 h64 dense mqa", dict(head_dim=64), (2, 257, 300, 6, 1, {})),
+    ("bf16 h64 causal", dict(head_dim=64, is_causal=True), (2, 1024, 1024, 4, 2, {})),
+    ("fp16 h64 dense", dict(dtype="float16", head_dim=64), (3, 129, 77, 2, 2, {})),
+    ("fp16 h128 causal", dict(dtype="float16", head_dim=128, is_causal=True),
+     (2, 640, 640, 4, 1, {})),
+    ("bf16 h96 dense", dict(head_dim=96), (2, 333, 333, 4, 4, {})),
+    ("bf16 h192 causal", dict(head_dim=192, is_causal=True), (1, 900, 900, 4, 2, {})),
+    ("bf16 h256 dense", dict(head_dim=256), (1, 513, 513, 4, 4, {})),
+    ("bf16 h256 causal", dict(head_dim=256, is_causal=True), (2, 700, 700, 2, 1, {})),
+    ("bf16 h128 softcap causal", dict(head_dim=128, is_causal=True, has_softcap=True),
+     (2, 500, 500, 4, 2, {"softcap": 20.0})),
+    ("bf16 h128 window", dict(head_dim=128, has_window=True),
+     (2, 800, 800, 4, 2, {"window": (100, 37)})),
+    ("bf16 h64 causal window", dict(head_dim=64, is_causal=True, has_window=True),
+     (2, 700, 700, 4, 4, {"window": (129, 0)})),
+    ("bf16 h128 seqlens", dict(head_dim=128, has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h64 tiny", dict(head_dim=64), (1, 128, 128, 1, 1, {})),
+]
+
+BENCH_DIMS = (64, 128, 256)
+BENCH_S = (1024, 4096, 16384)
+
+
+def bench_configs():
+    return [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
+
+
+def all_configs():
+    cfgs = {FwdConfig(**kw) for _, kw, _ in CHECKS}
+    cfgs.update(bench_configs())
+    return sorted(cfgs, key=lambda c: c.key)
+
+
+# -- build (DSL machine) ---------------------------------------------------------------------
+def build(out: str) -> None:
+    from jaxflash.ffi import cache
+    from jaxflash.ffi.compiler import compile_launch, dsl_version
+    for cfg in all_configs():
+        launch = fwd_launch(cfg)
+        t0 = time.time()
+        data, why = cache.read_entry(out, launch, dsl_version())
+        if data is None:
+            cache.write_entry(out, launch, compile_launch(launch), dsl_version())
+        print(f"{cfg.key}: {'cached' if data is not None else 'built'} "
+              f"{time.time() - t0:.1f}s", flush=True)
+
+
+# -- device side -----------------------------------------------------------------------------
+def ours(q, k, v, cfg, scale, softcap=None, window=None, q_seqlen=None, kv_seqlen=None):
+    import jax
+    import jax.numpy as jnp
+    from jaxflash import ffi
+    B, T, N, _ = q.shape
+    ins = [q, k, v] + [x for x in (q_seqlen, kv_seqlen) if x is not None]
+    outs = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
+            jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
+    o, lse = ffi.call(fwd_launch(cfg), *ins, out_shapes=outs,
+                      scalars=(scale, softcap if softcap else 1.0),
+                      int_scalars=tuple(window) if window else ())
+    return o, lse
+
+
+def _rel(x, ref):
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm((x - ref).ravel()) / max(np.linalg.norm(ref.ravel()), 1e-30))
+
+
+def check(out_path: str) -> bool:
+    import jax
+    import jax.numpy as jnp
+    import jaxflash
+    rows, ok_all = [], True
+    for name, kw, (B, T, S, N, K, ex) in CHECKS:
+        cfg = FwdConfig(**kw)
+        dt = jnp.dtype(cfg.dtype)
+        key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
+        ks = jax.random.split(key, 3)
+        H = cfg.head_dim
+        q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
+        k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dt)
+        v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dt)
+        scale = 1.0 / np.sqrt(H)
+        qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None
+        kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
+        row = {"name": name, "config": cfg.key, "shape": [B, T, S, N, K, H]}
+        try:
+            f = jax.jit(lambda q, k, v, qs, kvs: ours(q, k, v, cfg, scale, ex.get("softcap"),
+                                                      ex.get("window"), qs, kvs))
+            o, lse = f(q, k, v, qs, kvs)
+            o = np.asarray(o.astype(jnp.float32))
+            lse = np.asarray(lse)
+            up = lambda x: x.astype(jnp.float32)
+            ref_o, ref_lse = jaxflash.flash_attention(
+                up(q), up(k), up(v), scale=scale, is_causal=cfg.is_causal,
+                local_window_size=ex.get("window"), softcap=ex.get("softcap"),
+                query_seq_lengths=qs, key_value_seq_lengths=kvs, implementation="xla",
+                return_residual=True)
+            ref_o = np.asarray(ref_o)
+            ref_lse = np.transpose(np.asarray(ref_lse), (0, 2, 1))  # [B,T,N] -> [B,N,T]
+            fin = np.isfinite(ref_lse)
+            row["nan_out"] = int(np.isnan(o).sum())
+            row["rel_out"] = _rel(o, ref_o)
+            row["rel_lse"] = _rel(lse[fin], ref_lse[fin]) if fin.any() else 0.0
+            row["empty_rows"] = int((~fin).sum())
+            row["empty_lse_ok"] = bool(np.all(np.isneginf(lse[~fin])))
+            row["max_abs_out_where_empty"] = float(
+                np.abs(np.transpose(o, (0, 2, 1, 3))[~fin]).max()) if (~fin).any() else 0.0
+            tol = {"bfloat16": 2e-2, "float16": 4e-3}[cfg.dtype]
+            row["ok"] = bool(row["nan_out"] == 0 and row["rel_out"] < tol
+                             and row["rel_lse"] < 1e-3 and row["empty_lse_ok"]
+                             and row["max_abs_out_where_empty"] == 0.0)
+            if not cfg.has_window and not cfg.has_softcap and qs is None and N % K == 0:
+                try:
+                    c = jax.nn.dot_product_attention(q, k, v, scale=scale,
+                                                     is_causal=cfg.is_causal,
+                                                     implementation="cudnn")
+                    row["rel_out_cudnn"] = _rel(np.asarray(c.astype(jnp.float32)), ref_o)
+                except Exception as e:  # cuDNN refuses some shapes (T != S causal etc.)
+                    row["rel_out_cudnn"] = f"refused: {type(e).__name__}"
+        except Exception as e:
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        ok_all &= row["ok"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
+    return ok_all
+
+
+def _time(fn, args, iters):
+    import jax
+    out = fn(*args)
+    jax.block_until_ready(out)
+    best = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best.append((time.perf_counter() - t0) / iters)
+    return float(np.median(best))
+
+
+def bench(out_path: str, only=None) -> None:
+    import jax
+    import jax.numpy as jnp
+    rows = []
+    for D in BENCH_DIMS:
+        for S in BENCH_S:
+            for causal in (False, True):
+                if only and (D, S, causal) not in only:
+                    continue
+                B, N = 16384 // S, 2048 // D
+                key = jax.random.key(S + D + causal)
+                ks = jax.random.split(key, 3)
+                q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.float32).astype(jnp.bfloat16)
+                           for kk in ks)
+                cfg = FwdConfig(head_dim=D, is_causal=causal)
+                scale = 1.0 / np.sqrt(D)
+                f_ours = jax.jit(lambda q, k, v: ours(q, k, v, cfg, scale)[0])
+                f_cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
+                flops = 4 * B * N * S * S * D / (2 if causal else 1)
+                row = {"D": D, "S": S, "causal": int(causal), "B": B, "N": N}
+                try:
+                    a = np.asarray(f_ours(q, k, v).astype(jnp.float32))
+                    b = np.asarray(f_cudnn(q, k, v).astype(jnp.float32))
+                    row["rel_vs_cudnn"] = _rel(a, b)
+                    iters = max(3, int(2e11 / flops * 20))
+                    t_o = _time(f_ours, (q, k, v), iters)
+                    t_c = _time(f_cudnn, (q, k, v), iters)
+                    row.update(ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
+                               ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
+                               ratio=t_c / t_o)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    # the tiny call: B=1, N=1, T=S=128, D=64, wall time including dispatch
+    q, k, v = (jax.random.normal(kk, (1, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
+               for kk in jax.random.split(jax.random.key(0), 3))
+    cfg = FwdConfig(head_dim=64)
+    f_ours = jax.jit(lambda q, k, v: ours(q, k, v, cfg, 0.125)[0])
+    f_cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=0.125, implementation="cudnn"))
+    tiny = {"tiny": True}
+    for nm, f in (("ours", f_ours), ("cudnn", f_cudnn)):
+        jax.block_until_ready(f(q, k, v))
+        ts = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, k, v))
+            ts.append(time.perf_counter() - t0)
+        tiny[f"{nm}_us"] = float(np.median(ts) * 1e6)
+    print(json.dumps(tiny), flush=True)
+    rows.append(tiny)
+    meta = {"gpu": _gpu_name(), "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+            "python": platform.python_version(), "rows": rows}
+    with open(out_path, "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def _gpu_name():
+    try:
+        import jax
+        return jax.devices()[0].device_kind
+    except Exception:
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", choices=["build", "check", "bench"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
+    a = p.parse_args(argv)
+    if a.cmd == "build":
+        build(a.out)
+    elif a.cmd == "check":
+        sys.exit(0 if check(a.out) else 1)
+    else:
+        only = {tuple(int(x) for x in s.split(":")) for s in a.only.split(",") if s}
+        bench(a.out, {(d, s, bool(c)) for d, s, c in only} or None)
+
+
+if __name__ == "__main__":
+    main()
