@@ -22,14 +22,15 @@ from __future__ import annotations
 import os
 import threading
 
-# The DSL decides at import whether it may target an architecture other than the local GPU's;
-# without this variable (and without a GPU) exporting an sm_90a object fails. Any value set
-# before import works for every arch afterwards (we pass ``--gpu-arch`` per compile).
+# The DSL reads its target (``CUTE_DSL_ARCH``, else the local GPU, else sm_100a) once, into its
+# settings singleton; when that differs from ``--gpu-arch`` it may try to build a host JIT engine
+# for a GPU that is not there and fail to export. We keep the two equal per compile (below).
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: E402
 from cutlass.jax.types import (  # noqa: E402
     DEFAULT_CUTLASS_DEVICE_MEMSPACE, JaxArray, JaxTracedArray, jax_to_cutlass_dtype)
 
@@ -77,7 +78,10 @@ def compile_launch(launch: Launch) -> bytes:
     n_scal = bool(launch.scalars) + bool(launch.int_scalars)
     with _DSL_LOCK:
         prev = os.environ.get("CUTE_DSL_ARCH")
+        envar = CuTeDSL._get_dsl().envar  # what cutlass.jax itself uses to reach the settings
+        prev_arch = envar.arch
         os.environ["CUTE_DSL_ARCH"] = launch.arch
+        envar.arch = launch.arch
         try:
             kernel = kernel_cls(launch.config)
             compiled = cute.compile(_launcher, cuda.CUstream(0), *args, kernel=kernel,
@@ -85,6 +89,7 @@ def compile_launch(launch: Launch) -> bytes:
                                     options=f"--gpu-arch {launch.arch}")
             return bytes(compiled.dump_to_object(EXPORT_PREFIX))
         finally:
+            envar.arch = prev_arch
             if prev is None:
                 os.environ.pop("CUTE_DSL_ARCH", None)
             else:

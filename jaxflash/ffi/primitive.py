@@ -54,7 +54,7 @@ def call(launch: Launch, *inputs, out_shapes: Sequence, scalars: Sequence = (),
                          f"{len(launch.inputs)}")
     for i, (x, t) in enumerate(zip(inputs, launch.inputs)):
         t.check(x, f"{launch.kernel} input {i}")
-    out_shapes = tuple(jax.ShapeDtypeStruct(tuple(int(d) for d in s.shape), jnp.dtype(s.dtype))
+    out_shapes = tuple(jax.ShapeDtypeStruct(tuple(_dim(d) for d in s.shape), jnp.dtype(s.dtype))
                        for s in out_shapes)
     if len(out_shapes) != len(launch.outputs):
         raise ValueError(f"{launch.kernel}: {len(out_shapes)} output shapes given, the variant "
@@ -70,6 +70,14 @@ def call(launch: Launch, *inputs, out_shapes: Sequence, scalars: Sequence = (),
             args.append(jnp.stack([jnp.asarray(v, dt).reshape(()) for v in vals]))
     out_avals = tuple((s.shape, s.dtype.name) for s in out_shapes)
     return tuple(cute_call_p.bind(*args, launch=launch, out_avals=out_avals))
+
+
+def _dim(d):
+    """Concrete dims as int; symbolic ones (jax.export shape polymorphism) as they are."""
+    try:
+        return int(d)
+    except Exception:  # a symbolic dimension: it stays symbolic, and dynamic in the kernel
+        return d
 
 
 def _abstract_eval(*args, launch, out_avals):

@@ -1,0 +1,17 @@
+"""CuTe DSL kernels (Hopper sm_90a, Blackwell sm_100a), run through `jaxflash.ffi`.
+
+This file stays free of the DSL: it only names the kernels, so runtime-only machines and
+``python -m jaxflash.aot`` can find a kernel's DSL-free config and launch description without
+importing ``cutlass``. Each entry: (config class, ``launch(config, arch) -> jaxflash.ffi.Launch``,
+architectures the kernel is written for).
+"""
+from __future__ import annotations
+
+KERNELS = {
+    # The bridge's own test kernel: out = alpha * x + y.
+    "selftest": ("jaxflash.kernels._selftest_config:SelfTestConfig",
+                 "jaxflash.kernels._selftest_config:selftest_launch", ("sm_90a", "sm_100a")),
+    # FlashAttention forward for Hopper.
+    "hopper_fwd": ("jaxflash.kernels.config:FwdConfig",
+                   "jaxflash.kernels.fwd_launch:fwd_launch", ("sm_90a",)),
+}
