@@ -39,6 +39,12 @@ def _probs(s, lse):
     return jnp.exp2(s - lse2[:, None])
 
 
+def _probs_t(s_t, lse):
+    """`_probs` for a transposed [bk, bq] tile."""
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * tiles.LOG2E)
+    return jnp.exp2(s_t - lse2[None, :])
+
+
 # ---- dK / dV ------------------------------------------------------------------------------
 
 def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
@@ -73,7 +79,10 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
             do = tiles.load(r["do"].at[qs, g, :], tiles.tile_mask(q_rows, hv))
             lse = tiles.load(r["lse"].at[g, qs], q_rows)
             delta = tiles.load(r["delta"].at[g, qs], q_rows)
-            qk = tiles.dot_nt(q, k)
+            # Keys on rows ([bk, bq] tiles, as the Triton tutorial's backward): P^T and dS^T
+            # come out of the dots in the layout the next dots consume, with no register
+            # transposes of the big tiles; only the loaded q/dO tiles are read transposed.
+            kq = tiles.dot_nt(k, q)
             bias = dm = q_ids = None
             # One indexer per access: Triton's lowering takes no chained .at[].at[].
             if spec.has_bias:
@@ -84,17 +93,17 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
                 dm = tiles.load(ref, tiles.tile_mask(q_rows, k_rows))
             if spec.has_seg:
                 q_ids = tiles.load(r["q_seg"].at[qs], q_rows)
-            s = tiles.logits(qk, q_idx, k_idx, spec, static_masks=masked,
-                             q_tail=masked and q_tail, k_tail=False, slope=slope, bias=bias,
-                             dense_mask=dm, q_ids=q_ids, k_ids=k_ids, q_len=q_len,
-                             kv_len=kv_len)
-            p = _probs(s, lse)
-            dv = dv + tiles.dot_tn(p.astype(do.dtype), do)
-            dp = tiles.dot_nt(do, v)
-            ds = p * (dp - delta[:, None])
+            s_t = tiles.logits(kq, q_idx, k_idx, spec, static_masks=masked,
+                               q_tail=masked and q_tail, k_tail=False, slope=slope, bias=bias,
+                               dense_mask=dm, q_ids=q_ids, k_ids=k_ids, q_len=q_len,
+                               kv_len=kv_len, transposed=True)
+            p_t = _probs_t(s_t, lse)
+            dv = dv + tiles.dot_nn(p_t.astype(do.dtype), do)
+            dp_t = tiles.dot_nt(v, do)
+            ds_t = p_t * (dp_t - delta[None, :])
             if spec.softcap is not None:
-                ds = ds * tiles.softcap_grad(qk, spec)
-            dk = dk + tiles.dot_tn(ds.astype(q.dtype), q)
+                ds_t = ds_t * tiles.softcap_grad(kq, spec)
+            dk = dk + tiles.dot_nn(ds_t.astype(q.dtype), q)
             return dk, dv
 
         return tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,

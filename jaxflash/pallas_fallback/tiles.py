@@ -132,13 +132,25 @@ def _prec(a):
 
 def logits(qk, q_idx, k_idx, spec: Spec, *, static_masks: bool, q_tail: bool, k_tail: bool,
            slope=None, bias=None, dense_mask=None, q_ids=None, k_ids=None, q_len=None,
-           kv_len=None):
+           kv_len=None, transposed: bool = False):
     """qk = q.k (float32 [bq, bk]) -> logits x log2(e), masked entries -inf.
 
     `static_masks=False` skips the causal/window select for tiles known to be fully visible;
     q_tail/k_tail add ``q_idx < T`` / ``k_idx < S`` for blocks that may run past the end;
     q_len/kv_len (the call's seq lengths, clipped to [0, T] / [0, S]) cover the tails too.
     """
+    # Row/column broadcasting of the per-query and per-key vectors; transposed tiles
+    # ([bk, bq], used by the dK/dV kernel) put keys on rows. bias/mask come as [bq, bk].
+    if transposed:
+        qi, ki = q_idx[None, :], k_idx[:, None]
+        qs_ = None if q_ids is None else q_ids[None, :]
+        ks_ = None if k_ids is None else k_ids[:, None]
+        bias = None if bias is None else bias.T
+        dense_mask = None if dense_mask is None else dense_mask.T
+    else:
+        qi, ki = q_idx[:, None], k_idx[None, :]
+        qs_ = None if q_ids is None else q_ids[:, None]
+        ks_ = None if k_ids is None else k_ids[None, :]
     if q_len is None and q_tail:
         q_len = spec.T
     if kv_len is None and k_tail:
@@ -146,16 +158,14 @@ def logits(qk, q_idx, k_idx, spec: Spec, *, static_masks: bool, q_tail: bool, k_
     if spec.plain_logits:
         s = qk * (spec.scale * LOG2E)
     else:
-        s = masking.transform_logits(qk, q_idx[:, None], k_idx[None, :], scale=spec.scale,
+        s = masking.transform_logits(qk, qi, ki, scale=spec.scale,
                                      softcap=spec.softcap, alibi_slope=slope, bias=bias)
         s = s * LOG2E
     keep = masking.keep(
-        q_idx[:, None], k_idx[None, :],
+        qi, ki,
         is_causal=spec.is_causal and static_masks,
         window=spec.window if static_masks else None,
-        q_seqlen=q_len, kv_seqlen=kv_len,
-        q_seg=None if q_ids is None else q_ids[:, None],
-        kv_seg=None if k_ids is None else k_ids[None, :])
+        q_seqlen=q_len, kv_seqlen=kv_len, q_seg=qs_, kv_seg=ks_)
     if dense_mask is not None:
         keep = and_(keep, dense_mask != 0)
     if keep is not None:
