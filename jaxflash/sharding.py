@@ -6,14 +6,16 @@ its operands. Attention is independent per (batch row, kv head group), so each s
 backend on its own slice with no communication. `forward` and `backward` wrap the backend in
 `jax.experimental.custom_partitioning` to say exactly that, to both partitioners:
 
-- Shardy (the default): a sharding rule in einsum notation, one factor per dim. Query heads are
-  the compound factor ``(k g)`` (kv head major, group minor: query head n reads kv head n // G),
-  so head shardings of q and k/v stay consistent for GQA/MQA. Sequence dims and head dims are
-  ``need_replication`` factors: sequence sharding is ring attention's job (`jaxflash.ring`).
-- GSPMD: `infer_sharding_from_operands` and `partition` derive the same plan from q's sharding.
+- Shardy (the default): a sharding rule in einsum notation, one factor per dim; batch and head
+  factors pass through, sequence dims and head dims are ``need_replication`` factors
+  (sequence sharding is ring attention's job, `jaxflash.ring`).
+- GSPMD: `infer_sharding_from_operands` gives the result shardings.
 
-Both end in `partition`, which recomputes the `Problem` for the local shapes and runs the
-backend on each shard. The only communication ever added is in the backward, for gradients of
+Both end in `partition`, which fixes one plan from q's sharding (k's when q's heads are not
+sharded): batch axes, query-head axes and kv-head axes consistent with the GQA grouping (query
+head n reads kv head n // G, so a shard holds whole kv heads with all their query heads, or one
+kv head with a slice of its group); operands that disagree are resharded to it. It then
+recomputes the `Problem` for the local shapes and runs the backend on each shard. The only communication ever added is in the backward, for gradients of
 operands broadcast over a sharded dim: a size-1 batch/head dim of `bias`, `alibi_slopes` over
 the batch, and dK/dV when the query heads of one kv head are split over devices (sharded
 query heads beyond the kv heads, e.g. MQA): those are summed over the shards with `psum`.
@@ -117,7 +119,11 @@ class _Layout(NamedTuple):
 
     def rule(self, kind: str):
         """Shardy rule (einsum string, need_replication factors, factor sizes)."""
-        nq = "(k g)" if self.group > 1 else "k"
+        # Query heads: the kv-head factor itself for MHA; for GQA/MQA a factor of their own.
+        # (The compound "(k g)" would tie them to the kv heads, but Shardy then splits a mesh
+        # axis into sub-axes when its size does not divide K, which JAX's custom_partitioning
+        # cannot hand to `partition`; `_make_plan` keeps q and k/v consistent instead.)
+        nq = "k" if self.group == 1 else "n"
         repl = ["t", "s", "h", "hv"]
 
         def dense(full, name):
@@ -142,7 +148,7 @@ class _Layout(NamedTuple):
         else:
             ops += [out, lse, out]
             res = [q, kk, vv] + ([bias] if bias else []) + ([nq] if self.alibi else [])
-        sizes = {"g": self.group} if self.group > 1 else {}
+        sizes = {}
         rule = f"{', '.join(ops)} -> {', '.join(res)}"
         # Shardy wants special factors in the order they first appear (their factor index).
         order = [w for w in rule.replace(",", " ").replace("(", " ").replace(")", " ").split()]
@@ -197,20 +203,28 @@ def _axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _make_plan(mesh, q_sharding, problem: Problem) -> _Plan:
-    """The plan from q's sharding. Kv heads take the leading query-head axes whose product
-    divides K; any further axes must then split the groups of a single kv head each (the only
-    block layouts of N = K x G that are products of a kv-head block and a group block). Head
-    sharding that fits neither is dropped (heads replicated), as is any we cannot read."""
-    spec = getattr(q_sharding, "spec", None)
-    if spec is None:  # not a NamedSharding (no mesh known): nothing to keep
+def _make_plan(mesh, q_sharding, k_sharding, problem: Problem) -> _Plan:
+    """The plan from q's sharding (k's for a dim q does not shard). Kv heads take the leading
+    query-head axes whose product divides K; any further axes must then split the group of a
+    single kv head (the only blocks of N = K x G that are a kv-head block times a group block).
+    Head sharding that fits neither is dropped (heads replicated: the partitioner gathers them),
+    as is any we cannot read."""
+    def spec_of(sh):
+        spec = getattr(sh, "spec", None)
+        return None if spec is None else tuple(spec) + (None,) * (4 - len(spec))
+
+    qs, ks = spec_of(q_sharding), spec_of(k_sharding)
+    if qs is None:  # not a NamedSharding (no mesh known): nothing to keep
         return _Plan((), (), ())
-    spec = tuple(spec) + (None,) * (4 - len(spec))
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-    batch = _axes(spec[0])
+    batch = _axes(qs[0]) or (_axes(ks[0]) if ks else ())
     if problem.batch % size(batch):
         batch = ()
-    heads = _axes(spec[2])
+    heads = _axes(qs[2])
+    if not heads and ks:  # kv heads sharded, query heads not: shard q along (whole groups)
+        kv = _axes(ks[2])
+        ok = problem.num_kv_heads % size(kv) == 0 and not set(kv) & set(batch)
+        return _Plan(batch, kv, kv) if ok else _Plan(batch, (), ())
     kv = ()
     for i in range(len(heads) + 1):
         if problem.num_kv_heads % size(heads[:i]) == 0:
@@ -249,14 +263,14 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
 def _infer(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
     """GSPMD: result shardings from the operands' (Shardy uses the rule instead)."""
     layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
-    plan = _make_plan(mesh, arg_shapes[0].sharding, problem)
+    plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, problem)
     return _shardings(kind, mesh, plan, layout)[1]
 
 
 def _partition(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
     """Per-shard lowering: the backend on local shapes, plus the psums of broadcast grads."""
     layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
-    plan = _make_plan(mesh, arg_shapes[0].sharding, problem)
+    plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, problem)
     arg_sh, res_sh = _shardings(kind, mesh, plan, layout)
 
     def local_problem(q, k, v, arrays):

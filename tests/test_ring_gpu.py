@@ -18,8 +18,11 @@ from tests.test_sharding import GATHERS, _collectives, _loss_fn
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("impl,dtype", [("xla", "float32"), ("pallas", "bfloat16")])
-@pytest.mark.parametrize("spec", [P("x"), P(None, None, "x")], ids=["batch", "heads"])
+# Few cases: every Triton / XLA compile costs device time.
+@pytest.mark.parametrize("spec,impl,dtype", [(P("x"), "xla", "float32"),
+                                             (P(None, None, "x"), "xla", "float32"),
+                                             (P("x", None, None), "pallas", "bfloat16")],
+                         ids=["batch-xla", "heads-xla", "batch-pallas"])
 def test_batch_or_heads_sharded(spec, impl, dtype):
     mesh = _mesh((2,), ("x",))
     q, k, v, _ = Case(B=2, T=256, S=256, N=4, K=2, H=64, dtype=dtype).make()
@@ -41,8 +44,8 @@ def test_batch_or_heads_sharded(spec, impl, dtype):
     assert all(counts[op] == 0 for op in GATHERS), counts
 
 
-@pytest.mark.parametrize("impl,dtype", [("xla", "float32"), ("pallas", "bfloat16")])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout,impl,dtype", [("contiguous", "xla", "float32"),
+                                               ("zigzag", "pallas", "bfloat16")])
 def test_ring_two_gpus(layout, impl, dtype):
     mesh = _mesh((2,), ("seq",))
     case = Case(B=2, T=512, S=512, N=4, K=2, H=64, dtype=dtype, kwargs=dict(is_causal=True))

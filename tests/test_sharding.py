@@ -51,6 +51,8 @@ SHARDINGS = {
     # 8-way on heads with K = 2: kv heads split over "a", each kv head's group over "b".
     "heads_split_groups": ((2, 4), ("a", "b"), P(None, None, ("a", "b")), P(None, None, "a"),
                            8, 2),
+    # MQA: the one kv head is replicated; its query heads are split (dK/dV summed).
+    "heads_mqa": ((4,), ("model",), P(None, None, "model"), P(), 8, 1),
     "batch_x_heads": ((2, 4), ("data", "model"), P("data", None, "model"),
                       P("data", None, "model"), 8, 4),
 }
