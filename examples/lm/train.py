@@ -186,19 +186,22 @@ def train(args) -> dict:
 
     losses = {}
     tokens_per_step = args.batch * cfg.seq_len
-    t_first = t_start = None
+    t_first, train_time = None, 0.0
     for step in range(start + 1, args.steps + 1):
         batch = jax.device_put(data_lib.batch(train_tokens, step, args.batch, cfg.seq_len,
                                               args.seed), batch_sh)
+        t0 = time.perf_counter()
         params, opt_state, loss = step_fn(params, opt_state, batch)
-        loss = float(loss)
+        loss = float(loss)  # waits for the step
         losses[step] = loss
         if t_first is None:
-            t_first = t_start = time.perf_counter()  # first step holds the compile; not timed
+            t_first = True  # the first step holds the compile: not timed
+        else:
+            train_time += time.perf_counter() - t0
         if step % args.log_every == 0 or step == args.steps or step == start + 1:
-            el = time.perf_counter() - t_start
             done = step - start - 1
-            speed = f"{done * tokens_per_step / el:,.0f} tok/s" if done and el > 0 else "compiling"
+            speed = (f"{done * tokens_per_step / train_time:,.0f} tok/s" if done and train_time
+                     else "compiling")
             print(f"step {step:5d}  loss {loss:.4f}  ({speed})", flush=True)
         if mgr is not None:
             import orbax.checkpoint as ocp
@@ -209,8 +212,7 @@ def train(args) -> dict:
                 print(f"killing myself after step {step} (test of resume)", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
     timed_steps = max(0, len(losses) - 1)
-    elapsed = (time.perf_counter() - t_start) if t_start else 0.0
-    tok_s = timed_steps * tokens_per_step / elapsed if timed_steps and elapsed > 0 else None
+    tok_s = timed_steps * tokens_per_step / train_time if timed_steps and train_time else None
     if mgr is not None:
         mgr.wait_until_finished()
         mgr.close()
