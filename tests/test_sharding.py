@@ -55,6 +55,9 @@ SHARDINGS = {
     "heads_mqa": ((4,), ("model",), P(None, None, "model"), P(), 8, 1),
     "batch_x_heads": ((2, 4), ("data", "model"), P("data", None, "model"),
                       P("data", None, "model"), 8, 4),
+    # The Pallas kernels (interpret mode here) with every optional operand.
+    "batch_x_heads_pallas": ((2, 2), ("data", "model"), P("data", None, "model"),
+                             P("data", None, "model"), 4, 2),
 }
 
 
@@ -63,11 +66,14 @@ SHARDINGS = {
 def test_sharded_equals_unsharded(name, partitioner):
     if partitioner == "gspmd" and name not in ("batch_x_heads", "heads_split_groups"):
         pytest.skip("GSPMD checked on the mixed layouts only (time)")
+    impl = "pallas" if name.endswith("pallas") else "xla"
+    if impl == "pallas" and _pallas_reason():
+        pytest.skip(_pallas_reason())
     shape, axes, qspec, kvspec, N, K = SHARDINGS[name]
     mesh = _mesh(shape, axes)
     causal = name != "batch"
     case = Case(B=8 if "batch" in name else 2, T=16, S=16, N=N, K=K, H=16,
-                kwargs=dict(is_causal=causal, implementation="xla"))
+                kwargs=dict(is_causal=causal, implementation=impl))
     q, k, v, kw = case.make()
     key = jax.random.key(7)
     ks = jax.random.split(key, 6)
@@ -87,7 +93,10 @@ def test_sharded_equals_unsharded(name, partitioner):
     prev = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
     try:
-        ref_val, ref_grads = step(q, k, v, bias, alibi)
+        ref_step = jax.value_and_grad(
+            _loss_fn(dict(kw, implementation="xla"), ("bias", "alibi_slopes"), w),
+            argnums=(0, 1, 2, 3, 4))
+        ref_val, ref_grads = jax.jit(ref_step)(q, k, v, bias, alibi)
         put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
         args = (put(q, qspec), put(k, kvspec), put(v, kvspec),
                 put(bias, P(None, qspec[2] if len(qspec) > 2 else None)),
@@ -167,24 +176,3 @@ def _pallas_reason():
     except Exception as e:  # noqa: BLE001 - the fallback is another engineer's work in progress
         return f"pallas backend unavailable: {e}"
     return None if d.backend == "pallas" else str(d)
-
-
-def test_pallas_batch_heads_sharded():
-    why = _pallas_reason()
-    if why:
-        pytest.skip(why)
-    mesh = _mesh((2, 2), ("data", "model"))
-    q, k, v, _ = Case(B=2, T=16, S=16, N=4, K=2, H=16).make()
-    w = jax.random.normal(jax.random.key(3), q.shape)
-    kw = dict(is_causal=True, implementation="pallas")
-    step = jax.jit(jax.value_and_grad(_loss_fn(kw, (), w), argnums=(0, 1, 2)))
-    ref_val, ref_grads = jax.jit(jax.value_and_grad(
-        _loss_fn(dict(kw, implementation="xla"), (), w), argnums=(0, 1, 2)))(q, k, v)
-    spec = NamedSharding(mesh, P("data", None, "model"))
-    args = [jax.device_put(x, spec) for x in (q, k, v)]
-    val, grads = step(*args)
-    assert_close(val, ref_val, 1e-4, "loss")
-    for what, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert_close(g, r, GRAD_TOL["float32"], what)
-    counts = _collectives(step.lower(*args).compile().as_text())
-    assert all(counts[op] == 0 for op in GATHERS), counts
