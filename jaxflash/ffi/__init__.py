@@ -37,9 +37,10 @@ THE KERNEL INTERFACE (what a kernel must offer the bridge)
    dims fixed by the variant, optional ``mode`` (a permutation: the kernel sees
    ``cute.select(layout, mode)``, e.g. ``(1, 3, 2, 0)`` presents q ``[B, T, N, H]`` as
    ``(T, H, N, B)``; no data moves) and optional ``divisibility`` (per dim, a promise the caller
-   keeps, e.g. alignment for TMA). Buffers are XLA's default row-major, compact; strides are
-   derived from the (runtime) shape; the data pointer is 256-byte aligned. Static dims also
-   become divisibility facts (a fixed last dim D makes every stride a multiple of D).
+   keeps, e.g. alignment for TMA), and ``align`` (bytes the data pointer may be assumed aligned
+   to; default and maximum 16, XLA's guarantee). Buffers are XLA's default row-major, compact;
+   strides are derived from the (runtime) shape. Static dims also become divisibility facts (a
+   fixed last dim D makes every stride a multiple of D).
 
 4. Variant key (`Launch.key`): sha256 of the canonical JSON of (kernel ref, config class and
    fields, input/output TensorArgs, scalar names, arch, e.g. ``"sm_90a"``) plus a hash of the

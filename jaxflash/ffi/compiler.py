@@ -62,7 +62,7 @@ def _placeholder(t: TensorArg):
     import jax.numpy as jnp
     order = tuple(reversed(range(len(t.shape))))  # row-major: what XLA gives by default
     return JaxTracedArray(JaxArray(jax_to_cutlass_dtype(jnp.dtype(t.dtype)), t.shape,
-                                   DEFAULT_CUTLASS_DEVICE_MEMSPACE, 256, order, t.mode,
+                                   DEFAULT_CUTLASS_DEVICE_MEMSPACE, t.align, order, t.mode,
                                    False, t.divisibility))
 
 

@@ -29,12 +29,16 @@ class TensorArg:
     dtype: numpy dtype name. shape: int = fixed by the variant, None = dynamic (read at run time).
     mode: permutation of the dims presented to the kernel (None = as stored).
     divisibility: per dim, None or a positive int the caller promises divides that dim.
+    align: byte alignment the kernel may assume for the data pointer. 16 by default: XLA
+        guarantees at least that for every buffer (entry parameters; its own allocations are
+        aligned more), and it is what TMA and 128-bit vector accesses need.
     """
 
     dtype: str
     shape: tuple[Optional[int], ...]
     mode: Optional[tuple[int, ...]] = None
     divisibility: Optional[tuple[Optional[int], ...]] = None
+    align: int = 16
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", str(self.dtype))
@@ -44,6 +48,9 @@ class TensorArg:
         if any(d is not None and d < 0 for d in self.shape):
             raise ValueError(f"TensorArg: negative dim in shape {self.shape}")
         n = len(self.shape)
+        if self.align not in (1, 2, 4, 8, 16):
+            raise ValueError(f"TensorArg: align {self.align} must be a power of two <= 16 "
+                             "(more is not guaranteed by XLA)")
         if self.mode is not None:
             mode = tuple(int(m) for m in self.mode)
             if sorted(mode) != list(range(n)):
@@ -59,11 +66,11 @@ class TensorArg:
             object.__setattr__(self, "divisibility", div)
 
     @classmethod
-    def like(cls, x, dynamic=(), mode=None, divisibility=None) -> "TensorArg":
+    def like(cls, x, dynamic=(), mode=None, divisibility=None, align=16) -> "TensorArg":
         """The TensorArg of array (or ShapeDtypeStruct) `x` with the dims in `dynamic` left open."""
         dyn = {d % len(x.shape) for d in dynamic}
         return cls(str(x.dtype), tuple(None if i in dyn else int(s) for i, s in enumerate(x.shape)),
-                   mode, divisibility)
+                   mode, divisibility, align)
 
     def describe(self) -> str:
         dims = ",".join("?" if d is None else str(d) for d in self.shape)
@@ -84,13 +91,15 @@ class TensorArg:
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape),
                 "mode": None if self.mode is None else list(self.mode),
-                "divisibility": None if self.divisibility is None else list(self.divisibility)}
+                "divisibility": None if self.divisibility is None else list(self.divisibility),
+                "align": self.align}
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorArg":
         return cls(d["dtype"], tuple(d["shape"]),
                    None if d.get("mode") is None else tuple(d["mode"]),
-                   None if d.get("divisibility") is None else tuple(d["divisibility"]))
+                   None if d.get("divisibility") is None else tuple(d["divisibility"]),
+                   int(d.get("align", 16)))
 
 
 def _tuplify(v):
