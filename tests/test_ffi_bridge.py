@@ -211,6 +211,13 @@ def test_missing_variant_error_names_variant_and_exact_command(tmp_path, monkeyp
     assert ffi.TARGET in _lower_cuda(_f, x, x, 1.5).as_text()
 
 
+def test_runtime_targets_register_once_without_a_gpu():
+    from jaxflash.ffi import runtime
+    path = ffi.register_runtime()  # the installed DSL's library; no driver needed to register
+    assert runtime.is_registered() and path.endswith("libcute_dsl_runtime.so")
+    assert ffi.register_runtime() == path
+
+
 def test_runtime_library_missing_is_a_clear_error(monkeypatch):
     from jaxflash.ffi import runtime
     monkeypatch.setattr(runtime, "_registered", None)
