@@ -176,7 +176,13 @@ def test_runs_inside_xla_command_buffers(flags):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the test process holds the GPU too
+    # XLA's own log of command-buffer formation (thunk level in jax >= 0.11), for the record.
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    env["TF_CPP_VMODULE"] = ("command_buffer_conversion_pass=2,command_buffer_thunk=1,"
+                             "command_buffer_scheduling=2")
     r = subprocess.run([sys.executable, "-c", _CMDBUF_SCRIPT], env=env, capture_output=True,
                        text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
-    print(r.stdout[-4000:], r.stderr[-4000:])
+    print(r.stdout[-4000:])
+    cb = [l for l in r.stderr.splitlines() if "command" in l.lower() and "buffer" in l.lower()]
+    print("XLA command-buffer log lines:", len(cb), *cb[:40], sep="\n")
     assert r.returncode == 0, r.stderr[-2000:]
