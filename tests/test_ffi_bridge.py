@@ -306,3 +306,19 @@ def test_export_without_disabled_check_is_refused():
     x = jnp.ones((2, 2), jnp.float32)
     with pytest.raises(ValueError, match=ffi.TARGET):
         jax.export.export(jax.jit(_f), platforms=["cuda"])(x, x, 1.0)
+
+
+def test_two_processes_share_one_compile(tmp_path):
+    """The file lock: two processes lowering the same variant into one disk cache compile once."""
+    import subprocess
+    code = ("import sys; from jaxflash import ffi; "
+            "from jaxflash.kernels._selftest_config import SelfTestConfig, selftest_launch; "
+            "print('SOURCE', ffi.get_binary(selftest_launch(SelfTestConfig('float16'), "
+            "'sm_100a')).source)")
+    env = dict(os.environ, JAXFLASH_CACHE_DIR=str(tmp_path / "shared"))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    sources = sorted(o.split("SOURCE ")[1].strip() for o, _ in outs)
+    assert sources == ["compiled", "disk_cache"]
