@@ -365,3 +365,32 @@ def test_sharded_params_and_batch_match_unsharded():
     _tree_close(nnx.state(g_s, nnx.Param), nnx.state(g_r, nnx.Param), GRAD, "sharded grads")
     want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model", None))
     assert g_s.query.kernel[...].sharding.is_equivalent_to(want, 3), "grads left the mesh layout"
+
+
+# --------------------------------------------------------------------------------------------
+# The layers on the Pallas kernels (interpret mode on CPU: small sizes)
+
+@pytest.mark.slow
+def test_layers_on_pallas_backend():
+    B, T, F, N = 1, 16, 32, 2
+    x, w = _inputs((B, T, F)), _inputs((B, T, F))
+    kw = dict(num_kv_heads=1, is_causal=True, rope=True, softcap=20.0)
+    ours = fl.FlashMultiHeadAttention(N, F, implementation="pallas", rngs=nnx.Rngs(0), **kw)
+    ref = fl.FlashMultiHeadAttention(N, F, implementation="xla", rngs=nnx.Rngs(1), **kw)
+    nnx.update(ref, nnx.state(ours, nnx.Param))
+    (_, g_o), (_, g_r) = _nnx_loss_grads(ours, x, w), _nnx_loss_grads(ref, x, w)
+    assert_close(ours(x), ref(x), FWD, "pallas layer out")
+    _tree_close(nnx.state(g_o[0], nnx.Param), nnx.state(g_r[0], nnx.Param), GRAD, "pallas grads")
+
+    # Decoding on pallas: a prefill chunk (dense mask) then single tokens (kv_seq_lengths).
+    ours.init_cache(x.shape)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = [step(ours, x[:, :14])] + [step(ours, x[:, t:t + 1]) for t in range(14, T)]
+    assert_close(jnp.concatenate(outs, axis=1), ref(x), FWD, "pallas decode vs full")
+
+    mha = nnx.MultiHeadAttention(N, F, decode=False, rngs=nnx.Rngs(1),
+                                 attention_fn=fl.make_attention_fn(implementation="pallas"))
+    mask = _padding_mask(B, T, fresh_key())
+    y = mha(x, mask=mask)
+    mha.attention_fn = nnx.dot_product_attention
+    assert_close(y, mha(x, mask=mask), FWD, "attention_fn on pallas")
