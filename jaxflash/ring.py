@@ -88,7 +88,10 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
     `jaxflash.flash_attention`. Returns the output (and with `return_residual` the LSE
     ``[B, T, N]``, gradient stopped) in the same layout and sharding.
 
-    Runs inside `jax.shard_map` over the whole mesh; call it under `jax.jit`.
+    Runs inside `jax.shard_map` over the whole mesh; call it under `jax.jit`. With
+    ``mesh=None`` it is called from inside the caller's own `jax.shard_map` instead: q, k, v
+    (and segment ids) are then this device's blocks along `seq_axis` (in `layout` order), and
+    sequence lengths are still global.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
@@ -105,31 +108,45 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
     if S != T:
         raise ValueError(f"ring_attention is self-attention: query and key sequence lengths "
                          f"must match; got {shapes}")
-    names = mesh.axis_names
-    for name, ax in (("seq_axis", seq_axis), ("batch_axis", batch_axis),
-                     ("head_axis", head_axis)):
-        if ax is not None and ax not in names:
-            raise ValueError(f"{name}={ax!r} is not an axis of the mesh {dict(mesh.shape)}")
-    used = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
-    if len(set(used)) != len(used):
-        raise ValueError(f"seq_axis, batch_axis and head_axis must differ; got {used}")
-    nseq = mesh.shape[seq_axis]
+    if mesh is None:  # already inside a shard_map: the arrays are this device's blocks
+        if batch_axis is not None or head_axis is not None:
+            raise ValueError("batch_axis / head_axis are for the mesh form; inside a shard_map "
+                             "the caller's specs already split batch and heads")
+        try:
+            nseq = int(lax.axis_size(seq_axis))
+        except (NameError, ValueError, KeyError) as e:
+            raise ValueError(f"mesh=None needs a call inside jax.shard_map over seq_axis="
+                             f"{seq_axis!r} ({e})") from None
+        mesh_shape = {seq_axis: nseq}
+        T_global = T * nseq
+    else:
+        names = mesh.axis_names
+        for name, ax in (("seq_axis", seq_axis), ("batch_axis", batch_axis),
+                         ("head_axis", head_axis)):
+            if ax is not None and ax not in names:
+                raise ValueError(f"{name}={ax!r} is not an axis of the mesh {dict(mesh.shape)}")
+        used = [a for a in (seq_axis, batch_axis, head_axis) if a is not None]
+        if len(set(used)) != len(used):
+            raise ValueError(f"seq_axis, batch_axis and head_axis must differ; got {used}")
+        mesh_shape = dict(mesh.shape)
+        nseq = mesh_shape[seq_axis]
+        T_global = T
     per = 2 * nseq if layout == "zigzag" else nseq
-    if T % per:
-        raise ValueError(f"sequence length {T} must be a multiple of {per} ({layout} layout over "
-                         f"{nseq} devices on {seq_axis!r}); got {shapes}")
-    if batch_axis is not None and B % mesh.shape[batch_axis]:
+    if T_global % per:
+        raise ValueError(f"sequence length {T_global} must be a multiple of {per} ({layout} "
+                         f"layout over {nseq} devices on {seq_axis!r}); got {shapes}")
+    if batch_axis is not None and B % mesh_shape[batch_axis]:
         raise ValueError(f"batch {B} is not divisible by mesh axis {batch_axis!r} of size "
-                         f"{mesh.shape[batch_axis]}; got {shapes}")
-    if head_axis is not None and K % mesh.shape[head_axis]:
+                         f"{mesh_shape[batch_axis]}; got {shapes}")
+    if head_axis is not None and K % mesh_shape[head_axis]:
         raise ValueError(f"key/value heads {K} are not divisible by mesh axis {head_axis!r} of "
-                         f"size {mesh.shape[head_axis]} (query heads shard with their kv head); "
+                         f"size {mesh_shape[head_axis]} (query heads shard with their kv head); "
                          f"got {shapes}")
 
     platform = dispatch.current_platform()
-    L = T // nseq
-    nh = lambda n: n // (mesh.shape[head_axis] if head_axis else 1)
-    nb = B // (mesh.shape[batch_axis] if batch_axis else 1)
+    L = T_global // nseq
+    nh = lambda n: n // (mesh_shape[head_axis] if head_axis else 1)
+    nb = B // (mesh_shape[batch_axis] if batch_axis else 1)
     # The backend is chosen once, for the first step's (largest) block problem; every other
     # block problem is the same but smaller or non-causal.
     probe = Problem(batch=nb, q_len=L, kv_len=L, num_heads=nh(N), num_kv_heads=nh(K),
@@ -142,6 +159,9 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                 statics=statics, platform=platform)
 
     extras = (arrays.q_seqlen, arrays.kv_seqlen, arrays.q_segment_ids, arrays.kv_segment_ids)
+    if mesh is None:
+        out, lse = _ring(cfg, q, k, v, extras)
+        return out if not return_residual else (out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2)))
     spec4 = P(batch_axis, seq_axis, head_axis, None)
     ext_specs = (P(batch_axis), P(batch_axis), P(batch_axis, seq_axis), P(batch_axis, seq_axis))
     ext_specs = tuple(None if x is None else s for x, s in zip(extras, ext_specs))

@@ -159,3 +159,38 @@ def test_errors():
         jaxflash.ring_attention(q, k[:, :8], v[:, :8], mesh=mesh, seq_axis="seq")
     with pytest.raises(ValueError, match="one batch dim"):
         jaxflash.ring_attention(q[0], k[0], v[0], mesh=mesh, seq_axis="seq")
+
+
+def test_inside_shard_map():
+    """mesh=None: called from the caller's own shard_map on its local blocks."""
+    mesh = _mesh((2, 2), ("data", "seq"))
+    q, k, v, _ = Case(B=2, T=16, S=16, N=2, K=1, H=8).make()
+    seg = jnp.cumsum(jax.random.bernoulli(jax.random.key(5), 0.2, (2, 16)).astype(jnp.int32), 1)
+    lens = jnp.array([16, 9], jnp.int32)
+    w = jax.random.normal(jax.random.key(6), q.shape)
+
+    def local(q, k, v, seg, lens):
+        return jaxflash.ring_attention(q, k, v, mesh=None, seq_axis="seq", layout="zigzag",
+                                       is_causal=True, q_segment_ids=seg, kv_segment_ids=seg,
+                                       key_value_seq_lengths=lens, implementation="xla")
+
+    spec = P("data", "seq")
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, spec, P("data")),
+                         out_specs=spec)
+
+    def loss_ring(q, k, v):
+        z = lambda x: to_zigzag(x, 2)
+        return jnp.sum(from_zigzag(ring(z(q), z(k), z(v), z(seg), lens), 2) * w)
+
+    def loss_ref(q, k, v):
+        return jnp.sum(jaxflash.flash_attention(
+            q, k, v, is_causal=True, q_segment_ids=seg, kv_segment_ids=seg,
+            key_value_seq_lengths=lens, implementation="xla") * w)
+
+    got = jax.jit(jax.value_and_grad(loss_ring, argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1, 2)))(q, k, v)
+    assert_close(got[0], ref[0], FWD_TOL["float32"], "loss")
+    for what, g, r in zip(("dq", "dk", "dv"), got[1], ref[1]):
+        assert_close(g, r, GRAD_TOL["float32"], what)
+    with pytest.raises(ValueError, match="shard_map"):
+        jaxflash.ring_attention(q, k, v, mesh=None, seq_axis="seq")
