@@ -49,4 +49,4 @@ def test_batch_or_heads_sharded(spec, impl, dtype):
 def test_ring_two_gpus(layout, impl, dtype):
     mesh = _mesh((2,), ("seq",))
     case = Case(B=2, T=512, S=512, N=4, K=2, H=64, dtype=dtype, kwargs=dict(is_causal=True))
-    _check(mesh, case, seq_axis="seq", layout=layout, implementation=impl)
+    _check(mesh, case, seq_axis="seq", layout=layout, implementation=impl, check_sharding=True)
