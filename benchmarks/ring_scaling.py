@@ -89,9 +89,7 @@ def main(argv=None):
     modes = a.modes.split(",")
     one = lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
                                                    implementation=a.impl)
-    for mode in modes:
-        run("single", 1, one, (q, k, v), w, mode)
-
+    jobs = {"single": (1, one, (q, k, v), w)}
     n = jax.device_count()
     if n > 1:
         mesh = Mesh(np.array(jax.devices()), ("seq",))
@@ -99,12 +97,14 @@ def main(argv=None):
         for layout in a.layouts.split(","):
             perm = (lambda x: to_zigzag(x, n)) if layout == "zigzag" else (lambda x: x)
             args = tuple(jax.device_put(perm(x), spec) for x in (q, k, v))
-            w_ring = jax.device_put(perm(w), spec)
             ring = (lambda layout: lambda q, k, v: jaxflash.ring_attention(
                 q, k, v, mesh=mesh, seq_axis="seq", layout=layout, is_causal=True,
                 implementation=a.impl))(layout)
-            for mode in modes:
-                run(f"ring-{layout}", n, ring, args, w_ring, mode)
+            jobs[f"ring-{layout}"] = (n, ring, args, jax.device_put(perm(w), spec))
+    # Mode-major, so that a run cut by --budget-s still has single vs ring for the first mode.
+    for mode in modes:
+        for name, (devices, fn, args, w_) in jobs.items():
+            run(name, devices, fn, args, w_, mode)
 
     by = {(r["name"], r["mode"]): r for r in result["rows"] if "ms" in r}
     scaling = {}
