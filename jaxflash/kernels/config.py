@@ -39,6 +39,8 @@ class FwdConfig:
     tile_m, tile_n, num_stages: CTA tile and K/V pipeline depth (None: the per-head-dim default).
     intra_wg_overlap: overlap softmax of block j with the PV GEMM of block j-1 (FA3 Alg. 2).
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
+    persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
+      epilogue (and causal tiles are dealt longest-first in a balanced order).
     """
 
     dtype: str = "bfloat16"
@@ -54,6 +56,7 @@ class FwdConfig:
     num_stages: int = 2
     intra_wg_overlap: bool = True
     pingpong: bool = True
+    persistent: bool = True
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -87,12 +90,19 @@ class FwdConfig:
                            f"(tile {self.tile_m}x{self.tile_n}, {self.num_stages} stages)")
         return True, ""
 
-    def smem_bytes(self) -> int:
+    def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
         elt = 2
         q = self.tile_m * self.head_dim * elt
         o = self.tile_m * self.head_dim_v * elt
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elt
-        return max(q, o) + kv + 1024  # + barriers and alignment
+        sep = self.separate_o if separate_o is None else separate_o
+        return (q + o if sep else max(q, o)) + kv + 1024  # + barriers and alignment
+
+    @property
+    def separate_o(self) -> bool:
+        """O gets its own shared buffer (instead of Q's) when persistent and it fits: the next
+        tile's Q then loads while this tile's epilogue runs."""
+        return self.persistent and self.smem_bytes(separate_o=True) <= SMEM_LIMIT_BYTES
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -104,7 +114,8 @@ class FwdConfig:
         feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen)) if on]
-        sched = ("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
+        sched = (("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
+                 + ("ps" if self.persistent else ""))
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
                 f"_{'-'.join(feats) or 'dense'}")

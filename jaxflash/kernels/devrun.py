@@ -42,13 +42,16 @@ CHECKS = [
     ("bf16 h256 causal", dict(head_dim=256, is_causal=True), (2, 700, 700, 2, 1, {})),
     ("bf16 h128 softcap causal", dict(head_dim=128, is_causal=True, has_softcap=True),
      (2, 500, 500, 4, 2, {"softcap": 20.0})),
-    ("bf16 h128 window", dict(head_dim=128, has_window=True),
-     (2, 800, 800, 4, 2, {"window": (100, 37)})),
-    ("bf16 h64 causal window", dict(head_dim=64, is_causal=True, has_window=True),
-     (2, 700, 700, 4, 4, {"window": (129, 0)})),
     ("bf16 h128 seqlens", dict(head_dim=128, has_q_seqlen=True, has_kv_seqlen=True),
      (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
     ("bf16 h64 tiny", dict(head_dim=64), (1, 128, 128, 1, 1, {})),
+    ("bf16 h128 plain schedule", dict(head_dim=128, is_causal=True, intra_wg_overlap=False,
+                                      pingpong=False, persistent=False),
+     (2, 500, 600, 4, 2, {})),
+    ("bf16 h64 causal window", dict(head_dim=64, is_causal=True, has_window=True),
+     (2, 700, 700, 4, 4, {"window": (129, 0)})),
+    ("bf16 h128 window", dict(head_dim=128, has_window=True),
+     (2, 800, 800, 4, 2, {"window": (100, 37)})),
 ]
 
 BENCH_DIMS = (64, 128, 256)
@@ -104,8 +107,14 @@ def check(out_path: str) -> bool:
     import jax
     import jax.numpy as jnp
     import jaxflash
+    import threading
     rows, ok_all = [], True
     for name, kw, (B, T, S, N, K, ex) in CHECKS:
+        print(f"start {name}", flush=True)
+        # A kernel that deadlocks would eat the whole device call: give each case 60 s.
+        dog = threading.Timer(60.0, lambda n=name: (print(f"HANG in {n}", flush=True),
+                                                    os._exit(3)))
+        dog.start()
         cfg = FwdConfig(**kw)
         dt = jnp.dtype(cfg.dtype)
         key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
@@ -155,11 +164,12 @@ def check(out_path: str) -> bool:
         except Exception as e:
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        dog.cancel()
         ok_all &= row["ok"]
         print(json.dumps(row), flush=True)
         rows.append(row)
-    with open(out_path, "w") as f:
-        json.dump(rows, f, indent=1)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
     return ok_all
 
 

@@ -35,9 +35,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels import layouts
+from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
 from jaxflash.kernels.mask import BlockRange, apply_mask
-from jaxflash.kernels.scheduler import TileScheduler
+from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
 
 LOG2_E = math.log2(math.e)
@@ -48,6 +49,13 @@ _BAR_WG_SCHED = 2  # 2 + consumer warpgroup index
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
+
+
+class _ConsumerCtx(Carried):
+    """Per-thread fragments the consumer reuses across tiles."""
+
+    _dynamic = ("wg", "tSrQ", "tSrK", "tOrVt", "acc_S", "acc_O", "tOrP", "tScS", "softmax",
+                "tOcO_rc")
 
 
 class FlashFwdSm90:
@@ -80,6 +88,8 @@ class FlashFwdSm90:
         # Ping-pong needs two warpgroups; FA3 finds it pays up to hdim 128 (beyond, the O
         # accumulator leaves too few registers for two softmaxes in flight to matter).
         self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
+        self.persistent = config.persistent
+        self.separate_o = config.separate_o
 
     @classmethod
     def can_implement(cls, config: FwdConfig) -> tuple[bool, str]:
@@ -173,6 +183,8 @@ class FlashFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq_elems], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[
+                self.dtype, cute.cosize(sO_layout) if self.separate_o else 0], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
@@ -182,13 +194,16 @@ class FlashFwdSm90:
         batch = mQ.shape[3]
         num_tiles = num_m_blocks * num_heads * batch
         scheduler = TileScheduler(lpt=self.has_right)
+        grid = num_tiles
+        if const_expr(self.persistent):
+            grid = cutlass.min(num_tiles, NUM_SMS)
 
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen,
             tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, scheduler, num_m_blocks, SharedStorage,
-        ).launch(grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+        ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------
@@ -233,7 +248,11 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner, dtype=self.dtype)
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                       dtype=self.dtype)
 
         # Runtime scalars (device-resident, so new values never recompile). Softcap folds into
         # the exp2 scale: p = exp2(c * tanh(x * s / c) * log2(e) - ...).
@@ -252,47 +271,86 @@ class FlashFwdSm90:
             if const_expr(self.cfg.is_causal):
                 window_right = cutlass.min(window_right, Int32(0))
 
-        # Which tile, and how much of the key axis it sees.
         T = mQ.shape[0]
-        S = mK.shape[0]
-        num_heads = mQ.shape[2]
-        num_kv_heads = mK.shape[2]
-        batch_size = mQ.shape[3]
-        bid, _, _ = cute.arch.block_idx()
-        kv_bytes_per_head = S * (self.hd + self.hdv) * (self.dtype.width // 8)
-        m_block, head, batch = scheduler.decode(bid, num_m_blocks, num_heads, batch_size,
-                                                kv_bytes_per_head)
-        kv_head = head // (num_heads // num_kv_heads)
-        seqlen_q = T
-        if const_expr(mQSeqlen is not None):
-            seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
-        seqlen_k = S
-        if const_expr(mKVSeqlen is not None):
-            seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
         blocks = BlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
                             window_left, window_right)
-        n_min, n_max = blocks.n_block_min_max(m_block, seqlen_q, seqlen_k)
-        if m_block * self.tile_m >= seqlen_q:
-            n_max = n_min  # every row of the tile is past the query length: nothing to load
+        bid, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
 
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                             m_block, head, kv_head, batch, n_min, n_max)
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                        self.num_stages)
+                r = Int32(0)
+                while r * grid < num_tiles:
+                    tile = scheduler.tile_of_round(r, bid, grid)
+                    if tile < num_tiles:
+                        m_block, head, batch, n_min, n_max, _sq, _sk = self.tile_info(
+                            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
+                        kv_head = head // (mQ.shape[2] // mK.shape[2])
+                        q_state, kv_state = self.produce(
+                            mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+                            pipe_v, q_state, kv_state, m_block, head, kv_head, batch, n_min,
+                            n_max)
+                    r += 1
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v,
-                         tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
-                         pre_scale, scale_log2, window_left, window_right, blocks,
-                         m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k, T)
+            ctx = self.consumer_setup(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+                                      scale_log2)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                    self.num_stages)
+            if const_expr(self.pingpong):
+                if (tidx - 128) // 128 == 0:  # warpgroup 0 issues first
+                    cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
+                                             number_of_threads=2 * 128)
+            r = Int32(0)
+            while r * grid < num_tiles:
+                tile = scheduler.tile_of_round(r, bid, grid)
+                if tile < num_tiles:
+                    m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k = self.tile_info(
+                        tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
+                    q_state, kv_state = self.consume(
+                        ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state, kv_state,
+                        tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx, pre_scale,
+                        window_left, window_right, blocks, m_block, head, batch, n_min, n_max,
+                        seqlen_q, seqlen_k, T)
+                r += 1
+            if const_expr(self.separate_o):
+                if warp_idx == 4:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def tile_info(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
+                  mQ, mK, mQSeqlen, mKVSeqlen, blocks: BlockRange):
+        """(m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k) of a linear tile index;
+        producer and consumers compute the same values."""
+        T = mQ.shape[0]
+        S = mK.shape[0]
+        kv_bytes_per_head = S * (self.hd + self.hdv) * (self.dtype.width // 8)
+        m_block, head, batch = scheduler.decode(tile, num_m_blocks, mQ.shape[2], mQ.shape[3],
+                                                kv_bytes_per_head)
+        seqlen_q = T
+        if const_expr(mQSeqlen is not None):
+            seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
+        seqlen_k = S
+        if const_expr(mKVSeqlen is not None):
+            seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
+        n_min, n_max = blocks.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        if m_block * self.tile_m >= seqlen_q:
+            n_max = n_min  # every row of the tile is past the query length: nothing to load
+        return m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k
 
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                m_block: Int32, head: Int32, kv_head: Int32, batch: Int32,
+                q_state, kv_state, m_block: Int32, head: Int32, kv_head: Int32, batch: Int32,
                 n_min: Int32, n_max: Int32):
+        """Issue one tile's loads; returns the advanced (q_state, kv_state)."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
         gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
         gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv), (None, 0))
@@ -302,17 +360,19 @@ class FlashFwdSm90:
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        n = n_max - 1
         if n_max > n_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                    self.num_stages)
-            n = n_max - 1
-            # K of the first (rightmost) block before Q: the consumers need both to start.
+            # K of the first (rightmost) block before Q: with a persistent CTA, Q's buffer may
+            # still be held by the previous tile's epilogue while K can already stream in.
             pipe_k.producer_acquire(kv_state)
             cute.copy(tma_K, tKgK[None, n], tKsK[None, kv_state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        # Q is loaded for every tile (even one with no visible key), so the Q/O buffer handshake
+        # with the consumers is the same for every tile.
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        if n_max > n_min:
             if const_expr(self.overlap):
                 # The consumers use K[j-1] before V[j]: load in that order.
                 for i in cutlass.range(n_max - 1 - n_min, unroll=1):
@@ -328,62 +388,68 @@ class FlashFwdSm90:
                 pipe_v.producer_acquire(kv_state)
                 cute.copy(tma_V, tVgV[None, n_min], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
             else:
                 pipe_v.producer_acquire(kv_state)
                 cute.copy(tma_V, tVgV[None, n], tVsV[None, kv_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
                 for i in cutlass.range(n_max - 1 - n_min, unroll=1):
                     n = n_max - 2 - i
-                    kv_state.advance()
                     pipe_k.producer_acquire(kv_state)
                     cute.copy(tma_K, tKgK[None, n], tKsK[None, kv_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
                     pipe_v.producer_acquire(kv_state)
                     cute.copy(tma_V, tVgV[None, n], tVsV[None, kv_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
+        return q_state, kv_state
 
     @cute.jit
-    def consume(self, mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v,
-                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32,
-                warp_idx: Int32, pre_scale: Float32, scale_log2: Float32,
-                window_left: Int32, window_right: Int32, blocks: cutlass.Constexpr,
-                m_block: Int32, head: Int32, batch: Int32, n_min: Int32, n_max: Int32,
-                seqlen_q: Int32, seqlen_k: Int32, T: Int32):
+    def consumer_setup(self, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx: Int32,
+                       scale_log2: Float32):
+        """Register fragments and partitions a consumer thread reuses for every tile."""
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_qk = tiled_mma_qk.get_slice(tidx)
         thr_pv = tiled_mma_pv.get_slice(tidx)
         wg_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(layouts.transpose_mn(sV)))
-        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
-        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdv)))
-        acc_O.fill(0.0)
-        tOrP = cute.make_rmem_tensor_like(layouts.acc_as_operand_a(acc_S), self.dtype)
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-
-        num_rows = cute.size(layouts.acc_as_rows_cols(acc_S), mode=[0])
-        # Epilogue partitions, derived before the mainloop mutates the MMA atoms' accumulate flag.
-        tOcO_rc = layouts.acc_as_rows_cols(
+        c = _ConsumerCtx()
+        c.wg = wg
+        c.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        c.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        c.tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(layouts.transpose_mn(sV)))
+        c.acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        c.acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdv)))
+        c.tOrP = cute.make_rmem_tensor_like(layouts.acc_as_operand_a(c.acc_S), self.dtype)
+        c.tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        c.num_rows = cute.size(layouts.acc_as_rows_cols(c.acc_S), mode=[0])
+        c.softmax = OnlineSoftmax(scale_log2, c.num_rows)
+        # Epilogue partitions, derived before the mainloop mutates anything.
+        c.tOcO_rc = layouts.acc_as_rows_cols(
             thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdv))))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
-        softmax = OnlineSoftmax(scale_log2, num_rows)
+        return c
+
+    @cute.jit
+    def consume(self, c, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state, kv_state,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32,
+                warp_idx: Int32, pre_scale: Float32, window_left: Int32, window_right: Int32,
+                blocks: BlockRange, m_block: Int32, head: Int32, batch: Int32, n_min: Int32,
+                n_max: Int32, seqlen_q: Int32, seqlen_k: Int32, T: Int32):
+        """One tile: mainloop over its key blocks, then the epilogue. Returns the advanced
+        (q_state, kv_state)."""
+        wg = c.wg
+        tSrQ, tSrK, tOrVt = c.tSrQ, c.tSrK, c.tOrVt
+        acc_S, acc_O, tOrP, tScS = c.acc_S, c.acc_O, c.tOrP, c.tScS
+        softmax = c.softmax
+        num_rows = c.num_rows
+        tOcO_rc = c.tOcO_rc
+        acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
 
-        if const_expr(self.pingpong):
-            if wg == 0:  # warpgroup 0 issues first
-                cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
-                                         number_of_threads=2 * 128)
-
+        pipe_q.consumer_wait(q_state)
         if n_max > n_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                    self.num_stages)
-            pipe_q.consumer_wait(q_state)
             step = lambda st, n, ms, mr, ml: self.one_block(
                 st, n, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S,
                 acc_O, tOrP, tScS, softmax, wg, m_block, seqlen_k, pre_scale, window_left,
@@ -419,7 +485,8 @@ class FlashFwdSm90:
                 count = cutlass.max(n - n_min, 0)
                 for i in cutlass.range(count, unroll=1):
                     kv_state = step(kv_state, n - 1 - i, False, self.has_right, True)
-            pipe_q.consumer_release(q_state)
+            if const_expr(self.separate_o):
+                pipe_q.consumer_release(q_state)  # last QK GEMM done: the next Q may load
             if const_expr(self.overlap):
                 # Last half block: O += P V of the leftmost block.
                 pipe_v.consumer_wait(kv_state)
@@ -427,6 +494,9 @@ class FlashFwdSm90:
                               zero_init=False, wait=0)
                 pipe_v.consumer_release(kv_state)
                 kv_state.advance()
+        else:
+            if const_expr(self.separate_o):
+                pipe_q.consumer_release(q_state)
 
         # ---- epilogue ----
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
@@ -447,7 +517,15 @@ class FlashFwdSm90:
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # Each warpgroup overwrites only the Q rows its own (finished) GEMMs read.
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        if const_expr(self.separate_o):
+            # The previous tile's TMA store must have finished reading sO.
+            if warp_idx == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        # (Aliased with Q: each warpgroup overwrites only the Q rows its own finished GEMMs read.)
         cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
         cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
@@ -457,7 +535,14 @@ class FlashFwdSm90:
         if warp_idx == 4:
             cute.copy(tma_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.separate_o):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(not self.separate_o):
+            # O's buffer is Q's: hand it back only once the store has read it.
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+            pipe_q.consumer_release(q_state)
+        q_state.advance()
+        return q_state, kv_state
 
     @cute.jit
     def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,

@@ -15,17 +15,35 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from jaxflash.kernels.carry import Carried
+
+# CTAs of a persistent launch: one per SM of an H100/H200 SXM (132). A GPU with fewer SMs still
+# runs every tile (CTAs then share SMs), just less evenly.
+NUM_SMS = 132
 # Budget of L2 (bytes) the K/V of one head section may take (H200 has 50 MB).
 L2_SECTION_BYTES = 24 * 1024 * 1024
 
 
-class TileScheduler:
+class TileScheduler(Carried):
+    """Static (no runtime state): carried through control flow as nothing."""
+
     def __init__(self, lpt: bool):
         self.lpt = lpt
 
     @staticmethod
     def num_tiles(num_m_blocks, num_heads, batch):
         return num_m_blocks * num_heads * batch
+
+    @cute.jit
+    def tile_of_round(self, r: Int32, cta: Int32, grid: Int32):
+        """Linear tile a CTA takes in its r-th round (persistent: CTA c takes one tile of each
+        run of `grid`). With LPT order the runs go alternately forward and backward (snake),
+        so every CTA gets the same mix of long and short tiles."""
+        t = r * grid + cta
+        if cutlass.const_expr(self.lpt):
+            if r % 2 == 1:
+                t = r * grid + (grid - 1 - cta)
+        return t
 
     @cute.jit
     def decode(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
