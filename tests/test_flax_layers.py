@@ -170,6 +170,14 @@ def test_sow_weights_nnx_and_linen():
     _tree_close(st_o, st_r, FWD, "linen sown weights")
 
 
+def test_unknown_keywords_accepted_only_when_they_ask_for_nothing():
+    q = _inputs((2, 5, 2, 8))
+    ref = jaxflash.flash_attention(q, q, q, implementation="xla")
+    assert_close(fl.attention_fn(q, q, q, future_option=None, other=False), ref, FWD, "out")
+    with pytest.raises(NotImplementedError, match="future_option"):
+        fl.attention_fn(q, q, q, future_option=0.5)
+
+
 def test_custom_einsum_goes_to_weights_path():
     q, k, v = (_inputs((2, 5, 4, 8)) for _ in range(3))
     calls = []
@@ -375,7 +383,9 @@ def test_layers_on_pallas_backend():
     B, T, F, N = 1, 16, 32, 2
     x, w = _inputs((B, T, F)), _inputs((B, T, F))
     kw = dict(num_kv_heads=1, is_causal=True, rope=True, softcap=20.0)
-    ours = fl.FlashMultiHeadAttention(N, F, implementation="pallas", rngs=nnx.Rngs(0), **kw)
+    ours = fl.FlashMultiHeadAttention(N, F, rngs=nnx.Rngs(0), **kw)
+    ours.implementation = "pallas"  # the attribute is assignable after construction
+    assert ours.opts.implementation == "pallas"
     ref = fl.FlashMultiHeadAttention(N, F, implementation="xla", rngs=nnx.Rngs(1), **kw)
     nnx.update(ref, nnx.state(ours, nnx.Param))
     (_, g_o), (_, g_r) = _nnx_loss_grads(ours, x, w), _nnx_loss_grads(ref, x, w)

@@ -97,13 +97,20 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                  force_fp32_for_softmax: bool = False, einsum_dot_general=None,
                  qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                  implementation: Optional[str] = None, scale: Optional[float] = None,
-                 softcap: Optional[float] = None, local_window_size=None):
+                 softcap: Optional[float] = None, local_window_size=None, **unknown):
     """Flax-compatible attention on jaxflash. See the module docstring for what each keyword does.
 
     Extra (jaxflash) keywords: ``implementation``, ``scale``, ``softcap``, ``local_window_size``;
-    bind them with `make_attention_fn` to hand the result to a Flax module.
+    bind them with `make_attention_fn` to hand the result to a Flax module. A keyword this
+    function does not know (a future Flax's) is accepted when it asks for nothing (None / False);
+    with any other value it raises NotImplementedError rather than being silently ignored.
     """
     del force_fp32_for_softmax  # softmax statistics are float32 on every path
+    asked = {k: v for k, v in unknown.items() if v is not None and v is not False}
+    if asked:
+        raise NotImplementedError(
+            f"jaxflash attention_fn does not know the keyword(s) {sorted(asked)} (values "
+            f"{asked!r}); it will not ignore them. Use Flax's own attention for this call.")
     q, k, v = _promote(query, key, value, dtype, promote_dtype)
     if mask is not None:
         mask = jnp.asarray(mask)

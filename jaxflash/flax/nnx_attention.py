@@ -8,6 +8,7 @@ cache for generation, all through `jaxflash.flash_attention` with the layer's ``
 """
 from __future__ import annotations
 
+import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -91,6 +92,16 @@ class FlashMultiHeadAttention(nnx.Module):
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)
+
+    @property
+    def implementation(self):
+        """The jaxflash backend the layer asks for (None = best available); assignable."""
+        return self.opts.implementation
+
+    @implementation.setter
+    def implementation(self, value):
+        self.opts = dataclasses.replace(self.opts, implementation=core.AttentionOptions.make(
+            implementation=value).implementation)
 
     def init_cache(self, input_shape, dtype=None):
         """Allocate the KV cache for ``input_shape = (batch..., max_length, features)`` (the
