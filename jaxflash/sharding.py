@@ -15,10 +15,12 @@ Both end in `partition`, which fixes one plan from q's sharding (k's when q's he
 sharded): batch axes, query-head axes and kv-head axes consistent with the GQA grouping (query
 head n reads kv head n // G, so a shard holds whole kv heads with all their query heads, or one
 kv head with a slice of its group); operands that disagree are resharded to it. It then
-recomputes the `Problem` for the local shapes and runs the backend on each shard. The only communication ever added is in the backward, for gradients of
-operands broadcast over a sharded dim: a size-1 batch/head dim of `bias`, `alibi_slopes` over
-the batch, and dK/dV when the query heads of one kv head are split over devices (sharded
-query heads beyond the kv heads, e.g. MQA): those are summed over the shards with `psum`.
+recomputes the `Problem` for the local shapes and runs the backend on each shard.
+
+The only communication ever added is in the backward, for gradients of operands broadcast over
+a sharded dim: a size-1 batch/head dim of `bias`, `alibi_slopes` over the batch, and dK/dV
+when the query heads of one kv head are split over devices (sharded query heads beyond the kv
+heads, e.g. MQA): those are summed over the shards with `psum`.
 
 Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
 with a single device, eager calls, and calls traced under `vmap` (custom_partitioning has no

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxflash
 from tests.common import FWD_TOL, GRAD_TOL, Case, assert_close
 from tests.test_ring import _check, _mesh
 from tests.test_sharding import GATHERS, _collectives, _loss_fn
