@@ -170,6 +170,16 @@ def test_sow_weights_nnx_and_linen():
     _tree_close(st_o, st_r, FWD, "linen sown weights")
 
 
+@pytest.mark.parametrize("batch", [(), (2, 3)])
+def test_attention_fn_any_batch_dims_matches_flax(batch):
+    T, N, H = 6, 2, 8
+    q, k, v = (_inputs(batch + (T, N, H)) for _ in range(3))
+    bias = _inputs(batch + (N, T, T)) * 0.3
+    mask = jax.random.bernoulli(fresh_key(), 0.7, batch + (1, T, T)).at[..., 0].set(True)
+    ref = nnx.dot_product_attention(q, k, v, bias=bias, mask=mask)
+    assert_close(fl.attention_fn(q, k, v, bias=bias, mask=mask), ref, FWD, f"batch {batch}")
+
+
 def test_unknown_keywords_accepted_only_when_they_ask_for_nothing():
     q = _inputs((2, 5, 2, 8))
     ref = jaxflash.flash_attention(q, q, q, implementation="xla")
@@ -316,6 +326,10 @@ def test_linen_layer_matches_flax_and_decodes():
     g_r = jax.grad(lambda p: jnp.sum(ref.apply(p, x, mask=mask) * w))(params)
     g_o = jax.jit(jax.grad(lambda p: jnp.sum(ours.apply(p, x) * w)))(params)
     _tree_close(g_o, g_r, GRAD, "linen grads")
+    seg = jnp.sort(jax.random.randint(fresh_key(), (B, L), 0, 3), axis=-1).astype(jnp.int32)
+    seg_mask = (seg[:, None, :, None] == seg[:, None, None, :]) & mask.astype(bool)
+    assert_close(ours.apply(params, x, segment_ids=seg), ref.apply(params, x, mask=seg_mask),
+                 FWD, "linen segment ids")
 
     # GQA + rope, decoding with the Linen cache convention.
     dec = fl.LinenFlashMultiHeadAttention(num_heads=N, num_kv_heads=2, is_causal=True, rope=True,
