@@ -35,7 +35,12 @@ class FlashMultiHeadAttention(nnx.Module):
       implementation: None (best available), "cute", "pallas", "xla".
       dtype, param_dtype, use_bias, kernel_init, out_kernel_init, bias_init, out_bias_init,
       kernel_metadata, out_kernel_metadata, bias_metadata: as for ``nnx.MultiHeadAttention``
-      (wrap an init with ``nnx.with_partitioning`` to shard parameters).
+      (wrap an init with ``nnx.with_partitioning`` to shard parameters; meshes with Auto axes:
+      the layer passes no ``out_sharding`` to its projections, which Explicit axes would need).
+
+    No attention dropout here (the flash kernels have none): for it, use Flax's own module with
+    `jaxflash.flax_layers.attention_fn`, which falls back visibly. With packed sequences
+    (``segment_ids``) and rope, pass ``positions`` that restart at each segment.
     """
 
     def __init__(self, num_heads: int, in_features: int, qkv_features: Optional[int] = None,
