@@ -261,8 +261,12 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     ap.add_argument("--budget", type=float, default=400)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--checks", default="", help="comma-separated subset of the checks")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--skip-impl", nargs="*", default=[])
+    ap.add_argument("--grid", default="", help="D:S:causal,... instead of the full grid")
+    ap.add_argument("--reserve", type=float, default=30,
+                    help="stop starting points when fewer seconds than this are left")
     a = ap.parse_args()
     sh = lambda c: subprocess.run(c, shell=True, capture_output=True, text=True).stdout.strip()
     RES["env"] = dict(gpu=sh("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader"),
@@ -273,17 +277,30 @@ def main():
     left = lambda: a.budget - (time.time() - T0)
 
     if not a.skip_checks:
-        for D in (64, 128, 256):
-            check(f"D{D}", 2, 512, 512, 4, 4, D)
-            check(f"D{D}-causal-gqa", 2, 512, 384, 8, 2, D, is_causal=True)
-        check("features-ragged", 2, 300, 257, 4, 2, 96, Hv=64, bias_shape=(1, 4, 300, 257),
-              softcap=20.0, alibi_slopes=jnp.linspace(0.01, 0.1, 4), local_window_size=(64, 16),
-              is_causal=True, q_segment_ids=jnp.ones((2, 300), jnp.int32),
-              kv_segment_ids=jnp.ones((2, 257), jnp.int32),
-              key_value_seq_lengths=jnp.array([200, 257], jnp.int32),
-              mask=jax.random.bernoulli(jax.random.key(5), 0.9, (2, 1, 300, 257)))
-        check("f32-mqa", 1, 200, 200, 4, 1, 64, dtype=jnp.float32, is_causal=True)
-        check("f16-T1", 2, 1, 129, 4, 4, 128, dtype=jnp.float16)
+        CHECKS = [
+            ("D64", lambda n: check(n, 2, 512, 512, 4, 4, 64)),
+            ("D64-causal-gqa", lambda n: check(n, 2, 512, 384, 8, 2, 64, is_causal=True)),
+            ("D128", lambda n: check(n, 2, 512, 512, 4, 4, 128)),
+            ("D128-causal-gqa", lambda n: check(n, 2, 512, 384, 8, 2, 128, is_causal=True)),
+            ("D256", lambda n: check(n, 2, 512, 512, 4, 4, 256)),
+            ("D256-causal-gqa", lambda n: check(n, 2, 512, 384, 8, 2, 256, is_causal=True)),
+            ("features-ragged", lambda n: check(
+                n, 2, 300, 257, 4, 2, 96, Hv=64, bias_shape=(1, 4, 300, 257), softcap=20.0,
+                alibi_slopes=jnp.linspace(0.01, 0.1, 4), local_window_size=(64, 16),
+                is_causal=True, q_segment_ids=jnp.ones((2, 300), jnp.int32),
+                kv_segment_ids=jnp.ones((2, 257), jnp.int32),
+                key_value_seq_lengths=jnp.array([200, 257], jnp.int32),
+                mask=jax.random.bernoulli(jax.random.key(5), 0.9, (2, 1, 300, 257)))),
+            ("f32-mqa", lambda n: check(n, 1, 200, 200, 4, 1, 64, dtype=jnp.float32,
+                                        is_causal=True)),
+            ("f16-T1", lambda n: check(n, 2, 1, 129, 4, 4, 128, dtype=jnp.float16)),
+            ("f16-D256-gqa", lambda n: check(n, 1, 200, 333, 4, 2, 256, dtype=jnp.float16,
+                                             is_causal=True)),
+        ]
+        want = set(a.checks.split(",")) if a.checks else None
+        for name, fn in CHECKS:
+            if want is None or name in want:
+                fn(name)
         save(a.out)
 
     im = impls()
@@ -291,6 +308,9 @@ def main():
             (128, 4096, False), (256, 4096, False)]
     grid += [(D, S, c) for D in (64, 128, 256) for S in (1024, 4096, 16384) for c in (False, True)
              if (D, S, c) not in grid]
+    if a.grid:
+        grid = [tuple(int(x) for x in g.split(":")) for g in a.grid.split(",")]
+        grid = [(D, S, bool(c)) for D, S, c in grid]
     for gi, (D, S, causal) in enumerate(grid):
         if a.tune and D in CANDS and D not in BEST:
             try:
@@ -303,7 +323,7 @@ def main():
                 continue
             if name == "jax-pallas-triton-mha" and D == 256:
                 continue  # that op refuses D=256 (shared memory), see the anchors
-            if left() < 30:
+            if left() < a.reserve:
                 print("budget spent; stopping", flush=True)
                 save(a.out)
                 return

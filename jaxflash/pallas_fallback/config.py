@@ -60,18 +60,21 @@ _INTERPRET = Config(
     fwd=PassConfig(16, 32), dkdv=PassConfig(16, 32), dq=PassConfig(16, 32),
     dbias=PassConfig(16, 32))
 
-# Keyed by the larger padded head dim of (H, Hv), for 2-byte inputs on NVIDIA GPUs.
+# Keyed by the larger padded head dim of (H, Hv), for 2-byte inputs on NVIDIA GPUs. D=128 and
+# D=256 are the per-kernel winners of an H200 sweep at B*S=16k, H*D=2048, bf16 (2026-11-30,
+# benchmarks/results/pallas-h200-2026-11-30.json, "tune" rows): fwd 496 / dK,dV 407 / dQ 491
+# TFLOP/s at D=128, fwd 448 / dK,dV 170 / dQ 206 at D=256. Smaller head dims reuse D=128's
+# tiles (their registers are lighter still).
+_D128 = Config(fwd=PassConfig(128, 128, 8, 3), dkdv=PassConfig(64, 128, 8, 3),
+               dq=PassConfig(128, 64, 8, 3), dbias=PassConfig(64, 64, 4, 2))
 _GPU_16BIT = {
-    16: Config(fwd=PassConfig(128, 64, 4, 3), dkdv=PassConfig(32, 128, 4, 3),
-               dq=PassConfig(128, 32, 4, 3), dbias=PassConfig(64, 64, 4, 2)),
-    32: Config(fwd=PassConfig(128, 64, 4, 3), dkdv=PassConfig(32, 128, 4, 3),
-               dq=PassConfig(128, 32, 4, 3), dbias=PassConfig(64, 64, 4, 2)),
-    64: Config(fwd=PassConfig(128, 64, 4, 3), dkdv=PassConfig(32, 128, 4, 3),
-               dq=PassConfig(128, 32, 4, 3), dbias=PassConfig(64, 64, 4, 2)),
-    128: Config(fwd=PassConfig(128, 64, 8, 3), dkdv=PassConfig(32, 128, 8, 3),
-                dq=PassConfig(128, 32, 8, 3), dbias=PassConfig(64, 64, 4, 2)),
-    256: Config(fwd=PassConfig(128, 32, 8, 2), dkdv=PassConfig(32, 64, 8, 2),
-                dq=PassConfig(64, 32, 8, 2), dbias=PassConfig(32, 32, 4, 2)),
+    16: _D128,
+    32: _D128,
+    64: _D128,
+    128: _D128,
+    # D=256: the dK/dV accumulators (2 x block_k x 256 float32) bound the key block.
+    256: Config(fwd=PassConfig(128, 64, 8, 2), dkdv=PassConfig(32, 32, 4, 3),
+                dq=PassConfig(64, 64, 8, 2), dbias=PassConfig(32, 32, 4, 2)),
 }
 
 
