@@ -220,12 +220,13 @@ def test_backward_has_no_t_by_s_buffer(platform):
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     k = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32)
 
-    def loss(q, k, v):
+    def loss(q, k, v, slopes):
         return jnp.sum(jaxflash.flash_attention(q, k, v, is_causal=True, softcap=5.0,
-                                                implementation="pallas"))
+                                                alibi_slopes=slopes, implementation="pallas"))
 
+    slopes = jax.ShapeDtypeStruct((N,), jnp.float32)
     with jaxflash.target_platform(platform):
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, k, slopes).lower(
             lowering_platforms=(platform,)).as_text()
     marker = "xla.gpu.triton" if platform == "cuda" else "stablehlo.while"  # interpreted grid
     assert marker in text, "pallas kernels not lowered"

@@ -95,3 +95,28 @@ def test_triton_lowering(name, kw):
     text = _lower_cuda(**kw)
     want = 4 if "bias" in kw else 3
     assert text.count("xla.gpu.triton") == want
+
+
+def test_tiles_fit_shared_memory():
+    """Dense operands and smaller GPUs shrink the tiles; the estimate matches what an H200
+    accepted (plain D=128 forward 128 x 128, 3 stages) and refused (bias+mask at that size)."""
+    plain = config.choose(128, 128, "bfloat16", interpret=False, arch=(9, 0))
+    assert (plain.fwd.block_q, plain.fwd.block_k, plain.fwd.num_stages) == (128, 128, 3)
+    dense = config.choose(128, 128, "bfloat16", interpret=False, arch=(9, 0), dense_bytes=5)
+    small = config.choose(128, 128, "bfloat16", interpret=False, arch=(8, 6))
+    for cfg, limit in ((plain, 232448), (dense, 232448), (small, 101376)):
+        for f in dataclasses.fields(cfg):
+            pc = getattr(cfg, f.name)
+            assert config.smem_bytes(f.name, pc, 128, 128, 2, 0 if cfg is not dense else 5) \
+                <= limit
+    assert config.smem_bytes("fwd", config.PassConfig(128, 128, 8, 3), 128, 128, 2, 5) > 232448
+    assert dense.fwd != plain.fwd and small.fwd != plain.fwd
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        config.fit("fwd", plain.fwd, 256, 256, 4, 8, limit=4096)
+
+
+def test_target_arch_from_env(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert config.target_arch() == (10, 0)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert config.target_arch() == (9, 0)

@@ -97,10 +97,19 @@ def _compiler_params(pc, interpret):
     return cls(num_warps=pc.num_warps, num_stages=pc.num_stages)
 
 
+def _choose(q, arrays, spec, interpret):
+    """The tuned tiles, shrunk to the GPU's shared memory given the dense operands streamed
+    per tile (bias in its dtype, mask as int8)."""
+    dense = (0 if arrays.bias is None else jnp.dtype(arrays.bias.dtype).itemsize) + (
+        0 if arrays.mask is None else 1)
+    return _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret,
+                          dense_bytes=dense)
+
+
 def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
     """(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32). `config` overrides the tuned table."""
     spec = _spec(q, k, v, arrays, statics)
-    cfg = config or _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret)
+    cfg = config or _choose(q, arrays, spec, interpret)
     return _fwd.forward(q, k, v, _operands(arrays, spec), spec, cfg.fwd, interpret=interpret,
                         compiler_params=_compiler_params(cfg.fwd, interpret))
 
@@ -108,7 +117,7 @@ def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
 def backward(q, k, v, arrays, statics, out, lse, dout, *, interpret=False, config=None):
     """(dq, dk, dv, dbias or None, dalibi [N] or None)."""
     spec = _spec(q, k, v, arrays, statics)
-    cfg = config or _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret)
+    cfg = config or _choose(q, arrays, spec, interpret)
     ops = _operands(arrays, spec)
     dout = dout.astype(q.dtype)
     # delta = rowsum(dO * O): see bwd's docstring for why this is plain XLA.

@@ -7,6 +7,7 @@ figures are small so that CPU tests cover several blocks and tails at tiny sizes
 from __future__ import annotations
 
 import dataclasses
+import os
 
 MAX_HEAD_DIM = 256
 
@@ -83,14 +84,90 @@ def _halve(c: PassConfig) -> PassConfig:
                                block_k=max(16, c.block_k // 2), num_stages=min(c.num_stages, 2))
 
 
-def choose(head_dim: int, head_dim_v: int, dtype: str, *, interpret: bool) -> Config:
-    """The config for a call. float32 inputs use tiles half as large (twice the bytes)."""
+# Shared memory per block (bytes) by CUDA compute capability (major, minor).
+_SMEM = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376,
+         (8, 9): 101376, (7, 5): 65536, (7, 0): 98304}
+_DEFAULT_ARCH = (9, 0)  # the project's GPU (H200) when lowering without a device
+
+
+def target_arch() -> tuple[int, int]:
+    """The CUDA arch the kernels are built for: ``$CUTE_DSL_ARCH`` (the project's way of naming
+    the target when lowering on a machine without a GPU, e.g. ``sm_90a``), else the local GPU's,
+    else sm_90."""
+    env = os.environ.get("CUTE_DSL_ARCH", "")
+    digits = "".join(ch for ch in env if ch.isdigit())
+    if len(digits) >= 2:
+        return int(digits[:-1]), int(digits[-1])
+    try:
+        import jax
+        dev = jax.devices()[0]
+        if dev.platform == "gpu" and getattr(dev, "compute_capability", None):
+            major, minor = dev.compute_capability.split(".")
+            return int(major), int(minor)
+    except Exception:  # noqa: BLE001 - no GPU here: fall through to the default
+        pass
+    return _DEFAULT_ARCH
+
+
+def smem_bytes(kind: str, c: PassConfig, hp: int, hvp: int, itemsize: int,
+               dense_bytes: int) -> int:
+    """Estimated shared memory of one kernel: the tiles that stay resident plus `num_stages`
+    copies of the tiles its loop streams (Triton's software pipelining). `dense_bytes` is the
+    bytes per (query, key) element of the dense operands (bias itemsize + 1 for the int8 mask).
+    It matches what was seen on an H200: 224 KB estimated fit for both the plain D=128 forward
+    (128 x 128, 3 stages) and a bias+mask forward (128 x 64, 3 stages); a bias+mask forward
+    estimated at 416 KB was refused (Triton asked for 345 KB of 227)."""
+    bq, bk, st = c.block_q, c.block_k, c.num_stages
+    dense = bq * bk * dense_bytes
+    if kind == "fwd":
+        return bq * hp * itemsize + st * (bk * (hp + hvp) * itemsize + dense)
+    if kind == "dkdv":
+        return bk * (hp + hvp) * itemsize + st * (bq * (hp + hvp) * itemsize + dense)
+    if kind == "dq":
+        return bq * (hp + hvp) * itemsize + st * (bk * (hp + hvp) * itemsize + dense)
+    if kind == "dbias":  # everything is reloaded per (batch row, head) inside the key loop
+        return bq * bk * 4 + st * ((bq + bk) * (hp + hvp) * itemsize + dense)
+    raise ValueError(kind)
+
+
+def fit(kind: str, c: PassConfig, hp: int, hvp: int, itemsize: int, dense_bytes: int,
+        limit: int) -> PassConfig:
+    """Shrink `c` until its estimate fits `limit`: fewer stages first (2), then the streamed
+    block, then the resident one. Raises NotImplementedError if even 16 x 16 does not fit."""
+    streamed = "block_q" if kind == "dkdv" else "block_k"
+    resident = "block_k" if kind == "dkdv" else "block_q"
+    while smem_bytes(kind, c, hp, hvp, itemsize, dense_bytes) > limit:
+        if c.num_stages > 2:
+            c = dataclasses.replace(c, num_stages=2)
+        elif getattr(c, streamed) > 16:
+            c = dataclasses.replace(c, **{streamed: getattr(c, streamed) // 2})
+        elif getattr(c, resident) > 16:
+            c = dataclasses.replace(c, **{resident: getattr(c, resident) // 2})
+        elif c.num_stages > 1:
+            c = dataclasses.replace(c, num_stages=1)
+        else:
+            raise NotImplementedError(
+                f"the {kind} kernel's 16 x 16 tiles need more shared memory than the "
+                f"{limit} bytes this GPU has (head dims padded to {hp}/{hvp})")
+    return c
+
+
+def choose(head_dim: int, head_dim_v: int, dtype: str, *, interpret: bool,
+           dense_bytes: int = 0, arch: tuple[int, int] | None = None) -> Config:
+    """The config for a call. float32 inputs start from tiles half as large (twice the bytes);
+    then every kernel is shrunk to fit the target GPU's shared memory, which matters with a
+    dense bias/mask (streamed per tile) and on GPUs with less shared memory than the H200."""
     if interpret:
         return _INTERPRET
     d = max(padded_head_dim(head_dim), padded_head_dim(head_dim_v))
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dims up to {MAX_HEAD_DIM} are supported; got {d}")
     cfg = _GPU_16BIT[d]
-    if str(dtype) == "float32":
+    itemsize = 4 if str(dtype) == "float32" else 2
+    if itemsize == 4:
         cfg = Config(*(_halve(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)))
-    return cfg
+    arch = arch or target_arch()
+    limit = _SMEM.get(arch, min(_SMEM.values()) if arch < (9, 0) else _SMEM[(9, 0)])
+    hp, hvp = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    return Config(*(fit(f.name, getattr(cfg, f.name), hp, hvp, itemsize, dense_bytes, limit)
+                    for f in dataclasses.fields(cfg)))
