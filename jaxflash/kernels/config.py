@@ -40,7 +40,10 @@ class FwdConfig:
     intra_wg_overlap: overlap softmax of block j with the PV GEMM of block j-1 (FA3 Alg. 2).
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
     persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
-      epilogue (and causal tiles are dealt longest-first in a balanced order).
+      epilogue (and causal tiles are dealt longest-first in a balanced order). Off by default:
+      measured slower on the H200 (2026-11-30), see jaxflash/kernels/NOTES.md.
+    tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
+    l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     """
 
     dtype: str = "bfloat16"
@@ -56,7 +59,9 @@ class FwdConfig:
     num_stages: int = 2
     intra_wg_overlap: bool = True
     pingpong: bool = True
-    persistent: bool = True
+    persistent: bool = False
+    tile_order: str = "auto"
+    l2_section_mb: int = 24
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -83,6 +88,10 @@ class FwdConfig:
             return False, f"tile_m {self.tile_m} must be 128 (two 64-row consumer warpgroups)"
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
+        if self.tile_order not in ("auto", "lpt", "plain"):
+            return False, f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain')"
+        if not 1 <= self.l2_section_mb <= 64:
+            return False, f"l2_section_mb {self.l2_section_mb} not in [1, 64]"
         if self.num_stages < 1 or self.num_stages > 4:
             return False, f"num_stages {self.num_stages} must be in [1, 4]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -105,6 +114,13 @@ class FwdConfig:
         return self.persistent and self.smem_bytes(separate_o=True) <= SMEM_LIMIT_BYTES
 
     @property
+    def lpt(self) -> bool:
+        """Whether tiles go longest-first (their cost varies with m under a right bound)."""
+        if self.tile_order == "auto":
+            return self.is_causal or self.has_window
+        return self.tile_order == "lpt"
+
+    @property
     def num_mma_warpgroups(self) -> int:
         return self.tile_m // 64
 
@@ -116,6 +132,8 @@ class FwdConfig:
                                  ("kvlen", self.has_kv_seqlen)) if on]
         sched = (("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
                  + ("ps" if self.persistent else ""))
+        if self.lpt:
+            sched += f"_lpt{self.l2_section_mb}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
                 f"_{'-'.join(feats) or 'dense'}")

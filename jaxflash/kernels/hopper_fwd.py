@@ -193,7 +193,8 @@ class FlashFwdSm90:
         num_heads = mQ.shape[2]
         batch = mQ.shape[3]
         num_tiles = num_m_blocks * num_heads * batch
-        scheduler = TileScheduler(lpt=self.has_right)
+        scheduler = TileScheduler(lpt=self.cfg.lpt,
+                                  section_bytes=self.cfg.l2_section_mb * 1024 * 1024)
         grid = num_tiles
         if const_expr(self.persistent):
             grid = cutlass.min(num_tiles, NUM_SMS)
@@ -286,22 +287,24 @@ class FlashFwdSm90:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
-                r = Int32(0)
-                while r * grid < num_tiles:
-                    tile = scheduler.tile_of_round(r, bid, grid)
-                    if tile < num_tiles:
-                        m_block, head, batch, n_min, n_max, _sq, _sk = self.tile_info(
-                            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
-                        kv_head = head // (mQ.shape[2] // mK.shape[2])
-                        q_state, kv_state = self.produce(
-                            mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
-                            pipe_v, q_state, kv_state, m_block, head, kv_head, batch, n_min,
-                            n_max)
-                    r += 1
+                if const_expr(self.persistent):
+                    r = Int32(0)
+                    while r * grid < num_tiles:
+                        tile = scheduler.tile_of_round(r, bid, grid)
+                        if tile < num_tiles:
+                            q_state, kv_state = self.produce_tile(
+                                tile, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen,
+                                blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                                q_state, kv_state)
+                        r += 1
+                else:
+                    # One tile per CTA: straight-line code (no tile loop around the mainloop).
+                    q_state, kv_state = self.produce_tile(
+                        bid, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen, blocks,
+                        sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state,
+                        kv_state)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            ctx = self.consumer_setup(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx - 128,
-                                      scale_log2)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                     self.num_stages)
@@ -309,21 +312,52 @@ class FlashFwdSm90:
                 if (tidx - 128) // 128 == 0:  # warpgroup 0 issues first
                     cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
                                              number_of_threads=2 * 128)
-            r = Int32(0)
-            while r * grid < num_tiles:
-                tile = scheduler.tile_of_round(r, bid, grid)
-                if tile < num_tiles:
-                    m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k = self.tile_info(
-                        tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
-                    q_state, kv_state = self.consume(
-                        ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state, kv_state,
-                        tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx, pre_scale,
-                        window_left, window_right, blocks, m_block, head, batch, n_min, n_max,
-                        seqlen_q, seqlen_k, T)
-                r += 1
+            cargs = (mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v)
+            if const_expr(self.persistent):
+                r = Int32(0)
+                while r * grid < num_tiles:
+                    tile = scheduler.tile_of_round(r, bid, grid)
+                    if tile < num_tiles:
+                        q_state, kv_state = self.consume_tile(
+                            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
+                            cargs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+                            warp_idx, pre_scale, scale_log2, window_left, window_right, T)
+                    r += 1
+            else:
+                q_state, kv_state = self.consume_tile(
+                    bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs,
+                    q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
+                    pre_scale, scale_log2, window_left, window_right, T)
             if const_expr(self.separate_o):
                 if warp_idx == 4:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def produce_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
+                     mQ, mK, mV, mQSeqlen, mKVSeqlen, blocks: BlockRange, sQ, sK, sV, tma_Q,
+                     tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state):
+        m_block, head, batch, n_min, n_max, _sq, _sk = self.tile_info(
+            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
+        kv_head = head // (mQ.shape[2] // mK.shape[2])
+        return self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                            q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max)
+
+    @cute.jit
+    def consume_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
+                     mQ, mK, mQSeqlen, mKVSeqlen, blocks: BlockRange, cargs, q_state, kv_state,
+                     tiled_mma_qk, tiled_mma_pv, tidx: Int32, warp_idx: Int32,
+                     pre_scale: Float32, scale_log2: Float32, window_left: Int32,
+                     window_right: Int32, T: Int32):
+        mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
+        m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k = self.tile_info(
+            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
+        # Fragments are made per tile, inside the tile's own region: accumulators carried
+        # through the persistent tile loop would cost register copies around in-flight wgmma.
+        ctx = self.consumer_setup(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx, scale_log2)
+        return self.consume(ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state,
+                            kv_state, tiled_mma_qk, tiled_mma_pv, tidx, warp_idx, pre_scale,
+                            window_left, window_right, blocks, m_block, head, batch, n_min,
+                            n_max, seqlen_q, seqlen_k, T)
 
     @cute.jit
     def tile_info(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,

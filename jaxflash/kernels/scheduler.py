@@ -20,15 +20,14 @@ from jaxflash.kernels.carry import Carried
 # CTAs of a persistent launch: one per SM of an H100/H200 SXM (132). A GPU with fewer SMs still
 # runs every tile (CTAs then share SMs), just less evenly.
 NUM_SMS = 132
-# Budget of L2 (bytes) the K/V of one head section may take (H200 has 50 MB).
-L2_SECTION_BYTES = 24 * 1024 * 1024
 
 
 class TileScheduler(Carried):
     """Static (no runtime state): carried through control flow as nothing."""
 
-    def __init__(self, lpt: bool):
+    def __init__(self, lpt: bool, section_bytes: int = 24 * 1024 * 1024):
         self.lpt = lpt
+        self.section_bytes = section_bytes
 
     @staticmethod
     def num_tiles(num_m_blocks, num_heads, batch):
@@ -56,7 +55,7 @@ class TileScheduler(Carried):
             hb = tile // num_m_blocks
         else:
             total_hb = num_heads * batch
-            section = cutlass.max(Int32(L2_SECTION_BYTES) // cutlass.max(kv_bytes_per_head, 1), 1)
+            section = cutlass.max(Int32(self.section_bytes) // cutlass.max(kv_bytes_per_head, 1), 1)
             section = cutlass.min(section, total_hb)
             per_section = section * num_m_blocks
             sec_idx = tile // per_section
