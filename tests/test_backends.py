@@ -145,8 +145,9 @@ def test_combined(backend):
     ks = jax.random.split(fresh_key(), 3)
     seg_q = _segments(B, T, ks[0])
     seg_k = seg_q[:, :S]  # aligned documents, so most rows see something
-    case = Case(B=B, T=T, S=S, N=N, K=1, H=32, dtype="bfloat16", bias=True, mask=True,
-                kwargs=dict(is_causal=True, local_window_size=(12, 4), softcap=3.0,
+    bias = jax.random.normal(ks[1], (T, S)) * 0.5  # broadcast over batch and heads
+    case = Case(B=B, T=T, S=S, N=N, K=1, H=32, dtype="bfloat16", mask=True,
+                kwargs=dict(bias=bias, is_causal=True, local_window_size=(12, 4), softcap=3.0,
                             alibi_slopes=_slopes(N), q_segment_ids=seg_q,
                             kv_segment_ids=seg_k,
                             key_value_seq_lengths=jnp.array([S, 30], jnp.int32)))
