@@ -216,6 +216,7 @@ def k_block_range(q_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
         hi = jnp.minimum(hi, _cdiv(kv_len, bk))
     if q_len is not None:  # a query block past the length has nothing to do
         hi = jnp.where(q_lo >= q_len, lo, hi)
+    lo = jnp.minimum(lo, nk)
     hi = jnp.maximum(hi, lo)
     a = _clamp(a, lo, hi)
     b = _clamp(b, a, hi)
@@ -243,6 +244,7 @@ def q_block_range(k_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
         hi = jnp.minimum(hi, _cdiv(q_len, bq))
     if kv_len is not None:
         hi = jnp.where(k_lo >= kv_len, lo, hi)
+    lo = jnp.minimum(lo, nq)
     hi = jnp.maximum(hi, lo)
     a = _clamp(a, lo, hi)
     b = _clamp(b, a, hi)
