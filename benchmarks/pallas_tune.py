@@ -11,7 +11,6 @@ comparable with the anchors). TFLOP/s = 4*B*H*S^2*D fwd, halved if causal, x3.5 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math

@@ -1,7 +1,6 @@
 """Block skipping of the Pallas kernels against brute force: a skipped tile holds no visible
 pair, a tile run without the causal/window select is fully visible and not ragged, and with
 whole blocks no tile with nothing visible is visited (the skipping is tight)."""
-import itertools
 
 import numpy as np
 import pytest

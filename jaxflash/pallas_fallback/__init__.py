@@ -12,7 +12,6 @@ is not supported yet: see `check`.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jaxflash.pallas_fallback import bwd as _bwd
