@@ -24,6 +24,9 @@ SMEM_LIMIT_BYTES = 227 * 1024
 FLOAT_SCALARS = ("softmax_scale", "softcap")
 INT_SCALARS = ("window_left", "window_right")
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
+# With a causal/window mask, hdim 256 at tile_n 80 makes ptxas serialize the wgmma ("insufficient
+# register resources", C7512); tile_n 64 frees the 12 registers that avoids it.
+_TILES_MASKED = {256: (128, 64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,8 @@ class FwdConfig:
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         default = _TILES.get(self.head_dim, (128, 128))
+        if self.is_causal or self.has_window:
+            default = _TILES_MASKED.get(self.head_dim, default)
         if self.tile_m is None:
             object.__setattr__(self, "tile_m", default[0])
         if self.tile_n is None:
@@ -164,6 +169,9 @@ def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str
 
 def config_for(problem) -> FwdConfig:
     """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
     ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
                             head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:

@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jaxflash.kernels import layouts
 from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
-from jaxflash.kernels.mask import BlockRange, apply_mask
+from jaxflash.kernels.mask import BlockRange, TileCoords, apply_mask
 from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
 
@@ -55,7 +55,7 @@ class _ConsumerCtx(Carried):
     """Per-thread fragments the consumer reuses across tiles."""
 
     _dynamic = ("wg", "tSrQ", "tSrK", "tOrVt", "acc_S", "acc_O", "tOrP", "tScS", "softmax",
-                "tOcO_rc")
+                "tOcO")
 
 
 class FlashFwdSm90:
@@ -456,12 +456,11 @@ class FlashFwdSm90:
         c.acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
         c.acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.hdv)))
         c.tOrP = cute.make_rmem_tensor_like(layouts.acc_as_operand_a(c.acc_S), self.dtype)
-        c.tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        c.tScS = TileCoords.make(tiled_mma_qk, tidx, (self.tile_m, self.tile_n))
         c.num_rows = cute.size(layouts.acc_as_rows_cols(c.acc_S), mode=[0])
         c.softmax = OnlineSoftmax(scale_log2, c.num_rows)
         # Epilogue partitions, derived before the mainloop mutates anything.
-        c.tOcO_rc = layouts.acc_as_rows_cols(
-            thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.hdv))))
+        c.tOcO = TileCoords.make(tiled_mma_pv, tidx, (self.tile_m, self.hdv))
         return c
 
     @cute.jit
@@ -477,7 +476,7 @@ class FlashFwdSm90:
         acc_S, acc_O, tOrP, tScS = c.acc_S, c.acc_O, c.tOrP, c.tScS
         softmax = c.softmax
         num_rows = c.num_rows
-        tOcO_rc = c.tOcO_rc
+        tOcO = c.tOcO
         acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
@@ -538,14 +537,14 @@ class FlashFwdSm90:
         if const_expr(self.cfg.has_q_seqlen):
             # Rows past the query length: output 0 and LSE -inf (they attend to nothing).
             for r in cutlass.range_constexpr(num_rows):
-                if m_block * self.tile_m + tOcO_rc[r, 0][0] >= seqlen_q:
+                if m_block * self.tile_m + tOcO.row(r) >= seqlen_q:
                     inv[r] = Float32(0.0)
                     lse[r] = -Float32.inf
         rescale_rows(acc_O, inv)
 
-        if tOcO_rc[0, 0][1] == 0:  # the thread holding column 0 of its rows writes LSE
+        if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
             for r in cutlass.range_constexpr(num_rows):
-                row = m_block * self.tile_m + tOcO_rc[r, 0][0]
+                row = m_block * self.tile_m + tOcO.row(r)
                 if row < T:
                     mLSE[row, head, batch] = lse[r]
 
