@@ -163,3 +163,54 @@ def test_wgmma_not_serialized(cfg, tmp_path):
         pytest.skip("no ptxas able to assemble the DSL's PTX here")
     assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
     assert " 0 bytes spill stores" in report
+
+
+# -- the coordinate decomposition `TileCoords` relies on ------------------------------------------
+@pytest.mark.parametrize("tile_n, hdv", [(128, 128), (64, 256)])
+def test_tile_coords_are_base_plus_thread0_offsets(tile_n, hdv):
+    """A register's (row, col) = its thread's first coordinate + thread 0's coordinate of the
+    same register, for every consumer thread of both GEMMs (what the masks and the LSE/row
+    predicates use instead of a per-register coordinate tensor)."""
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass.cute.nvgpu import warpgroup
+    from jaxflash.kernels.layouts import acc_as_rows_cols
+
+    K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    result = {}
+
+    @cute.jit
+    def probe():
+        bad = 0
+        total = 0
+        mma = None
+        shape = None
+        for kind in cutlass.range_constexpr(2):
+            if cutlass.const_expr(kind == 0):
+                mma = sm90.make_trivial_tiled_mma(
+                    cutlass.BFloat16, cutlass.BFloat16, K, K, cutlass.Float32,
+                    atom_layout_mnk=(2, 1, 1), tiler_mn=(64, tile_n))
+                shape = (128, tile_n)
+            else:
+                mma = sm90.make_trivial_tiled_mma(
+                    cutlass.BFloat16, cutlass.BFloat16, K, MN, cutlass.Float32,
+                    atom_layout_mnk=(2, 1, 1), tiler_mn=(64, hdv),
+                    a_source=warpgroup.OperandSource.RMEM)
+                shape = (128, hdv)
+            ident = cute.make_identity_tensor(shape)
+            t0 = acc_as_rows_cols(mma.get_slice(0).partition_C(ident))
+            for t in cutlass.range_constexpr(256):
+                part = mma.get_slice(t).partition_C(ident)
+                mine = acc_as_rows_cols(part)
+                base = part[0]
+                for r in cutlass.range_constexpr(cute.size(mine, mode=[0])):
+                    for j in cutlass.range_constexpr(cute.size(mine, mode=[1])):
+                        a = mine[r, j]
+                        b = t0[r, j]
+                        bad += int(a[0] != base[0] + b[0] or a[1] != base[1] + b[1])
+                        total += 1
+        result["bad"], result["total"] = bad, total
+
+    probe()
+    assert result["total"] == 256 * (tile_n + hdv) // 2  # 2 rows x (N/4 cols) per thread
+    assert result["bad"] == 0
