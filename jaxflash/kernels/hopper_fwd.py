@@ -289,14 +289,14 @@ class FlashFwdSm90:
                                                         self.num_stages)
                 if const_expr(self.persistent):
                     r = Int32(0)
-                    while r * grid < num_tiles:
-                        tile = scheduler.tile_of_round(r, bid, grid)
-                        if tile < num_tiles:
-                            q_state, kv_state = self.produce_tile(
-                                tile, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen,
-                                blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                                q_state, kv_state)
+                    tile = scheduler.tile_of_round(r, bid, grid)
+                    while tile < num_tiles:
+                        q_state, kv_state = self.produce_tile(
+                            tile, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen,
+                            blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                            q_state, kv_state)
                         r += 1
+                        tile = scheduler.tile_of_round(r, bid, grid)
                 else:
                     # One tile per CTA: straight-line code (no tile loop around the mainloop).
                     q_state, kv_state = self.produce_tile(
@@ -315,14 +315,16 @@ class FlashFwdSm90:
             cargs = (mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v)
             if const_expr(self.persistent):
                 r = Int32(0)
-                while r * grid < num_tiles:
-                    tile = scheduler.tile_of_round(r, bid, grid)
-                    if tile < num_tiles:
-                        q_state, kv_state = self.consume_tile(
-                            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
-                            cargs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
-                            warp_idx, pre_scale, scale_log2, window_left, window_right, T)
+                # Tiles of later rounds only grow (also in snake order): stop at the first
+                # out-of-range one, so the tile body needs no extra branch around it.
+                tile = scheduler.tile_of_round(r, bid, grid)
+                while tile < num_tiles:
+                    q_state, kv_state = self.consume_tile(
+                        tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
+                        cargs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+                        warp_idx, pre_scale, scale_log2, window_left, window_right, T)
                     r += 1
+                    tile = scheduler.tile_of_round(r, bid, grid)
             else:
                 q_state, kv_state = self.consume_tile(
                     bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs,
