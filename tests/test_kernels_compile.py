@@ -36,6 +36,8 @@ MATRIX = [
     # the persistent tile loop (optional, off by default), with and without a separate O buffer
     FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, persistent=True),
     FwdConfig(dtype="bfloat16", head_dim=256, persistent=True, tile_order="lpt"),
+    # three consumer warpgroups (192-row tiles), opt-in for hdim 64
+    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
 ]
 
 
@@ -81,6 +83,7 @@ def test_compiles_through_the_bridge():
     (dict(dtype="float32"), "dtype float32"),
     (dict(head_dim=256, tile_n=128), "shared memory"),
     (dict(tile_m=64), "tile_m"),
+    (dict(head_dim=128, tile_m=192), "tile_m 192"),
     (dict(tile_n=72), "tile_n"),
     (dict(tile_order="random"), "tile_order"),
 ])

@@ -89,8 +89,11 @@ class FwdConfig:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m not in (128,):
-            return False, f"tile_m {self.tile_m} must be 128 (two 64-row consumer warpgroups)"
+        if self.tile_m not in (128, 192):
+            return False, (f"tile_m {self.tile_m} must be 128 or 192 (two or three 64-row "
+                           "consumer warpgroups)")
+        if self.tile_m == 192 and self.head_dim > 64:
+            return False, f"tile_m 192 (160 registers per thread) only for head_dim <= 64"
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
         if self.tile_order not in ("auto", "lpt", "plain"):
