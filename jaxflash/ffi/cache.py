@@ -55,12 +55,14 @@ def dsl_available() -> bool:
     """Whether the CuTe DSL can compile here (``JAXFLASH_NO_DSL=1`` forces runtime-only mode)."""
     if os.environ.get(ENV_NO_DSL, "") not in ("", "0"):
         return False
+    # Look the package up without importing it: importing `cutlass` fixes the DSL's target
+    # architecture for the whole process (from CUTE_DSL_ARCH, else the local GPU, else sm_100a),
+    # and `jaxflash.ffi.compiler` must set that first.
+    import importlib.util
     try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except Exception:  # ImportError, or a broken install: either way we cannot compile
+        return importlib.util.find_spec("cutlass") is not None
+    except (ImportError, ValueError):
         return False
-    return True
 
 
 def dsl_version() -> Optional[str]:
