@@ -198,12 +198,16 @@ class Runner:
         t0 = time.perf_counter()
         ex = concurrent.futures.ThreadPoolExecutor(self.args.compile_workers)
         futs = {(impl.name, mode, p): ex.submit(job, impl, p) for impl, p in todo}
-        concurrent.futures.wait(futs.values(), timeout=self.args.stall_s)
+        wait_s = self.args.stall_s
+        if self.args.budget_s is not None:  # never wait far past the run's budget
+            left = self.args.budget_s - (time.perf_counter() - self.t_start)
+            wait_s = min(wait_s, max(10.0, left))
+        concurrent.futures.wait(futs.values(), timeout=wait_s)
         ex.shutdown(wait=False, cancel_futures=True)
         for key, fut in futs.items():
             if not fut.done():
                 self._compiled[key] = TimeoutError(
-                    f"compilation not finished after {self.args.stall_s:.0f} s")
+                    f"compilation not finished after {wait_s:.0f} s")
             elif fut.exception() is not None:
                 self._compiled[key] = fut.exception()
             else:
