@@ -214,6 +214,8 @@ def test_tile_coords_are_base_plus_thread0_offsets(tile_n, hdv):
                         total += 1
         result["bad"], result["total"] = bad, total
 
-    probe()
+    from jaxflash.ffi.compiler import target_arch
+    with target_arch("sm_90a"):  # another test in this process may have targeted sm_100a
+        probe()
     assert result["total"] == 256 * (tile_n + hdv) // 2  # 2 rows x (N/4 cols) per thread
     assert result["bad"] == 0

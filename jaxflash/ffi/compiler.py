@@ -19,6 +19,7 @@ Design (why it looks like this):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -76,18 +77,30 @@ def compile_launch(launch: Launch) -> bytes:
         args.append(_placeholder(TensorArg("int32", (len(launch.int_scalars),))))
     args += [_placeholder(t) for t in launch.outputs]
     n_scal = bool(launch.scalars) + bool(launch.int_scalars)
+    with target_arch(launch.arch):
+        kernel = kernel_cls(launch.config)
+        compiled = cute.compile(_launcher, cuda.CUstream(0), *args, kernel=kernel,
+                                n_in=len(launch.inputs), n_scalar_tensors=n_scal,
+                                options=f"--gpu-arch {launch.arch}")
+        return bytes(compiled.dump_to_object(EXPORT_PREFIX))
+
+
+@contextlib.contextmanager
+def target_arch(arch: str):
+    """Make the DSL target `arch` inside the block (one DSL user at a time in a process).
+
+    The DSL reads its target once, at import, into a settings singleton; a process that imported
+    it before CUTE_DSL_ARCH was set (or that compiles for several architectures) must set both
+    the variable and that singleton, which is what `cutlass.jax` itself reaches for.
+    """
     with _DSL_LOCK:
         prev = os.environ.get("CUTE_DSL_ARCH")
-        envar = CuTeDSL._get_dsl().envar  # what cutlass.jax itself uses to reach the settings
+        envar = CuTeDSL._get_dsl().envar
         prev_arch = envar.arch
-        os.environ["CUTE_DSL_ARCH"] = launch.arch
-        envar.arch = launch.arch
+        os.environ["CUTE_DSL_ARCH"] = arch
+        envar.arch = arch
         try:
-            kernel = kernel_cls(launch.config)
-            compiled = cute.compile(_launcher, cuda.CUstream(0), *args, kernel=kernel,
-                                    n_in=len(launch.inputs), n_scalar_tensors=n_scal,
-                                    options=f"--gpu-arch {launch.arch}")
-            return bytes(compiled.dump_to_object(EXPORT_PREFIX))
+            yield
         finally:
             envar.arch = prev_arch
             if prev is None:

@@ -7,7 +7,6 @@ reads ``CUTE_DSL_ARCH``, which must match when no GPU is present).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import cutlass
@@ -52,10 +51,11 @@ def fake_args(config: FwdConfig, num_heads: int, num_kv_heads: int):
 def compile_fwd(config: FwdConfig, num_heads: int = 16, num_kv_heads: Optional[int] = None,
                 arch: str = "sm_90a", dump_dir: Optional[str] = None):
     """Compile one variant; with ``dump_dir`` keep the PTX (and cubin) there for inspection."""
-    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    from jaxflash.ffi.compiler import target_arch
     kernel = FlashFwdSm90(config)
     opts = f"--gpu-arch {arch}"
     if dump_dir:
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     args = fake_args(config, num_heads, num_kv_heads or num_heads)
-    return cute.compile(kernel, *args, options=opts)
+    with target_arch(arch):  # the process may have targeted another arch before
+        return cute.compile(kernel, *args, options=opts)
