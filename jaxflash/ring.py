@@ -164,11 +164,19 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
         return out if not return_residual else (out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2)))
     spec4 = P(batch_axis, seq_axis, head_axis, None)
     ext_specs = (P(batch_axis), P(batch_axis), P(batch_axis, seq_axis), P(batch_axis, seq_axis))
-    ext_specs = tuple(None if x is None else s for x, s in zip(extras, ext_specs))
-    fn = jax.shard_map(functools.partial(_ring, cfg), mesh=mesh,
-                       in_specs=(spec4, spec4, spec4, ext_specs),
+    # Only the operands present cross the shard_map: jax 0.11 turns a None operand into an
+    # empty int32 array there, and XLA's Shardy pass then crashes on the zero-sized operand.
+    present = tuple(x is not None for x in extras)
+
+    def body(q, k, v, given):
+        it = iter(given)
+        return _ring(cfg, q, k, v, tuple(next(it) if p else None for p in present))
+
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(spec4, spec4, spec4,
+                                 tuple(s for s, p in zip(ext_specs, present) if p)),
                        out_specs=(spec4, P(batch_axis, head_axis, seq_axis)), check_vma=False)
-    out, lse = fn(q, k, v, extras)
+    out, lse = fn(q, k, v, tuple(x for x in extras if x is not None))
     if not return_residual:
         return out
     return out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2))
@@ -250,6 +258,18 @@ def _block_problem(cfg, case, q, k, v, arrays):
     return statics, problem
 
 
+# Static-slice reads/writes. (Not `x.at[...]`: under jax 0.11 its empty index constants become
+# zero-sized operands of the shard_map, on which XLA's Shardy pass crashes.)
+def _get(x, axis, sl: slice):
+    return lax.slice_in_dim(x, sl.start, sl.stop, axis=axis)
+
+
+def _put(x, axis, sl: slice, y):
+    if sl.start == 0 and sl.stop == x.shape[axis]:
+        return y.astype(x.dtype)
+    return lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), sl.start, axis)
+
+
 def _merge(out, lse, out_b, lse_b):
     """Combine two partial softmax results through their LSE (rows with -inf stay empty)."""
     m = jnp.maximum(lse, lse_b)
@@ -281,8 +301,8 @@ def _forward(cfg: _Ring, q, k, v, extras):
             qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
             statics, problem = _block_problem(cfg, case, qb, kb, vb, arrays)
             out_b, lse_b = cfg.backend.forward(qb, kb, vb, arrays, statics, problem)
-            o, l = _merge(out[:, qs], lse[..., qs], out_b, lse_b)
-            return out.at[:, qs].set(o), lse.at[..., qs].set(l)
+            o, l = _merge(_get(out, 1, qs), _get(lse, 2, qs), out_b, lse_b)
+            return _put(out, 1, qs, o), _put(lse, 2, qs, l)
 
         hi, lo = _cases(cfg, step)
         if hi == lo:
@@ -315,8 +335,9 @@ def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout):
             statics, problem = _block_problem(cfg, case, qb, kb, vb, arrays)
             gq, gk, gv, _, _ = cfg.backend.backward(qb, kb, vb, arrays, statics, problem,
                                                     out[:, qs], lse[..., qs], dout[:, qs])
-            return (dq.at[:, qs].add(f32(gq)), dk.at[:, ks].add(f32(gk)),
-                    dv.at[:, ks].add(f32(gv)))
+            return (_put(dq, 1, qs, _get(dq, 1, qs) + f32(gq)),
+                    _put(dk, 1, ks, _get(dk, 1, ks) + f32(gk)),
+                    _put(dv, 1, ks, _get(dv, 1, ks) + f32(gv)))
 
         hi, lo = _cases(cfg, step)
         if hi == lo:
