@@ -9,4 +9,4 @@ from jaxflash.dispatch import target_platform
 from jaxflash.ring import ring_attention
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "explain", "target_platform", "__version__"]
+__all__ = ["flash_attention", "explain", "ring_attention", "target_platform", "__version__"]
