@@ -47,19 +47,27 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
     keep = masking.keep(q_idx, k_idx, is_causal=statics.is_causal, window=statics.window,
                         q_seqlen=bcast(arrays.q_seqlen), kv_seqlen=bcast(arrays.kv_seqlen),
                         q_seg=q_seg, kv_seg=kv_seg)
-    if arrays.mask is not None:
-        keep = arrays.mask if keep is None else jnp.logical_and(keep, arrays.mask)
+    p, lse = masked_softmax(s, keep, arrays.mask)
+    out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S), vf, precision=prec)
+    out = out.reshape(B, T, N, Hv).astype(q.dtype)
+    return out, lse.astype(jnp.float32)
+
+
+def masked_softmax(s, keep=None, mask=None):
+    """Softmax over the last axis of logits `s` where `keep` (and the dense `mask`) allow.
+
+    Returns ``(p, lse)``. A row with nothing visible gets p = 0 and lse = -inf, and neither pass
+    produces a NaN (the max, the division and the log are guarded).
+    """
+    if mask is not None:
+        keep = mask if keep is None else jnp.logical_and(keep, mask)
     if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
-
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    p = p / l_safe
-    out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S), vf, precision=prec)
-    out = out.reshape(B, T, N, Hv).astype(q.dtype)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]
-    return out, lse.astype(jnp.float32)
+    return p / l_safe, lse

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxflash
-from jaxflash import masking
+from jaxflash import masking, reference
 from jaxflash.api import _prepare
 
 logger = logging.getLogger("jaxflash.flax")
@@ -190,15 +190,7 @@ def _weights_path(q, k, v, bias, mask, *, is_causal, extra, dropout, precision, 
     s = masking.transform_logits(s, q_idx, k_idx, scale=1.0, softcap=statics.softcap,
                                  bias=arrays.bias)
     keep = masking.keep(q_idx, k_idx, is_causal=statics.is_causal, window=statics.window)
-    if arrays.mask is not None:
-        keep = arrays.mask if keep is None else jnp.logical_and(keep, arrays.mask)
-    if keep is not None:
-        s = jnp.where(keep, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m)
-    l = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(l == 0.0, 1.0, l)     # all-masked rows: weights 0, output 0
+    p, _ = reference.masked_softmax(s, keep, arrays.mask)  # all-masked rows: weights 0
     w = p.reshape(batch_shape + (N, T, S)).astype(dtype)
 
     if module is not None:
