@@ -176,57 +176,35 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
     bq, bk = cfg.block_q, cfg.block_k
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_lo = i * bq
-    q_idx = q_lo + jnp.arange(bq, dtype=jnp.int32)
-    q_rows = tiles.bounds(q_idx, spec.T, bq)
-    hq = tiles.head_ok(spec.Hp, spec.H)
-    hv = tiles.head_ok(spec.Hvp, spec.Hv)
-    q = tiles.load(r["q"], tiles.tile_mask(q_rows, hq))
-    do = tiles.load(r["do"], tiles.tile_mask(q_rows, hv))
-    lse = tiles.load(r["lse"], q_rows)
-    delta = tiles.load(r["delta"], q_rows)
-    slope = r["alibi"][n] if spec.has_alibi else None
-    q_len = r["q_len"][b] if spec.has_qlen else None
-    kv_len = r["kv_len"][b] if spec.has_kvlen else None
-    q_ids = tiles.load(r["q_seg"], q_rows) if spec.has_seg else None
-    k_tail = spec.S % bk != 0
+    qt = tiles.query_tile(r, spec, b, n, q_lo, bq)
+    do = tiles.load(r["do"], tiles.tile_mask(qt.rows, qt.hv))
+    lse = tiles.load(r["lse"], qt.rows)
+    delta = tiles.load(r["delta"], qt.rows)
 
     def body(j, carry, masked):
         dq, dal = carry
-        k_lo = j * bk
-        k_idx = k_lo + jnp.arange(bk, dtype=jnp.int32)
-        k_rows = tiles.bounds(k_idx, spec.S, bk) if masked else None
-        ks = pl.ds(pl.multiple_of(k_lo, bk), bk)
-        k = tiles.load(r["k"].at[ks, :], tiles.tile_mask(k_rows, hq))
-        v = tiles.load(r["v"].at[ks, :], tiles.tile_mask(k_rows, hv))
-        qk = tiles.dot_nt(q, k)
-        bias = dm = k_ids = None
-        if spec.has_bias:
-            bias = tiles.load(r["bias"].at[:, ks], tiles.tile_mask(q_rows, k_rows))
-        if spec.has_mask:
-            dm = tiles.load(r["mask"].at[:, ks], tiles.tile_mask(q_rows, k_rows))
-        if spec.has_seg:
-            k_ids = tiles.load(r["kv_seg"].at[ks], k_rows)
-        s = tiles.logits(qk, q_idx, k_idx, spec, static_masks=masked, q_tail=False,
-                         k_tail=masked and k_tail, slope=slope, bias=bias, dense_mask=dm,
-                         q_ids=q_ids, k_ids=k_ids, q_len=q_len, kv_len=kv_len)
+        kb = tiles.key_block_logits(r, spec, qt, j, bk, masked)
+        s, qk, k, k_idx = kb.s, kb.qk, kb.k, kb.idx
+        v = tiles.load(r["v"].at[kb.ks, :], tiles.tile_mask(kb.rows, qt.hv))
         p = _probs(s, lse)
         dp = tiles.dot_nt(do, v)
         ds = p * (dp - delta[:, None])
         if spec.has_alibi:
-            dist = jnp.abs(q_idx[:, None] - k_idx[None, :]).astype(jnp.float32)
+            dist = jnp.abs(qt.idx[:, None] - k_idx[None, :]).astype(jnp.float32)
             dal = dal - jnp.sum(ds * dist, axis=1)
         if spec.softcap is not None:
             ds = ds * tiles.softcap_grad(qk, spec)
         dq = dq + tiles.dot_nn(ds.astype(k.dtype), k)
         return dq, dal
 
-    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
+    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
+                                         kv_len=qt.kv_len)
     carry = (jnp.zeros((bq, spec.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
     dq, dal = tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
                                 any_full=spec.S >= bk)
-    tiles.store(r["dq"], dq * spec.scale, tiles.tile_mask(q_rows, hq))
+    tiles.store(r["dq"], dq * spec.scale, tiles.tile_mask(qt.rows, qt.hq))
     if spec.has_alibi:
-        tiles.store(r["dalibi"], dal, q_rows)
+        tiles.store(r["dalibi"], dal, qt.rows)
 
 
 def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,

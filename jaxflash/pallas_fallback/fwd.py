@@ -25,37 +25,12 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
     bq, bk = cfg.block_q, cfg.block_k
     i, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_lo = i * bq
-    q_idx = q_lo + jnp.arange(bq, dtype=jnp.int32)
-    q_rows = tiles.bounds(q_idx, spec.T, bq)
-    hq = tiles.head_ok(spec.Hp, spec.H)
-    hv = tiles.head_ok(spec.Hvp, spec.Hv)
-
-    q = tiles.load(r["q"], tiles.tile_mask(q_rows, hq))
-    slope = r["alibi"][n] if spec.has_alibi else None
-    q_len = r["q_len"][b] if spec.has_qlen else None
-    kv_len = r["kv_len"][b] if spec.has_kvlen else None
-    q_ids = tiles.load(r["q_seg"], q_rows) if spec.has_seg else None
-    k_tail = spec.S % bk != 0
+    qt = tiles.query_tile(r, spec, b, n, q_lo, bq)
 
     def body(j, carry, masked):
         acc, m, l = carry
-        k_lo = j * bk
-        k_idx = k_lo + jnp.arange(bk, dtype=jnp.int32)
-        # Only the masked path can meet the ragged last key block (see tiles.k_block_range).
-        k_rows = tiles.bounds(k_idx, spec.S, bk) if masked else None
-        ks = pl.ds(pl.multiple_of(k_lo, bk), bk)
-        k = tiles.load(r["k"].at[ks, :], tiles.tile_mask(k_rows, hq))
-        qk = tiles.dot_nt(q, k)
-        bias = dm = k_ids = None
-        if spec.has_bias:
-            bias = tiles.load(r["bias"].at[:, ks], tiles.tile_mask(q_rows, k_rows))
-        if spec.has_mask:
-            dm = tiles.load(r["mask"].at[:, ks], tiles.tile_mask(q_rows, k_rows))
-        if spec.has_seg:
-            k_ids = tiles.load(r["kv_seg"].at[ks], k_rows)
-        s = tiles.logits(qk, q_idx, k_idx, spec, static_masks=masked, q_tail=False,
-                         k_tail=masked and k_tail, slope=slope, bias=bias, dense_mask=dm,
-                         q_ids=q_ids, k_ids=k_ids, q_len=q_len, kv_len=kv_len)
+        kb = tiles.key_block_logits(r, spec, qt, j, bk, masked)
+        s = kb.s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row with nothing visible so far keeps m = -inf; exponentiate against 0 instead so
         # no inf - inf appears (its p and alpha are then exactly 0).
@@ -63,11 +38,12 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        v = tiles.load(r["v"].at[ks, :], tiles.tile_mask(k_rows, hv))
+        v = tiles.load(r["v"].at[kb.ks, :], tiles.tile_mask(kb.rows, qt.hv))
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
+    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
+                                         kv_len=qt.kv_len)
     carry = (jnp.zeros((bq, spec.Hvp), jnp.float32),
              jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
@@ -76,10 +52,10 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
 
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    tiles.store(r["o"], acc / l_safe[:, None], tiles.tile_mask(q_rows, hv))
+    tiles.store(r["o"], acc / l_safe[:, None], tiles.tile_mask(qt.rows, qt.hv))
     m_use = jnp.where(m == -jnp.inf, 0.0, m)
     lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(l_safe)) * tiles.LN2)
-    tiles.store(r["lse"], lse, q_rows)
+    tiles.store(r["lse"], lse, qt.rows)
 
 
 def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from jaxflash import masking
 
@@ -264,3 +265,62 @@ def run_split(lo, a, b, hi, body, carry, *, static_masks: bool, any_full: bool =
     carry = lax.fori_loop(lo, a, lambda j, c: body(j, c, True), carry)
     carry = lax.fori_loop(a, b, lambda j, c: body(j, c, False), carry)
     return lax.fori_loop(b, hi, lambda j, c: body(j, c, True), carry)
+
+
+class QueryTile(NamedTuple):
+    """What a program that owns one query block (forward, dQ) reads once, before its key loop."""
+
+    idx: object      # [bq] global query positions
+    rows: object     # [bq] rows inside T (None when the block cannot be ragged)
+    hq: object       # head-dim validity of q/k columns (None when unpadded)
+    hv: object       # head-dim validity of v columns
+    q: object        # [bq, Hp] query tile
+    slope: object    # ALiBi slope of this head, or None
+    q_len: object
+    kv_len: object
+    q_ids: object    # [bq] segment ids, or None
+
+
+def query_tile(r, spec: Spec, b, n, q_lo, bq: int) -> QueryTile:
+    idx = q_lo + jnp.arange(bq, dtype=jnp.int32)
+    rows = bounds(idx, spec.T, bq)
+    hq = head_ok(spec.Hp, spec.H)
+    return QueryTile(
+        idx=idx, rows=rows, hq=hq, hv=head_ok(spec.Hvp, spec.Hv),
+        q=load(r["q"], tile_mask(rows, hq)),
+        slope=r["alibi"][n] if spec.has_alibi else None,
+        q_len=r["q_len"][b] if spec.has_qlen else None,
+        kv_len=r["kv_len"][b] if spec.has_kvlen else None,
+        q_ids=load(r["q_seg"], rows) if spec.has_seg else None)
+
+
+class KeyBlock(NamedTuple):
+    s: object        # [bq, bk] logits (masked entries -inf)
+    qk: object       # [bq, bk] raw q.k (the softcap derivative needs it)
+    k: object        # [bk, Hp] key tile
+    idx: object      # [bk] global key positions
+    ks: object       # the key slice, for the caller's V load
+    rows: object     # [bk] rows inside S (None on the unmasked path)
+
+
+def key_block_logits(r, spec: Spec, qt: QueryTile, j, bk: int, masked: bool) -> KeyBlock:
+    """Logits of query tile `qt` against key block `j` (bias, dense mask and segment ids of that
+    block loaded here), shared by the forward and dQ kernels. Only the masked path can meet the
+    ragged last key block (see `k_block_range`), so the unmasked path skips the bounds."""
+    k_lo = j * bk
+    k_idx = k_lo + jnp.arange(bk, dtype=jnp.int32)
+    k_rows = bounds(k_idx, spec.S, bk) if masked else None
+    ks = pl.ds(pl.multiple_of(k_lo, bk), bk)
+    k = load(r["k"].at[ks, :], tile_mask(k_rows, qt.hq))
+    qk = dot_nt(qt.q, k)
+    bias = dm = k_ids = None
+    if spec.has_bias:
+        bias = load(r["bias"].at[:, ks], tile_mask(qt.rows, k_rows))
+    if spec.has_mask:
+        dm = load(r["mask"].at[:, ks], tile_mask(qt.rows, k_rows))
+    if spec.has_seg:
+        k_ids = load(r["kv_seg"].at[ks], k_rows)
+    s = logits(qk, qt.idx, k_idx, spec, static_masks=masked, q_tail=False,
+               k_tail=masked and spec.S % bk != 0, slope=qt.slope, bias=bias, dense_mask=dm,
+               q_ids=qt.q_ids, k_ids=k_ids, q_len=qt.q_len, kv_len=qt.kv_len)
+    return KeyBlock(s=s, qk=qk, k=k, idx=k_idx, ks=ks, rows=k_rows)
