@@ -115,6 +115,29 @@ def attend(q, k, v, opts: AttentionOptions, *, mask=None, q_segment_ids=None,
         implementation=opts.implementation)
 
 
+def attend_sequence(q, k, v, opts: AttentionOptions, *, self_attn: bool, mask=None,
+                    positions=None, kv_positions=None, segment_ids=None, kv_segment_ids=None):
+    """What both layers (NNX, Linen) do outside decoding: rotary embeddings when enabled (self-
+    attention keys default to the query positions), segment-id defaults, then `attend`."""
+    batch = q.shape[:-3]
+    T, S = q.shape[-3], k.shape[-3]
+    if opts.rope:
+        pos = default_positions(batch, T) if positions is None else positions
+        if kv_positions is None:
+            kv_positions = pos if self_attn else default_positions(batch, S)
+        q = apply_rope(q, pos, opts.rope_theta)
+        k = apply_rope(k, kv_positions, opts.rope_theta)
+    if segment_ids is not None and kv_segment_ids is None:
+        if T != S:
+            raise ValueError(f"segment_ids given for q_len {T} != kv_len {S}: pass "
+                             f"kv_segment_ids too")
+        kv_segment_ids = segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("kv_segment_ids needs segment_ids")
+    return attend(q, k, v, opts, mask=mask, q_segment_ids=segment_ids,
+                  kv_segment_ids=kv_segment_ids)
+
+
 def update_cache(cached_key, cached_value, index, k, v):
     """Write the new ``k, v [B..., t, K, H]`` at ``index`` of the caches ``[B..., L, K, H]``.
 

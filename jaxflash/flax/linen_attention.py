@@ -73,7 +73,7 @@ class FlashMultiHeadAttention(nn.Module):
             k = nn.LayerNorm(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                              name="key_ln")(k)
         batch = q.shape[:-3]
-        T, S = q.shape[-3], k.shape[-3]
+        T = q.shape[-3]
 
         initialized = self.has_variable("cache", "cached_key")
         if self.decode and initialized:
@@ -96,21 +96,9 @@ class FlashMultiHeadAttention(nn.Module):
                 self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
                 self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
                 self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-            if opts.rope:
-                pos = core.default_positions(batch, T) if positions is None else positions
-                if kv_positions is None:
-                    kv_positions = pos if self_attn else core.default_positions(batch, S)
-                q = core.apply_rope(q, pos, opts.rope_theta)
-                k = core.apply_rope(k, kv_positions, opts.rope_theta)
-            if segment_ids is not None and kv_segment_ids is None:
-                if T != S:
-                    raise ValueError(f"segment_ids given for q_len {T} != kv_len {S}: pass "
-                                     f"kv_segment_ids too")
-                kv_segment_ids = segment_ids
-            if (segment_ids is None) != (kv_segment_ids is None):
-                raise ValueError("kv_segment_ids needs segment_ids")
-            x = core.attend(q, k, v, opts, mask=mask, q_segment_ids=segment_ids,
-                            kv_segment_ids=kv_segment_ids)
+            x = core.attend_sequence(q, k, v, opts, self_attn=self_attn, mask=mask,
+                                     positions=positions, kv_positions=kv_positions,
+                                     segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
         return nn.DenseGeneral(features=out_features, axis=(-2, -1), dtype=self.dtype,
                                param_dtype=self.param_dtype, use_bias=self.use_bias,
                                kernel_init=self.out_kernel_init or self.kernel_init,

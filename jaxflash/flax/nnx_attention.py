@@ -146,7 +146,7 @@ class FlashMultiHeadAttention(nnx.Module):
             q = self.query_ln(q)
             k = self.key_ln(k)
         batch = q.shape[:-3]
-        T, S = q.shape[-3], k.shape[-3]
+        T = q.shape[-3]
 
         if decode:
             if self.cache_index is None:
@@ -166,19 +166,7 @@ class FlashMultiHeadAttention(nnx.Module):
                                    mask=mask)
             return self.out(x)
 
-        if self.opts.rope:
-            pos = core.default_positions(batch, T) if positions is None else positions
-            if kv_positions is None:
-                kv_positions = pos if inputs_k is inputs_q else core.default_positions(batch, S)
-            q = core.apply_rope(q, pos, self.opts.rope_theta)
-            k = core.apply_rope(k, kv_positions, self.opts.rope_theta)
-        if segment_ids is not None and kv_segment_ids is None:
-            if T != S:
-                raise ValueError(f"segment_ids given for q_len {T} != kv_len {S}: pass "
-                                 f"kv_segment_ids too")
-            kv_segment_ids = segment_ids
-        if (segment_ids is None) != (kv_segment_ids is None):
-            raise ValueError("kv_segment_ids needs segment_ids")
-        x = core.attend(q, k, v, self.opts, mask=mask, q_segment_ids=segment_ids,
-                        kv_segment_ids=kv_segment_ids)
+        x = core.attend_sequence(q, k, v, self.opts, self_attn=inputs_k is inputs_q, mask=mask,
+                                 positions=positions, kv_positions=kv_positions,
+                                 segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
         return self.out(x)
