@@ -45,27 +45,26 @@ from jaxflash.backends.base import Backend
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def to_zigzag(x, num_shards: int, axis: int = 1):
-    """Reorder the sequence `axis` of `x` (natural order) into the zigzag layout for
-    `num_shards` devices: chunks ``0, 2P-1, 1, 2P-2, ...`` (device d's two chunks adjacent)."""
+def _zigzag_chunks(x, num_shards: int, axis: int):
+    """`x` cut into 2P chunks along `axis`, and the zigzag order of chunk indices."""
     n = 2 * num_shards
     if x.shape[axis] % n:
         raise ValueError(f"zigzag needs the sequence length ({x.shape[axis]}) to be a multiple "
                          f"of 2 x {num_shards} shards; got shape {x.shape}")
-    chunks = jnp.split(x, n, axis=axis)
-    order = [c for d in range(num_shards) for c in (d, n - 1 - d)]
+    return jnp.split(x, n, axis=axis), [c for d in range(num_shards) for c in (d, n - 1 - d)]
+
+
+def to_zigzag(x, num_shards: int, axis: int = 1):
+    """Reorder the sequence `axis` of `x` (natural order) into the zigzag layout for
+    `num_shards` devices: chunks ``0, 2P-1, 1, 2P-2, ...`` (device d's two chunks adjacent)."""
+    chunks, order = _zigzag_chunks(x, num_shards, axis)
     return jnp.concatenate([chunks[c] for c in order], axis=axis)
 
 
 def from_zigzag(x, num_shards: int, axis: int = 1):
     """Inverse of `to_zigzag`."""
-    n = 2 * num_shards
-    if x.shape[axis] % n:
-        raise ValueError(f"zigzag needs the sequence length ({x.shape[axis]}) to be a multiple "
-                         f"of 2 x {num_shards} shards; got shape {x.shape}")
-    chunks = jnp.split(x, n, axis=axis)
-    order = [c for d in range(num_shards) for c in (d, n - 1 - d)]
-    back = [None] * n
+    chunks, order = _zigzag_chunks(x, num_shards, axis)
+    back = [None] * len(chunks)
     for pos, c in enumerate(order):
         back[c] = chunks[pos]
     return jnp.concatenate(back, axis=axis)
