@@ -42,7 +42,7 @@ CHECKS = [
     ("bf16 h128 causal persistent gqa", dict(head_dim=128, is_causal=True, persistent=True),
      (2, 777, 900, 8, 2, {})),
     ("fp16 h192 dense", dict(dtype="float16", head_dim=192), (1, 300, 333, 4, 1, {})),
-    ("bf16 h128 dense gqa4 odd", dict(head_dim=128), (2, 1000, 1000, 8, 2, {"cudnn": True})),
+    ("bf16 h128 dense gqa4 odd", dict(head_dim=128), (2, 1000, 1000, 8, 2, {})),
     # Not yet run on a GPU (added after the 2026-11-30 device runs):
     ("bf16 h64 m192 dense", dict(head_dim=64, tile_m=192), (2, 500, 700, 6, 2, {})),
     ("bf16 h64 m192 causal", dict(head_dim=64, tile_m=192, is_causal=True),
@@ -155,6 +155,35 @@ def _rel(x, ref):
     return float(np.linalg.norm((x - ref).ravel()) / max(np.linalg.norm(ref.ravel()), 1e-30))
 
 
+def _cudnn_error(q, k, v, scale, causal, ex, ref_o, o) -> dict:
+    """rel-L2 of cuDNN's and our output against `ref_o` over the rows both define (rows past a
+    query length are left out: jax.nn leaves them unspecified), and their ratio."""
+    import jax
+    import jax.numpy as jnp
+    kw = {}
+    if ex.get("window"):
+        kw["local_window_size"] = tuple(ex["window"])
+    if "q_seqlen" in ex or "kv_seqlen" in ex:
+        B, T, S = q.shape[0], q.shape[1], k.shape[1]
+        kw["query_seq_lengths"] = jnp.asarray(ex.get("q_seqlen", [T] * B), jnp.int32)
+        kw["key_value_seq_lengths"] = jnp.asarray(ex.get("kv_seqlen", [S] * B), jnp.int32)
+    try:
+        c = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                         implementation="cudnn", **kw)
+        c = np.asarray(c.astype(jnp.float32))
+    except Exception as e:  # cuDNN refuses some cases (e.g. causal with T != S)
+        return {"rel_out_cudnn": f"refused: {type(e).__name__}: {str(e)[:120]}"}
+    rows = np.ones(ref_o.shape[:2], bool)
+    if "q_seqlen" in ex:
+        rows = np.arange(ref_o.shape[1])[None, :] < np.asarray(ex["q_seqlen"])[:, None]
+    if "kv_seqlen" in ex:  # batches with no keys: cuDNN's output there is unspecified
+        rows &= (np.asarray(ex["kv_seqlen"]) > 0)[:, None]
+    ours_err, theirs = _rel(o[rows], ref_o[rows]), _rel(c[rows], ref_o[rows])
+    return {"rel_out_valid_rows": ours_err, "rel_out_cudnn": theirs,
+            "error_vs_cudnn": ours_err / max(theirs, 1e-30),
+            "within_1p2_of_cudnn": bool(ours_err <= 1.2 * theirs)}
+
+
 def check(out_path: str, cases=None) -> bool:
     import jax
     import jax.numpy as jnp
@@ -202,14 +231,10 @@ def check(out_path: str, cases=None) -> bool:
             row["ok"] = bool(row["nan_out"] == 0 and row["rel_out"] < tol
                              and row["rel_lse"] < 1e-3 and row["empty_lse_ok"]
                              and row["max_abs_out_where_empty"] == 0.0)
-            if ex.get("cudnn"):
-                try:
-                    c = jax.nn.dot_product_attention(q, k, v, scale=scale,
-                                                     is_causal=cfg.is_causal,
-                                                     implementation="cudnn")
-                    row["rel_out_cudnn"] = _rel(np.asarray(c.astype(jnp.float32)), ref_o)
-                except Exception as e:  # cuDNN refuses some shapes (T != S causal etc.)
-                    row["rel_out_cudnn"] = f"refused: {type(e).__name__}"
+            # cuDNN's error against the same float64 oracle on the same inputs (the issue's x1.2
+            # criterion), wherever jax.nn's cuDNN path takes the case (it has no softcap).
+            if not ex.get("softcap"):
+                row.update(_cudnn_error(q, k, v, scale, cfg.is_causal, ex, ref_o, o))
         except Exception as e:
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
