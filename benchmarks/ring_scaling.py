@@ -1,6 +1,6 @@
 """Sequence-parallel (ring) attention scaling: one long causal sequence on 1 GPU vs P GPUs.
 
-    python -m benchmarks.ring_scaling --out benchmarks/results/ring-h200x2-DATE.json
+    python -m benchmarks.ring_scaling --out benchmarks/results/ring-pallas-h200x2-DATE.json
     python -m benchmarks.ring_scaling --s 4096 --impl xla        # a CPU smoke run
 
 On one device: `jaxflash.flash_attention` on the whole sequence. On P devices: `ring_attention`
