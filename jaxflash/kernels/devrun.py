@@ -249,18 +249,11 @@ def check(out_path: str, cases=None) -> bool:
     return ok_all
 
 
-def _time(fn, args, iters):
-    import jax
-    out = fn(*args)
-    jax.block_until_ready(out)
-    best = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best.append((time.perf_counter() - t0) / iters)
-    return float(np.median(best))
+def _time(fn, args):
+    """Median seconds per call: the harness's throughput timing (`benchmarks/timing.py`; devrun
+    runs from the repo root, where `benchmarks` imports)."""
+    from benchmarks.timing import time_throughput
+    return time_throughput(fn, args, reps=5).median_s
 
 
 def bench(out_path: str, only=None) -> None:
@@ -288,9 +281,8 @@ def bench(out_path: str, only=None) -> None:
                     a = np.asarray(f_ours(q, k, v).astype(jnp.float32))
                     b = np.asarray(f_cudnn(q, k, v).astype(jnp.float32))
                     row["rel_vs_cudnn"] = _rel(a, b)
-                    iters = max(3, int(2e11 / flops * 20))
-                    t_o = _time(f_ours, (q, k, v), iters)
-                    t_c = _time(f_cudnn, (q, k, v), iters)
+                    t_o = _time(f_ours, (q, k, v))
+                    t_c = _time(f_cudnn, (q, k, v))
                     row.update(config=cfg.key, ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
                                ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
                                ratio=t_c / t_o)
@@ -300,7 +292,7 @@ def bench(out_path: str, only=None) -> None:
                             if vcfg is None:
                                 continue
                             fv = jax.jit(lambda q, k, v, c=vcfg: ours(q, k, v, c, scale)[0])
-                            t_v = _time(fv, (q, k, v), iters)
+                            t_v = _time(fv, (q, k, v))
                             row[f"{vname}_tflops"] = flops / t_v / 1e12
                             row[f"{vname}_ratio"] = t_c / t_v
                 except Exception as e:
