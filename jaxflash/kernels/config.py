@@ -27,6 +27,10 @@ _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256:
 # With a causal/window mask, hdim 256 at tile_n 80 makes ptxas serialize the wgmma ("insufficient
 # register resources", C7512); tile_n 64 frees the 12 registers that avoids it.
 _TILES_MASKED = {256: (128, 64)}
+# The segment-id element compare (one id load per column a thread owns) costs more registers
+# still: measured with ptxas, hdim 192 needs tile_n 80 (96 serializes once causal + ALiBi join)
+# and hdim 256 tile_n 64.
+_TILES_SEGMENTS = {192: (128, 80), 256: (128, 64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,8 @@ class FwdConfig:
         default = _TILES.get(self.head_dim, (128, 128))
         if self.is_causal or self.has_window:
             default = _TILES_MASKED.get(self.head_dim, default)
+        if self.has_segments:
+            default = _TILES_SEGMENTS.get(self.head_dim, default)
         if self.tile_m is None:
             object.__setattr__(self, "tile_m", default[0])
         if self.tile_n is None:
