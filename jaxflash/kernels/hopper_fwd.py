@@ -652,7 +652,7 @@ class FlashFwdSm90:
             apply_alibi(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, mods.alibi)
         if const_expr(self.cfg.has_segments):
             # Most blocks of packed documents lie inside one document: no compare there.
-            if not mods.rows.block_uniform(mods.kv_blk[n_block, 0], mods.kv_blk[n_block, 1]):
+            if mods.rows.block_needs_compare(mods.kv_blk[n_block, 0], mods.kv_blk[n_block, 1]):
                 apply_segment_mask(acc_S, tScS, mods.rows, n_block * self.tile_n, mods.kv_seg,
                                    mods.S)
         if const_expr(mask_seqlen or mask_right or mask_left):

@@ -184,10 +184,11 @@ class SegmentRows(Carried):
         return SegmentRows(seg, lo, hi)
 
     @cute.jit
-    def block_uniform(self, col_lo: Int32, col_hi: Int32):
-        """True when every (row, column) pair of the tile x block shares one segment, i.e. the
-        element compare can be skipped for the block."""
-        return (self.lo == self.hi) & (col_lo == col_hi) & (self.lo == col_lo)
+    def block_needs_compare(self, col_lo: Int32, col_hi: Int32):
+        """False only when every (row, column) pair of the tile x block shares one segment (the
+        element compare can then be skipped); written without ``not`` so the result stays a
+        device value."""
+        return (self.lo != self.hi) | (col_lo != col_hi) | (self.lo != col_lo)
 
 
 @cute.jit

@@ -49,6 +49,10 @@ def block_summaries(row_seg, col_seg, tile_rows: int, tile_cols: int):
     rmin, rmax = _block_min_max(row_seg, tile_rows)
     cmin, cmax = _block_min_max(col_seg, tile_cols)
     nc = cmin.shape[1]
+    if nc == 0:  # no keys: every range is empty
+        zeros = jnp.zeros(rmin.shape, jnp.int32)
+        return (jnp.stack([rmin, rmax, zeros, zeros], axis=-1).astype(jnp.int32),
+                jnp.stack([cmin, cmax], axis=-1).astype(jnp.int32))
     meet = ((cmin[:, None, :] <= rmax[:, :, None])
             & (cmax[:, None, :] >= rmin[:, :, None]))  # [B, nr, nc]
     any_meet = meet.any(-1)
