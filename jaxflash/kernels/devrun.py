@@ -65,6 +65,14 @@ CHECKS = [
     ("bf16 h128 segments causal", dict(head_dim=128, has_segments=True, is_causal=True),
      (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
                             "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
+    # Everything at once at the register-heaviest point (also what tests/test_kernels_hopper_gpu
+    # runs through the API): packed documents, a query document without keys, causal, GQA.
+    ("bf16 h128 alibi segments causal gqa", dict(head_dim=128, has_alibi=True,
+                                                 has_segments=True, is_causal=True),
+     (2, 700, 700, 8, 2, {"alibi": 1,
+                          "q_segs": [[(0, 1), (1, 300), (2, 129), (3, 270)], [(5, 650), (9, 50)]],
+                          "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 270)],
+                                      [(5, 650), (6, 50)]]})),
     # Unsorted ids (no block can be skipped; every block takes the element compare) with ALiBi,
     # key lengths (one 0) and GQA.
     ("bf16 h64 segments random alibi kvlen", dict(head_dim=64, has_segments=True, has_alibi=True,

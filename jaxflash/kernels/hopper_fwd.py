@@ -552,12 +552,13 @@ class FlashFwdSm90:
             n = n_max - 1
             if const_expr(self.overlap):
                 # First half block: S and P of the rightmost block only.
+                seg_cmp = self.segment_compare_needed(mods, n)
                 pipe_k.consumer_wait(kv_state)
                 layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                               zero_init=True, wait=0)
                 pipe_k.consumer_release(kv_state)
                 self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
-                            window_right, mods, True, self.has_right, self.has_left)
+                            window_right, mods, seg_cmp, True, self.has_right, self.has_left)
                 softmax.step(acc_S, is_first=True)
                 tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             else:
@@ -640,7 +641,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
-               pre_scale: Float32, window_left: Int32, window_right: Int32, mods,
+               pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
                mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
                mask_left: cutlass.Constexpr):
         """Logit transforms (softcap, ALiBi) then masks (segments, bounds), in place on the S
@@ -652,12 +653,23 @@ class FlashFwdSm90:
             apply_alibi(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, mods.alibi)
         if const_expr(self.cfg.has_segments):
             # Most blocks of packed documents lie inside one document: no compare there.
-            if mods.rows.block_needs_compare(mods.kv_blk[n_block, 0], mods.kv_blk[n_block, 1]):
+            if seg_cmp:
                 apply_segment_mask(acc_S, tScS, mods.rows, n_block * self.tile_n, mods.kv_seg,
                                    mods.S)
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left)
+
+    @cute.jit
+    def segment_compare_needed(self, mods, n_block: Int32):
+        """Whether block n_block needs the segment element compare (None without segments).
+        Called before the block's QK GEMM is issued, so the two summary loads are in flight
+        under the GEMM instead of stalling the softmax after it."""
+        need = None
+        if const_expr(self.cfg.has_segments):
+            need = mods.rows.block_needs_compare(mods.kv_blk[n_block, 0],
+                                                 mods.kv_blk[n_block, 1])
+        return need
 
     @cute.jit
     def one_block(self, kv_state, n_block: Int32, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
@@ -670,6 +682,7 @@ class FlashFwdSm90:
         if const_expr(self.overlap):
             v_state = kv_state.clone()
             kv_state.advance()
+            seg_cmp = self.segment_compare_needed(mods, n_block)
             pipe_k.consumer_wait(kv_state)
             self.sched_sync(wg)
             layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
@@ -681,7 +694,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(1)
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                        window_right, mods, mask_seqlen, mask_right, mask_left)
+                        window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
             row_scale = softmax.step(acc_S, is_first=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
@@ -689,6 +702,7 @@ class FlashFwdSm90:
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             rescale_rows(acc_O, row_scale)
         else:
+            seg_cmp = self.segment_compare_needed(mods, n_block)
             pipe_k.consumer_wait(kv_state)
             self.sched_sync(wg)
             layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
@@ -697,7 +711,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                        window_right, mods, mask_seqlen, mask_right, mask_left)
+                        window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
             row_scale = softmax.step(acc_S, is_first=False)
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             rescale_rows(acc_O, row_scale)
