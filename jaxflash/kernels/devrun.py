@@ -9,9 +9,10 @@
 `check` compares output and LSE with the float32 reference (fresh random inputs, odd lengths,
 GQA/MQA, causal with T != S, windows, softcap, per-batch lengths including empty rows) and also
 records cuDNN's error on the same inputs. ALiBi cases draw slopes per head; segment cases give
-ids as runs ``(id, length)`` per batch (or random small ids, ``"random_segs": n``). `bench` times the kernel beside
-``jax.nn.dot_product_attention(implementation="cudnn")`` in the same process on the anchor grid
-(B*S = 16384, N*D = 2048, bf16, D in {64, 128, 256}, S in {1k, 4k, 16k}, causal in {0, 1}).
+ids as runs ``(id, length)`` per batch (or random small ids, ``"random_segs": n``). `bench`
+times the kernel beside ``jax.nn.dot_product_attention(implementation="cudnn")`` in the same
+process on the anchor grid (B*S = 16384, N*D = 2048, bf16, D in {64, 128, 256}, S in {1k, 4k,
+16k}, causal in {0, 1}).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Tensors are the canonical jaxflash layouts, row-major: q [B, T, N, H], k [B, S, 
 v [B, S, K, Hv], optional q_seqlen / kv_seqlen [B] int32, optional alibi slopes [1, N] float32
 (dim 0 fixed at 1 so `jax.vmap` shares it between batch entries instead of folding it), optional
 segment inputs q_segment_ids [B, T], kv_segment_ids [B, S] int32 and their block summaries
-q_blocks [B, ceil(T/tile_m), 4], kv_blocks [B, ceil(S/tile_n), 2] int32 (`segments.py`); outputs o [B, T, N, Hv] (q's dtype)
-and lse [B, N, T] float32. Only the head dims are fixed by the variant: batch, lengths and head
+q_blocks [B, ceil(T/tile_m), 4], kv_blocks [B, ceil(S/tile_n), 2] int32 (`segments.py`);
+outputs o [B, T, N, Hv] (q's dtype) and lse [B, N, T] float32. Only the head dims are fixed by the variant: batch, lengths and head
 counts are read from the buffers at run time (dim 0 must stay dynamic for `jax.vmap`). Scalars:
 float32 (softmax_scale, softcap) always (softcap ignored without ``has_softcap``); int32
 (window_left, window_right) when the config has a window.

@@ -166,7 +166,8 @@ class FlashFwdSm90:
                mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
                mAlibi: Optional[cute.Tensor], mQSeg: Optional[cute.Tensor],
                mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
-               mKVBlk: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor, mFScalars: cute.Tensor,
+               mKVBlk: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor,
+               mFScalars: cute.Tensor,
                mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
         for t in (mQ, mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -247,7 +248,8 @@ class FlashFwdSm90:
         mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
         mAlibi: Optional[cute.Tensor], mQSeg: Optional[cute.Tensor],
         mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
-        mKVBlk: Optional[cute.Tensor], tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_O: cute.CopyAtom,
+        mKVBlk: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_O: cute.CopyAtom,
         mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
