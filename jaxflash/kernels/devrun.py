@@ -5,6 +5,7 @@
   # on the H200 (JAXFLASH_KERNEL_DIR=.device/kernels, CUTE_DSL_RUNTIME_LIB=<unpacked lib>)
   python -m jaxflash.kernels.devrun check --out $OUT/check.json
   python -m jaxflash.kernels.devrun bench --out $OUT/bench.json
+  python -m jaxflash.kernels.devrun segbench --out $OUT/segbench.json  # ALiBi / segment ids
 
 `check` compares output and LSE with the float32 reference (fresh random inputs, odd lengths,
 GQA/MQA, causal with T != S, windows, softcap, per-batch lengths including empty rows) and also
@@ -106,8 +107,21 @@ def _variant(D, causal, kw):
         return None
 
 
+# `segbench`: ALiBi overhead and segment block skipping at one size (B=1, N=16, S=16k, D=128).
+# "docs" = 8 packed documents of 2048 (skipping should cut the work to 1/8 of dense); "random" =
+# unsorted ids (nothing can be skipped; every block takes the element compare: the worst case).
+SEG_BENCH = [("dense", {}, None), ("alibi", dict(has_alibi=True), None),
+             ("docs", dict(has_segments=True), "docs"),
+             ("random", dict(has_segments=True), "random"),
+             ("causal", dict(is_causal=True), None),
+             ("causal docs", dict(is_causal=True, has_segments=True), "docs"),
+             ("causal alibi docs", dict(is_causal=True, has_segments=True, has_alibi=True),
+              "docs")]
+
+
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
+    cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:
         cfgs += [v for v in (_variant(d, c, kw) for kw in VARIANTS.values()) if v is not None]
     return cfgs
@@ -370,6 +384,42 @@ def bench(out_path: str, only=None) -> None:
         json.dump(meta, f, indent=1)
 
 
+def segbench(out_path: str) -> None:
+    """Time `SEG_BENCH` (XLA's block summaries included in the timed call)."""
+    import jax
+    import jax.numpy as jnp
+    B, S, N, D = 1, 16384, 16, 128
+    ks = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.float32).astype(jnp.bfloat16)
+               for kk in ks)
+    slopes = 2.0 ** (-jnp.arange(1, N + 1, dtype=jnp.float32) / 2)
+    segs = {"docs": jnp.repeat(jnp.arange(8, dtype=jnp.int32), S // 8)[None],
+            "random": jax.random.randint(jax.random.key(8), (B, S), 0, 8, jnp.int32)}
+    scale = 1.0 / np.sqrt(D)
+    rows = []
+    for name, kw, seg in SEG_BENCH:
+        cfg = FwdConfig(head_dim=D, **kw)
+        sg = segs.get(seg)
+        al = slopes if cfg.has_alibi else None
+        f = jax.jit(lambda q, k, v, al, sg, cfg=cfg: ours(q, k, v, cfg, scale, alibi_slopes=al,
+                                                          q_seg=sg, kv_seg=sg)[0])
+        row = {"name": name, "config": cfg.key, "B": B, "S": S, "N": N, "D": D}
+        try:
+            t = _time(f, (q, k, v, al, sg), 10)
+            row["ms"] = t * 1e3
+            # FLOPs of the pairs that attend (what a perfect skip would cost).
+            frac = 1.0 / 8 if seg == "docs" else 1.0
+            frac *= 0.5 if cfg.is_causal else 1.0
+            row["useful_tflops"] = 4 * B * N * S * S * D * frac / t / 1e12
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(out_path, "w") as f:
+        json.dump({"gpu": _gpu_name(), "date": time.strftime("%Y-%m-%d"), "rows": rows}, f,
+                  indent=1)
+
+
 def _gpu_name():
     try:
         import jax
@@ -380,13 +430,15 @@ def _gpu_name():
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["build", "check", "bench"])
+    p.add_argument("cmd", choices=["build", "check", "bench", "segbench"])
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
     p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
     a = p.parse_args(argv)
     if a.cmd == "build":
         build(a.out, {c for c in a.cases.split(";") if c} or None)
+    elif a.cmd == "segbench":
+        segbench(a.out)
     elif a.cmd == "check":
         cases = {c for c in a.cases.split(";") if c}
         sys.exit(0 if check(a.out, cases or None) else 1)
