@@ -119,3 +119,39 @@ def test_vmap_and_export():
     back = jax.export.deserialize(exp.serialize())
     assert ffi.TARGET in back.mlir_module()
     assert back.out_avals[0].shape == (2, 128, 4, 64)
+
+
+def _alibi_seg_args(B=2, T=200, S=300, N=4, K=2):
+    return _qkv(B, T, S, N, K) + (jax.ShapeDtypeStruct((N,), jnp.float32),
+                                  jax.ShapeDtypeStruct((B, T), jnp.int32),
+                                  jax.ShapeDtypeStruct((B, S), jnp.int32))
+
+
+def _attn_alibi_seg(q, k, v, al, qs, ks):
+    return jaxflash.flash_attention(q, k, v, implementation="cute", is_causal=True,
+                                    alibi_slopes=al, q_segment_ids=qs, kv_segment_ids=ks)
+
+
+def test_alibi_and_segments_are_served_and_lower_into_one_custom_call():
+    q, k, v, al, qs, ks = _alibi_seg_args()
+    with jaxflash.target_platform("cuda"):
+        d = jaxflash.explain(q, k, v, implementation="cute", is_causal=True, alibi_slopes=al,
+                             q_segment_ids=qs, kv_segment_ids=ks)
+    assert d.backend == "cute", str(d)
+    txt = _lower(_attn_alibi_seg, q, k, v, al, qs, ks).as_text()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 1
+    assert "tensor<1x4xf32>" in txt  # the slopes as [1, N]
+    # segment ids and their block summaries: [B, ceil(T/128), 4] and [B, ceil(S/128), 2]
+    for shape in ("2x200xi32", "2x300xi32", "2x2x4xi32", "2x3x2xi32"):
+        assert f"tensor<{shape}>" in txt, shape
+
+
+def test_alibi_and_segments_vmap_into_one_launch():
+    """Under vmap the slopes ([1, N], dim 0 fixed) are shared, the segment tensors fold into
+    the kernel's batch: still one launch."""
+    q, k, v, al, qs, ks = _alibi_seg_args()
+    up = lambda s: jax.ShapeDtypeStruct((3,) + s.shape, s.dtype)
+    f = jax.vmap(_attn_alibi_seg, in_axes=(0, 0, 0, None, 0, 0))
+    txt = _lower(f, up(q), up(k), up(v), al, up(qs), up(ks)).as_text()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 1
+    assert "tensor<6x200x4x64xbf16>" in txt and "tensor<1x4xf32>" in txt

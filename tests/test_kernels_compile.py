@@ -2,7 +2,7 @@
 supported head dim, dtype and mask feature at least once; its PTX holds the wgmma / TMA / exp2
 instructions the design relies on; unsupported variants are refused with a reason.
 
-Each compile takes 2-7 s on 2 cores; the matrix is kept to 10 variants (about a minute).
+Each compile takes 2-7 s on 2 cores; the matrix is kept small (about a minute and a half).
 """
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ MATRIX = [
     FwdConfig(dtype="bfloat16", head_dim=256, persistent=True, tile_order="lpt"),
     # three consumer warpgroups (192-row tiles), opt-in for hdim 64
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
+    # ALiBi (runtime slopes) and segment ids (element compare + block skipping)
+    FwdConfig(dtype="bfloat16", head_dim=128, has_alibi=True),
+    FwdConfig(dtype="float16", head_dim=64, has_alibi=True, has_softcap=True, has_window=True),
+    FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_segments=True, has_alibi=True,
+              has_kv_seqlen=True),
+    FwdConfig(dtype="bfloat16", head_dim=256, has_segments=True, is_causal=True,
+              persistent=True),
 ]
 
 
@@ -62,6 +69,24 @@ def test_compiles_for_sm90a_with_wgmma(cfg, tmp_path):
     if cfg.has_softcap:
         assert "tanh.approx" in ptx
     print(f"{cfg.key}: {elapsed:.1f} s")
+
+
+def test_segment_variants_use_the_smaller_tiles():
+    assert FwdConfig(head_dim=192, has_segments=True).tile_n == 80
+    assert FwdConfig(head_dim=256, has_segments=True).tile_n == 64
+    assert FwdConfig(head_dim=128, has_segments=True).tile_n == 128
+
+
+def test_alibi_segments_launch_compiles_through_the_bridge():
+    """The bridge's launch with ALiBi slopes [1, N] and the four segment tensors compiles."""
+    from jaxflash.ffi.compiler import compile_launch
+    from jaxflash.kernels.fwd_launch import fwd_launch
+    launch = fwd_launch(FwdConfig(head_dim=64, is_causal=True, has_alibi=True,
+                                  has_segments=True, has_q_seqlen=True))
+    assert [t.shape for t in launch.inputs][3:] == [(None,), (1, None), (None, None),
+                                                    (None, None), (None, None, 4),
+                                                    (None, None, 2)]
+    assert len(compile_launch(launch)) > 10_000
 
 
 def test_compiles_through_the_bridge():
@@ -98,8 +123,8 @@ def test_invalid_configs_are_refused(kw, why):
     (dict(dtype="bfloat16", head_dim=80), False, "head dim 80"),
     (dict(dtype="bfloat16", head_dim=128, head_dim_v=64), False, "value head dim"),
     (dict(dtype="float16", head_dim=64, features=("bias",)), False, "bias"),
-    (dict(dtype="float16", head_dim=64, features=("alibi",)), False, "alibi"),
-    (dict(dtype="float16", head_dim=64, features=("segment_ids",)), False, "segment_ids"),
+    (dict(dtype="float16", head_dim=64, features=("alibi", "segment_ids", "causal")), True, ""),
+    (dict(dtype="float16", head_dim=64, features=("mask", "alibi")), False, "mask"),
 ])
 def test_can_implement(facts, ok, why):
     got, reason = can_implement(**facts)
@@ -120,7 +145,11 @@ def test_config_for_problem():
                 head_dim_v=64, dtype="bfloat16", statics=st, has_kv_seqlen=True)
     cfg = config_for(p)
     assert (cfg.is_causal, cfg.has_window, cfg.has_softcap, cfg.has_q_seqlen,
-            cfg.has_kv_seqlen) == (True, True, True, False, True)
+            cfg.has_kv_seqlen, cfg.has_alibi, cfg.has_segments) == (
+                True, True, True, False, True, False, False)
+    cfg = config_for(Problem(**{**p.__dict__, "has_alibi": True, "has_segments": True}))
+    assert (cfg.has_alibi, cfg.has_segments) == (True, True)
+    assert cfg.key.endswith("causal-window-softcap-kvlen-alibi-seg")
     with pytest.raises(ValueError, match="bias"):
         config_for(Problem(**{**p.__dict__, "bias_shape": (1, 1, 10, 12)}))
     with pytest.raises(ValueError, match="empty"):
@@ -134,6 +163,10 @@ def test_variant_key_distinguishes_features():
 
 # -- ptxas: the wgmma of the benchmark variants must not be serialized --------------------------
 BENCH_VARIANTS = [FwdConfig(head_dim=d, is_causal=c) for d in (64, 128, 256) for c in (False, True)]
+# ALiBi / segment variants at the register-heaviest points (tile sizes chosen by this check).
+BENCH_VARIANTS += [FwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True),
+                   FwdConfig(head_dim=192, is_causal=True, has_alibi=True, has_segments=True),
+                   FwdConfig(head_dim=256, has_segments=True)]
 
 
 def _ptxas_report(cfg, tmp_path):

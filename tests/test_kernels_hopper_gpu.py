@@ -66,3 +66,30 @@ def test_lengths_with_empty_rows():
     assert np.isneginf(lse[empty]).all()
     assert (out[empty] == 0).all()  # out [B,T,N,H] indexed by the [B,T,N] empty-row mask
     assert_close(out, ref_out, FWD_TOL["bfloat16"], "out")
+
+
+def _runs(runs):
+    return np.concatenate([np.full(n, i, np.int32) for i, n in runs])
+
+
+def test_alibi_and_segments(causal=True):
+    """ALiBi with GQA, packed documents (odd lengths) and a query document with no key (the
+    variant of devrun's "bf16 h128 alibi segments causal gqa", so its build covers it)."""
+    case = Case(B=2, T=700, S=700, N=8, K=2, H=128, dtype="bfloat16")
+    q, k, v, _ = case.make()
+    q_seg = jnp.asarray(np.stack([_runs([(0, 1), (1, 300), (2, 129), (3, 270)]),
+                                  _runs([(5, 650), (9, 50)])]))
+    kv_seg = jnp.asarray(np.stack([_runs([(0, 1), (1, 300), (2, 129), (3, 270)]),
+                                   _runs([(5, 650), (6, 50)])]))
+    kw = dict(is_causal=causal, alibi_slopes=2.0 ** (-jnp.arange(1, 9, dtype=jnp.float32)),
+              q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    out, lse = jaxflash.flash_attention(q, k, v, implementation="cute", return_residual=True,
+                                        **kw)
+    ref_out, ref_lse = oracle(q, k, v, **kw)
+    out = np.asarray(out.astype(jnp.float32))
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert (~fin).any()  # batch 1, segment 9: no key
+    assert (np.isfinite(np.asarray(lse)) == fin).all()
+    assert (out[~fin] == 0).all()
+    assert_close(out, ref_out, FWD_TOL["bfloat16"], "out")
+    assert_close(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], 1e-4, "lse")

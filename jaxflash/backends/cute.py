@@ -77,15 +77,15 @@ class CuteBackend(Backend):
         import jax.numpy as jnp
 
         from jaxflash import ffi
-        from jaxflash.kernels.fwd_launch import fwd_scalars
+        from jaxflash.kernels.fwd_launch import fwd_inputs, fwd_scalars
         launch = fwd_launch_for(problem)
         B, T, N, _ = q.shape
-        inputs = [q, k, v]
-        cfg = launch.config
-        if getattr(cfg, "has_q_seqlen", False):
-            inputs.append(arrays.q_seqlen.astype(jnp.int32))
-        if getattr(cfg, "has_kv_seqlen", False):
-            inputs.append(arrays.kv_seqlen.astype(jnp.int32))
+        # The launch's optional inputs in its order; segment block summaries (for the kernel's
+        # block skipping) are computed here in XLA, sized by the variant's tiles.
+        inputs = fwd_inputs(launch.config, q, k, v, q_seqlen=arrays.q_seqlen,
+                            kv_seqlen=arrays.kv_seqlen, alibi_slopes=arrays.alibi_slopes,
+                            q_segment_ids=arrays.q_segment_ids,
+                            kv_segment_ids=arrays.kv_segment_ids)
         fs, is_ = fwd_scalars(statics)
         out_shapes = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
                       jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
@@ -93,7 +93,8 @@ class CuteBackend(Backend):
         return out, lse
 
     def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
-        # No CuTe backward kernel yet: the Pallas backward, which takes any forward's (out, lse).
+        # No CuTe backward kernel yet: the Pallas backward, which takes any forward's (out, lse)
+        # and every array of `arrays` (ALiBi slopes and segment ids included).
         from jaxflash import pallas_fallback
         return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,
                                         interpret=problem.platform == "cpu")

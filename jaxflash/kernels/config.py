@@ -27,6 +27,10 @@ _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256:
 # With a causal/window mask, hdim 256 at tile_n 80 makes ptxas serialize the wgmma ("insufficient
 # register resources", C7512); tile_n 64 frees the 12 registers that avoids it.
 _TILES_MASKED = {256: (128, 64)}
+# The segment-id element compare (one id load per column a thread owns) costs more registers
+# still: measured with ptxas, hdim 192 needs tile_n 80 (96 serializes once causal + ALiBi join)
+# and hdim 256 tile_n 64.
+_TILES_SEGMENTS = {192: (128, 80), 256: (128, 64)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,11 @@ class FwdConfig:
     has_window: a (left, right) sliding window, bounds given at run time.
     has_softcap: logits -> softcap * tanh(logits / softcap), softcap given at run time.
     has_q_seqlen / has_kv_seqlen: per-batch valid lengths given as [B] int32 arrays.
+    has_alibi: logits -= slope[n] * |i - j| (after softcap), slopes a runtime [1, N] float32
+      tensor (new values never recompile).
+    has_segments: keep (i, j) iff q_segment_ids[b, i] == kv_segment_ids[b, j]; key blocks whose
+      segments cannot meet the query tile's are skipped (per-block summaries computed in XLA by
+      `jaxflash.kernels.segments`).
     tile_m, tile_n, num_stages: CTA tile and K/V pipeline depth (None: the per-head-dim default).
     intra_wg_overlap: overlap softmax of block j with the PV GEMM of block j-1 (FA3 Alg. 2).
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
@@ -57,6 +66,8 @@ class FwdConfig:
     has_softcap: bool = False
     has_q_seqlen: bool = False
     has_kv_seqlen: bool = False
+    has_alibi: bool = False
+    has_segments: bool = False
     tile_m: Optional[int] = None
     tile_n: Optional[int] = None
     num_stages: int = 2
@@ -72,6 +83,8 @@ class FwdConfig:
         default = _TILES.get(self.head_dim, (128, 128))
         if self.is_causal or self.has_window:
             default = _TILES_MASKED.get(self.head_dim, default)
+        if self.has_segments:
+            default = _TILES_SEGMENTS.get(self.head_dim, default)
         if self.tile_m is None:
             object.__setattr__(self, "tile_m", default[0])
         if self.tile_n is None:
@@ -137,7 +150,8 @@ class FwdConfig:
         """Stable, readable variant key (changes iff the binary changes)."""
         feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
-                                 ("kvlen", self.has_kv_seqlen)) if on]
+                                 ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
+                                 ("seg", self.has_segments)) if on]
         sched = (("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
                  + ("ps" if self.persistent else ""))
         if self.lpt:
@@ -164,7 +178,8 @@ def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str
     if hdv != hd:
         return False, f"value head dim {hdv} != head dim {hd} not supported"
     unsupported = [f for f in problem.get("features", ())
-                   if f not in ("causal", "window", "softcap", "seq_lengths")]
+                   if f not in ("causal", "window", "softcap", "seq_lengths", "alibi",
+                                "segment_ids")]
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper forward kernel yet"
     return True, ""
@@ -183,4 +198,5 @@ def config_for(problem) -> FwdConfig:
     return FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
                      head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
                      has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen)
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                     has_alibi=problem.has_alibi, has_segments=problem.has_segments)

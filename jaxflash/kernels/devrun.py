@@ -5,12 +5,15 @@
   # on the H200 (JAXFLASH_KERNEL_DIR=.device/kernels, CUTE_DSL_RUNTIME_LIB=<unpacked lib>)
   python -m jaxflash.kernels.devrun check --out $OUT/check.json
   python -m jaxflash.kernels.devrun bench --out $OUT/bench.json
+  python -m jaxflash.kernels.devrun segbench --out $OUT/segbench.json  # ALiBi / segment ids
 
 `check` compares output and LSE with the float32 reference (fresh random inputs, odd lengths,
 GQA/MQA, causal with T != S, windows, softcap, per-batch lengths including empty rows) and also
-records cuDNN's error on the same inputs. `bench` times the kernel beside
-``jax.nn.dot_product_attention(implementation="cudnn")`` in the same process on the anchor grid
-(B*S = 16384, N*D = 2048, bf16, D in {64, 128, 256}, S in {1k, 4k, 16k}, causal in {0, 1}).
+records cuDNN's error on the same inputs. ALiBi cases draw slopes per head; segment cases give
+ids as runs ``(id, length)`` per batch (or random small ids, ``"random_segs": n``). `bench`
+times the kernel beside ``jax.nn.dot_product_attention(implementation="cudnn")`` in the same
+process on the anchor grid (B*S = 16384, N*D = 2048, bf16, D in {64, 128, 256}, S in {1k, 4k,
+16k}, causal in {0, 1}).
 """
 from __future__ import annotations
 
@@ -50,6 +53,37 @@ CHECKS = [
     ("bf16 h64 persistent causal", dict(head_dim=64, is_causal=True, persistent=True),
      (3, 1000, 1000, 4, 2, {})),
     ("bf16 h256 causal tile_n 64", dict(head_dim=256, is_causal=True), (2, 700, 700, 2, 1, {})),
+    # ALiBi and segment ids (added 2026-11-30 evening, not yet run on a GPU):
+    ("bf16 h128 alibi", dict(head_dim=128, has_alibi=True), (2, 300, 457, 4, 4, {"alibi": 1})),
+    ("bf16 h128 alibi causal gqa", dict(head_dim=128, has_alibi=True, is_causal=True),
+     (2, 555, 555, 8, 2, {"alibi": 1})),
+    ("fp16 h64 alibi softcap window", dict(dtype="float16", head_dim=64, has_alibi=True,
+                                           has_softcap=True, has_window=True),
+     (1, 400, 500, 4, 1, {"alibi": 1, "softcap": 30.0, "window": (100, 50)})),
+    # batch 0: query segment 2 (250 rows) and batch 1: segment 6 (1 row) meet no key.
+    ("bf16 h128 segments", dict(head_dim=128, has_segments=True),
+     (2, 700, 650, 4, 2, {"q_segs": [[(0, 100), (1, 37), (2, 250), (3, 313)], [(5, 699), (6, 1)]],
+                          "kv_segs": [[(0, 100), (1, 37), (3, 513)], [(5, 650)]]})),
+    ("bf16 h128 segments causal", dict(head_dim=128, has_segments=True, is_causal=True),
+     (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
+                            "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
+    # Everything at once at the register-heaviest point (also what tests/test_kernels_hopper_gpu
+    # runs through the API): packed documents, a query document without keys, causal, GQA.
+    ("bf16 h128 alibi segments causal gqa", dict(head_dim=128, has_alibi=True,
+                                                 has_segments=True, is_causal=True),
+     (2, 700, 700, 8, 2, {"alibi": 1,
+                          "q_segs": [[(0, 1), (1, 300), (2, 129), (3, 270)], [(5, 650), (9, 50)]],
+                          "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 270)],
+                                      [(5, 650), (6, 50)]]})),
+    # Unsorted ids (no block can be skipped; every block takes the element compare) with ALiBi,
+    # key lengths (one 0) and GQA.
+    ("bf16 h64 segments random alibi kvlen", dict(head_dim=64, has_segments=True, has_alibi=True,
+                                                  has_kv_seqlen=True),
+     (3, 333, 444, 4, 2, {"random_segs": 3, "alibi": 1, "kv_seqlen": [444, 200, 0]})),
+    ("bf16 h256 segments causal alibi", dict(head_dim=256, has_segments=True, is_causal=True,
+                                             has_alibi=True),
+     (1, 600, 600, 2, 1, {"alibi": 1, "q_segs": [[(0, 200), (1, 400)]],
+                          "kv_segs": [[(0, 200), (1, 400)]]})),
 ]
 
 BENCH_DIMS = (64, 128, 256)
@@ -75,8 +109,21 @@ def _variant(D, causal, kw):
         return None
 
 
+# `segbench`: ALiBi overhead and segment block skipping at one size (B=1, N=16, S=16k, D=128).
+# "docs" = 8 packed documents of 2048 (skipping should cut the work to 1/8 of dense); "random" =
+# unsorted ids (nothing can be skipped; every block takes the element compare: the worst case).
+SEG_BENCH = [("dense", {}, None), ("alibi", dict(has_alibi=True), None),
+             ("docs", dict(has_segments=True), "docs"),
+             ("random", dict(has_segments=True), "random"),
+             ("causal", dict(is_causal=True), None),
+             ("causal docs", dict(is_causal=True, has_segments=True), "docs"),
+             ("causal alibi docs", dict(is_causal=True, has_segments=True, has_alibi=True),
+              "docs")]
+
+
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
+    cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:
         cfgs += [v for v in (_variant(d, c, kw) for kw in VARIANTS.values()) if v is not None]
     return cfgs
@@ -103,12 +150,14 @@ def build(out: str, cases=None) -> None:
 
 
 # -- device side -----------------------------------------------------------------------------
-def ours(q, k, v, cfg, scale, softcap=None, window=None, q_seqlen=None, kv_seqlen=None):
+def ours(q, k, v, cfg, scale, softcap=None, window=None, q_seqlen=None, kv_seqlen=None,
+         alibi_slopes=None, q_seg=None, kv_seg=None):
     import jax
     import jax.numpy as jnp
     from jaxflash import ffi
+    from jaxflash.kernels.fwd_launch import fwd_inputs
     B, T, N, _ = q.shape
-    ins = [q, k, v] + [x for x in (q_seqlen, kv_seqlen) if x is not None]
+    ins = fwd_inputs(cfg, q, k, v, q_seqlen, kv_seqlen, alibi_slopes, q_seg, kv_seg)
     outs = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
             jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     o, lse = ffi.call(fwd_launch(cfg), *ins, out_shapes=outs,
@@ -118,9 +167,10 @@ def ours(q, k, v, cfg, scale, softcap=None, window=None, q_seqlen=None, kv_seqle
 
 
 def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seqlen=None,
-                 kv_seqlen=None):
+                 kv_seqlen=None, alibi_slopes=None, q_seg=None, kv_seg=None):
     """float64 numpy oracle with the jaxflash semantics (top-left causal, window (l, r),
-    softcap, per-batch lengths; empty rows give output 0 and LSE -inf). Returns (o, lse[B,N,T])."""
+    softcap, then ALiBi -slope[n] * |i - j|, per-batch lengths, segment ids [B, T] / [B, S];
+    empty rows give output 0 and LSE -inf). Returns (o, lse[B,N,T])."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     B, T, N, _ = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -131,7 +181,11 @@ def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seql
         s = softcap * np.tanh(s / softcap)
     i = np.arange(T)[:, None]
     j = np.arange(S)[None, :]
+    if alibi_slopes is not None:
+        s = s - np.asarray(alibi_slopes, np.float64)[None, :, None, None] * np.abs(i - j)
     mask = np.ones((B, 1, T, S), bool)
+    if q_seg is not None:
+        mask &= (np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :])[:, None]
     if causal:
         mask &= (j <= i)[None, None]
     if window is not None:
@@ -149,6 +203,31 @@ def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seql
     lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)),
                    -np.inf)
     return o, lse
+
+
+def _runs(runs, length):
+    ids = np.concatenate([np.full(n, i, np.int32) for i, n in runs])
+    if ids.shape != (length,):
+        raise ValueError(f"segment runs {runs} cover {ids.shape[0]} positions, not {length}")
+    return ids
+
+
+def _alibi_and_segments(ex, B, T, S, N):
+    """(slopes [N] or None, q_seg [B, T] or None, kv_seg [B, S] or None) of a check case, as
+    numpy arrays (fresh slopes each run: the usual 2^(-8 h / N) ladder times a random factor
+    in [0.5, 2), so the bias is visible next to the scores)."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    slopes = q_seg = kv_seg = None
+    if ex.get("alibi"):
+        ladder = 2.0 ** (-8.0 * np.arange(1, N + 1) / N)
+        slopes = (ladder * rng.uniform(0.5, 2.0, N)).astype(np.float32)
+    if "q_segs" in ex:
+        q_seg = np.stack([_runs(r, T) for r in ex["q_segs"]])
+        kv_seg = np.stack([_runs(r, S) for r in ex["kv_segs"]])
+    elif ex.get("random_segs"):
+        q_seg = rng.integers(0, ex["random_segs"], (B, T)).astype(np.int32)
+        kv_seg = rng.integers(0, ex["random_segs"], (B, S)).astype(np.int32)
+    return slopes, q_seg, kv_seg
 
 
 def _rel(x, ref):
@@ -210,17 +289,18 @@ def check(out_path: str, cases=None) -> bool:
         scale = 1.0 / np.sqrt(H)
         qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None
         kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
+        slopes, q_seg, kv_seg = _alibi_and_segments(ex, B, T, S, N)
         row = {"name": name, "config": cfg.key, "shape": [B, T, S, N, K, H]}
         try:
-            f = jax.jit(lambda q, k, v, qs, kvs: ours(q, k, v, cfg, scale, ex.get("softcap"),
-                                                      ex.get("window"), qs, kvs))
-            o, lse = f(q, k, v, qs, kvs)
+            f = jax.jit(lambda q, k, v, qs, kvs, al, qsg, ksg: ours(
+                q, k, v, cfg, scale, ex.get("softcap"), ex.get("window"), qs, kvs, al, qsg, ksg))
+            o, lse = f(q, k, v, qs, kvs, slopes, q_seg, kv_seg)
             o = np.asarray(o.astype(jnp.float32))
             lse = np.asarray(lse)
             ref_o, ref_lse = np_reference(
                 np.asarray(q.astype(jnp.float32)), np.asarray(k.astype(jnp.float32)),
                 np.asarray(v.astype(jnp.float32)), scale, cfg.is_causal, ex.get("window"),
-                ex.get("softcap"), ex.get("q_seqlen"), ex.get("kv_seqlen"))
+                ex.get("softcap"), ex.get("q_seqlen"), ex.get("kv_seqlen"), slopes, q_seg, kv_seg)
             fin = np.isfinite(ref_lse)
             row["nan_out"] = int(np.isnan(o).sum())
             row["rel_out"] = _rel(o, ref_o)
@@ -323,6 +403,42 @@ def bench(out_path: str, only=None) -> None:
         json.dump(meta, f, indent=1)
 
 
+def segbench(out_path: str) -> None:
+    """Time `SEG_BENCH` (XLA's block summaries included in the timed call)."""
+    import jax
+    import jax.numpy as jnp
+    B, S, N, D = 1, 16384, 16, 128
+    ks = jax.random.split(jax.random.key(7), 3)
+    q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.float32).astype(jnp.bfloat16)
+               for kk in ks)
+    slopes = 2.0 ** (-jnp.arange(1, N + 1, dtype=jnp.float32) / 2)
+    segs = {"docs": jnp.repeat(jnp.arange(8, dtype=jnp.int32), S // 8)[None],
+            "random": jax.random.randint(jax.random.key(8), (B, S), 0, 8, jnp.int32)}
+    scale = 1.0 / np.sqrt(D)
+    rows = []
+    for name, kw, seg in SEG_BENCH:
+        cfg = FwdConfig(head_dim=D, **kw)
+        sg = segs.get(seg)
+        al = slopes if cfg.has_alibi else None
+        f = jax.jit(lambda q, k, v, al, sg, cfg=cfg: ours(q, k, v, cfg, scale, alibi_slopes=al,
+                                                          q_seg=sg, kv_seg=sg)[0])
+        row = {"name": name, "config": cfg.key, "B": B, "S": S, "N": N, "D": D}
+        try:
+            t = _time(f, (q, k, v, al, sg), 10)
+            row["ms"] = t * 1e3
+            # FLOPs of the pairs that attend (what a perfect skip would cost).
+            frac = 1.0 / 8 if seg == "docs" else 1.0
+            frac *= 0.5 if cfg.is_causal else 1.0
+            row["useful_tflops"] = 4 * B * N * S * S * D * frac / t / 1e12
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(out_path, "w") as f:
+        json.dump({"gpu": _gpu_name(), "date": time.strftime("%Y-%m-%d"), "rows": rows}, f,
+                  indent=1)
+
+
 def _gpu_name():
     try:
         import jax
@@ -333,13 +449,15 @@ def _gpu_name():
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["build", "check", "bench"])
+    p.add_argument("cmd", choices=["build", "check", "bench", "segbench"])
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
     p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
     a = p.parse_args(argv)
     if a.cmd == "build":
         build(a.out, {c for c in a.cases.split(";") if c} or None)
+    elif a.cmd == "segbench":
+        segbench(a.out)
     elif a.cmd == "check":
         cases = {c for c in a.cases.split(";") if c}
         sys.exit(0 if check(a.out, cases or None) else 1)

@@ -17,8 +17,14 @@ Shape of the kernel (FlashAttention-3's design, written here from the paper and 
   and stored by TMA (which clips rows past T); LSE (natural log, float32) written per row.
 
 GQA/MQA: query head n reads K/V head n // (N // K); K/V are never copied. Batch, T, S, heads,
-scale, softcap and window bounds are runtime values: only `FwdConfig` fixes the binary.
-Rows with no visible key produce O = 0 and LSE = -inf.
+scale, softcap, window bounds, ALiBi slopes and segment ids are runtime values: only `FwdConfig`
+fixes the binary. Rows with no visible key produce O = 0 and LSE = -inf.
+
+ALiBi: the slope of the tile's head, divided by the factor the exp2 softmax applies to the
+scores (softmax scale, or softcap), is subtracted times |i - j| after the softcap (`mask.py`).
+Segment ids: each tile visits only the key blocks [first, end) that XLA precomputed from the
+per-block (min, max) ids (`segments.py`), intersected with the causal/window/length range; a
+block whose ids are not all one shared segment gets the element compare (`mask.py`).
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jaxflash.kernels import layouts
 from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
-from jaxflash.kernels.mask import BlockRange, TileCoords, apply_mask
+from jaxflash.kernels.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
+                                   apply_segment_mask)
 from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
 
@@ -58,12 +65,20 @@ class _ConsumerCtx(Carried):
                 "tOcO")
 
 
+class _ScoreMods(Carried):
+    """Per-tile inputs of the score transforms: ``alibi`` (slope in score units), ``rows``
+    (`SegmentRows`), ``kv_seg`` / ``kv_blk`` (this batch's key ids and block summaries), ``S``.
+    Only the present ones are listed in ``_dynamic`` (set per instance)."""
+
+
 class FlashFwdSm90:
     """Hopper forward attention kernel for one `FwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), tensors in the canonical jaxflash layouts:
       mQ [B, T, N, H], mK [B, S, K, H], mV [B, S, K, Hv], mO [B, T, N, Hv] (q's dtype, row-major),
       mLSE [B, N, T] float32, mQSeqlen / mKVSeqlen [B] int32 (only when the config has them),
+      mAlibi [1, N] float32 (``has_alibi``), mQSeg [B, T], mKVSeg [B, S], mQBlk [B, nm, 4],
+      mKVBlk [B, nn, 2] int32 (``has_segments``; see `jaxflash.kernels.segments`),
       softmax_scale, softcap (ignored unless ``has_softcap``), window_left / window_right
       (ignored unless ``has_window``; causal alone needs none), stream.
     """
@@ -105,12 +120,16 @@ class FlashFwdSm90:
             ins.append("q_seqlen")
         if self.cfg.has_kv_seqlen:
             ins.append("kv_seqlen")
+        if self.cfg.has_alibi:
+            ins.append("alibi_slopes")
+        if self.cfg.has_segments:
+            ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
         return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
 
     @cute.jit
     def __call__(self, *args):
-        """The bridge's order: q, k, v, [q_seqlen], [kv_seqlen], o, lse, fscalars,
-        [iscalars], stream (see the module docstring of `jaxflash.ffi`)."""
+        """The bridge's order: q, k, v, [q_seqlen], [kv_seqlen], [alibi], [q_seg, kv_seg,
+        q_blocks, kv_blocks], o, lse, fscalars, [iscalars], stream (see `jaxflash.ffi`)."""
         args = list(args)
         mQ, mK, mV = args[0], args[1], args[2]
         pos = 3
@@ -122,6 +141,14 @@ class FlashFwdSm90:
         if const_expr(self.cfg.has_kv_seqlen):
             mKVSeqlen = args[pos]
             pos += 1
+        mAlibi = None
+        if const_expr(self.cfg.has_alibi):
+            mAlibi = args[pos]
+            pos += 1
+        seg = (None, None, None, None)
+        if const_expr(self.cfg.has_segments):
+            seg = tuple(args[pos:pos + 4])
+            pos += 4
         mO, mLSE, mFScalars = args[pos], args[pos + 1], args[pos + 2]
         pos += 3
         mIScalars = None
@@ -131,12 +158,16 @@ class FlashFwdSm90:
         stream = args[pos]
         if const_expr(pos + 1 != len(args)):
             raise TypeError(f"FlashFwdSm90({self.cfg.key}) got {len(args)} arguments")
-        self.launch(mQ, mK, mV, mQSeqlen, mKVSeqlen, mO, mLSE, mFScalars, mIScalars, stream)
+        self.launch(mQ, mK, mV, mQSeqlen, mKVSeqlen, mAlibi, seg[0], seg[1], seg[2], seg[3], mO,
+                    mLSE, mFScalars, mIScalars, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
                mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
-               mO: cute.Tensor, mLSE: cute.Tensor, mFScalars: cute.Tensor,
+               mAlibi: Optional[cute.Tensor], mQSeg: Optional[cute.Tensor],
+               mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
+               mKVBlk: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor,
+               mFScalars: cute.Tensor,
                mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
         for t in (mQ, mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
@@ -201,7 +232,7 @@ class FlashFwdSm90:
 
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen,
-            tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
+            mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, scheduler, num_m_blocks, SharedStorage,
         ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -215,6 +246,9 @@ class FlashFwdSm90:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
+        mAlibi: Optional[cute.Tensor], mQSeg: Optional[cute.Tensor],
+        mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
+        mKVBlk: Optional[cute.Tensor],
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_O: cute.CopyAtom,
         mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -260,10 +294,15 @@ class FlashFwdSm90:
         softmax_scale = mFScalars[0]
         pre_scale = Float32(1.0)
         scale_log2 = softmax_scale * LOG2_E
+        # ALiBi slopes are divided by the factor between the scores and the logits (the scale,
+        # or the softcap): the bias then rides through the same exp2 FFMA as the scores.
+        alibi_unit = softmax_scale
         if const_expr(self.cfg.has_softcap):
             softcap = mFScalars[1]
             pre_scale = softmax_scale / softcap
             scale_log2 = softcap * LOG2_E
+            alibi_unit = softcap
+        alibi_inv = Float32(1.0) / alibi_unit
         window_left = Int32(0)
         window_right = Int32(0)
         if const_expr(self.cfg.has_window):
@@ -293,14 +332,15 @@ class FlashFwdSm90:
                     while tile < num_tiles:
                         q_state, kv_state = self.produce_tile(
                             tile, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen,
-                            blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                            mQBlk, blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                             q_state, kv_state)
                         r += 1
                         tile = scheduler.tile_of_round(r, bid, grid)
                 else:
                     # One tile per CTA: straight-line code (no tile loop around the mainloop).
                     q_state, kv_state = self.produce_tile(
-                        bid, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen, blocks,
+                        bid, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
+                        blocks,
                         sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state,
                         kv_state)
         else:
@@ -313,6 +353,7 @@ class FlashFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
                                              number_of_threads=2 * 128)
             cargs = (mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v)
+            segs = (mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk)
             if const_expr(self.persistent):
                 r = Int32(0)
                 # Tiles of later rounds only grow (also in snake order): stop at the first
@@ -321,14 +362,14 @@ class FlashFwdSm90:
                 while tile < num_tiles:
                     q_state, kv_state = self.consume_tile(
                         tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
-                        cargs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+                        cargs, segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
                         warp_idx, pre_scale, scale_log2, window_left, window_right, T)
                     r += 1
                     tile = scheduler.tile_of_round(r, bid, grid)
             else:
                 q_state, kv_state = self.consume_tile(
                     bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs,
-                    q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
+                    segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
                     pre_scale, scale_log2, window_left, window_right, T)
             if const_expr(self.separate_o):
                 if warp_idx == 4:
@@ -336,34 +377,49 @@ class FlashFwdSm90:
 
     @cute.jit
     def produce_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
-                     mQ, mK, mV, mQSeqlen, mKVSeqlen, blocks: BlockRange, sQ, sK, sV, tma_Q,
-                     tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state):
+                     mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, blocks: BlockRange, sQ, sK, sV,
+                     tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state):
         m_block, head, batch, n_min, n_max, _sq, _sk = self.tile_info(
-            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
+            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         return self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                             q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max)
 
     @cute.jit
     def consume_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
-                     mQ, mK, mQSeqlen, mKVSeqlen, blocks: BlockRange, cargs, q_state, kv_state,
-                     tiled_mma_qk, tiled_mma_pv, tidx: Int32, warp_idx: Int32,
+                     mQ, mK, mQSeqlen, mKVSeqlen, blocks: BlockRange, cargs, segs, q_state,
+                     kv_state, tiled_mma_qk, tiled_mma_pv, tidx: Int32, warp_idx: Int32,
                      pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                      window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
+        mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk = segs
         m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k = self.tile_info(
-            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks)
+            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, blocks)
         # Fragments are made per tile, inside the tile's own region: accumulators carried
         # through the persistent tile loop would cost register copies around in-flight wgmma.
         ctx = self.consumer_setup(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx, scale_log2)
+        mods = _ScoreMods()
+        dyn = []
+        if const_expr(self.cfg.has_alibi):
+            mods.alibi = mAlibi[0, head] * alibi_inv
+            dyn.append("alibi")
+        if const_expr(self.cfg.has_segments):
+            mods.rows = SegmentRows.load(ctx.tScS, ctx.num_rows, m_block * self.tile_m,
+                                         mQSeg[batch, None], T, mQBlk[batch, m_block, 0],
+                                         mQBlk[batch, m_block, 1])
+            mods.kv_seg = mKVSeg[batch, None]
+            mods.kv_blk = mKVBlk[batch, None, None]
+            mods.S = mK.shape[0]
+            dyn += ["rows", "kv_seg", "kv_blk", "S"]
+        mods._dynamic = tuple(dyn)
         return self.consume(ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state,
                             kv_state, tiled_mma_qk, tiled_mma_pv, tidx, warp_idx, pre_scale,
-                            window_left, window_right, blocks, m_block, head, batch, n_min,
-                            n_max, seqlen_q, seqlen_k, T)
+                            window_left, window_right, blocks, mods, m_block, head, batch,
+                            n_min, n_max, seqlen_q, seqlen_k, T)
 
     @cute.jit
     def tile_info(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
-                  mQ, mK, mQSeqlen, mKVSeqlen, blocks: BlockRange):
+                  mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, blocks: BlockRange):
         """(m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k) of a linear tile index;
         producer and consumers compute the same values."""
         T = mQ.shape[0]
@@ -378,6 +434,11 @@ class FlashFwdSm90:
         if const_expr(mKVSeqlen is not None):
             seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
         n_min, n_max = blocks.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        if const_expr(mQBlk is not None):
+            # Segment block skipping: only key blocks whose ids can meet this tile's (exact for
+            # sorted, document-packed ids; see `jaxflash.kernels.segments`).
+            n_min = cutlass.max(n_min, mQBlk[batch, m_block, 2])
+            n_max = cutlass.min(n_max, mQBlk[batch, m_block, 3])
         if m_block * self.tile_m >= seqlen_q:
             n_max = n_min  # every row of the tile is past the query length: nothing to load
         return m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k
@@ -469,7 +530,7 @@ class FlashFwdSm90:
     def consume(self, c, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state, kv_state,
                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tidx: Int32,
                 warp_idx: Int32, pre_scale: Float32, window_left: Int32, window_right: Int32,
-                blocks: BlockRange, m_block: Int32, head: Int32, batch: Int32, n_min: Int32,
+                blocks: BlockRange, mods, m_block: Int32, head: Int32, batch: Int32, n_min: Int32,
                 n_max: Int32, seqlen_q: Int32, seqlen_k: Int32, T: Int32):
         """One tile: mainloop over its key blocks, then the epilogue. Returns the advanced
         (q_state, kv_state)."""
@@ -488,17 +549,18 @@ class FlashFwdSm90:
             step = lambda st, n, ms, mr, ml: self.one_block(
                 st, n, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S,
                 acc_O, tOrP, tScS, softmax, wg, m_block, seqlen_k, pre_scale, window_left,
-                window_right, ms, mr, ml)
+                window_right, mods, ms, mr, ml)
 
             n = n_max - 1
             if const_expr(self.overlap):
                 # First half block: S and P of the rightmost block only.
+                seg_cmp = self.segment_compare_needed(mods, n)
                 pipe_k.consumer_wait(kv_state)
                 layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                               zero_init=True, wait=0)
                 pipe_k.consumer_release(kv_state)
                 self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
-                            window_right, True, self.has_right, self.has_left)
+                            window_right, mods, seg_cmp, True, self.has_right, self.has_left)
                 softmax.step(acc_S, is_first=True)
                 tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             else:
@@ -581,28 +643,48 @@ class FlashFwdSm90:
 
     @cute.jit
     def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
-               pre_scale: Float32, window_left: Int32, window_right: Int32,
+               pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
                mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
                mask_left: cutlass.Constexpr):
-        """Logit transform (softcap) then masks, in place on the S accumulator."""
+        """Logit transforms (softcap, ALiBi) then masks (segments, bounds), in place on the S
+        accumulator."""
         if const_expr(self.cfg.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
+        if const_expr(self.cfg.has_alibi):
+            apply_alibi(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, mods.alibi)
+        if const_expr(self.cfg.has_segments):
+            # Most blocks of packed documents lie inside one document: no compare there.
+            if seg_cmp:
+                apply_segment_mask(acc_S, tScS, mods.rows, n_block * self.tile_n, mods.kv_seg,
+                                   mods.S)
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left)
 
     @cute.jit
+    def segment_compare_needed(self, mods, n_block: Int32):
+        """Whether block n_block needs the segment element compare (None without segments).
+        Called before the block's QK GEMM is issued, so the two summary loads are in flight
+        under the GEMM instead of stalling the softmax after it."""
+        need = None
+        if const_expr(self.cfg.has_segments):
+            need = mods.rows.block_needs_compare(mods.kv_blk[n_block, 0],
+                                                 mods.kv_blk[n_block, 1])
+        return need
+
+    @cute.jit
     def one_block(self, kv_state, n_block: Int32, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                   tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, tScS, softmax: cutlass.Constexpr,
                   wg: Int32, m_block: Int32, seqlen_k: Int32, pre_scale: Float32,
-                  window_left: Int32, window_right: Int32, mask_seqlen: cutlass.Constexpr,
+                  window_left: Int32, window_right: Int32, mods, mask_seqlen: cutlass.Constexpr,
                   mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
         """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight
         together, softmax of S_j under the PV GEMM. Returns the advanced pipeline state."""
         if const_expr(self.overlap):
             v_state = kv_state.clone()
             kv_state.advance()
+            seg_cmp = self.segment_compare_needed(mods, n_block)
             pipe_k.consumer_wait(kv_state)
             self.sched_sync(wg)
             layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
@@ -614,7 +696,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(1)
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                        window_right, mask_seqlen, mask_right, mask_left)
+                        window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
             row_scale = softmax.step(acc_S, is_first=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
@@ -622,6 +704,7 @@ class FlashFwdSm90:
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             rescale_rows(acc_O, row_scale)
         else:
+            seg_cmp = self.segment_compare_needed(mods, n_block)
             pipe_k.consumer_wait(kv_state)
             self.sched_sync(wg)
             layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
@@ -630,7 +713,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                        window_right, mask_seqlen, mask_right, mask_left)
+                        window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
             row_scale = softmax.step(acc_S, is_first=False)
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             rescale_rows(acc_O, row_scale)

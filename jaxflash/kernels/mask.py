@@ -135,3 +135,77 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
             else:
                 if off >= hi:
                     s[r, j] = -Float32.inf
+
+
+# -- ALiBi and segment ids (runtime data; shared with the backward kernels) ------------------------
+@cute.jit
+def apply_alibi(acc_s: cute.Tensor, coords: TileCoords, row_start: Int32, col_start: Int32,
+                slope: Float32):
+    """s[i, j] -= slope * |i - j| on one block whose first row / column are row_start /
+    col_start (absolute positions, top-left aligned as `jaxflash.masking`).
+
+    ``slope`` is in the units of ``acc_s`` (the kernel divides the API's slope by the factor its
+    softmax later applies: the softmax scale, or the softcap), so the bias lands in the logits
+    exactly where `jaxflash.masking.transform_logits` adds it. Distances are formed in float32
+    from a per-row value and compile-time column offsets (exact below 2**24): one FADD and one
+    FFMA with an |x| operand per element, no integer conversion in the inner loop.
+    """
+    s = acc_as_rows_cols(acc_s)
+    t0 = coords.t0
+    col0 = col_start + coords.base_col
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        d0 = Float32(row_start + coords.row(r) - col0)  # i - (thread's first column)
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            d = d0 - Float32(t0[0, j][1])
+            s[r, j] = s[r, j] - slope * cute.arch.fmax(d, -d)
+
+
+class SegmentRows(Carried):
+    """Segment facts of one query (row) tile for a thread: the ids of its own rows and the
+    tile's (min, max) id, the latter to let whole blocks skip the element compare."""
+
+    _dynamic = ("seg", "lo", "hi")
+
+    def __init__(self, seg: cute.Tensor, lo: Int32, hi: Int32):
+        self.seg = seg
+        self.lo = lo
+        self.hi = hi
+
+    @staticmethod
+    @cute.jit
+    def load(coords: TileCoords, num_rows: cutlass.Constexpr[int], row_start: Int32,
+             row_seg: cute.Tensor, num_valid: Int32, lo: Int32, hi: Int32):
+        """``row_seg`` is this batch's 1-D id vector; rows past ``num_valid`` read the last
+        valid id (their outputs are never stored)."""
+        seg = cute.make_rmem_tensor(cute.make_layout(num_rows), Int32)
+        for r in cutlass.range_constexpr(num_rows):
+            i = cutlass.min(row_start + coords.row(r), num_valid - 1)
+            seg[r] = row_seg[i]
+        return SegmentRows(seg, lo, hi)
+
+    @cute.jit
+    def block_needs_compare(self, col_lo: Int32, col_hi: Int32):
+        """False only when every (row, column) pair of the tile x block shares one segment (the
+        element compare can then be skipped); written without ``not`` so the result stays a
+        device value."""
+        return (self.lo != self.hi) | (col_lo != col_hi) | (self.lo != col_lo)
+
+
+@cute.jit
+def apply_segment_mask(acc_s: cute.Tensor, coords: TileCoords, rows: SegmentRows,
+                       col_start: Int32, col_seg: cute.Tensor, num_cols: Int32):
+    """Set s[i, j] to -inf where the row's segment differs from column j's.
+
+    ``col_seg`` is this batch's 1-D id vector of length ``num_cols``; columns past it read the
+    last id (the sequence-length mask removes them). One load per column a thread owns, shared
+    by its rows.
+    """
+    s = acc_as_rows_cols(acc_s)
+    t0 = coords.t0
+    col0 = col_start + coords.base_col
+    for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+        c = cutlass.min(col0 + t0[0, j][1], num_cols - 1)
+        cseg = col_seg[c]
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            if cseg != rows.seg[r]:
+                s[r, j] = -Float32.inf

@@ -40,9 +40,20 @@ def fake_args(config: FwdConfig, num_heads: int, num_kv_heads: int):
             if config.has_q_seqlen else None)
     kvlen = (make_fake_compact_tensor(cutlass.Int32, (B,), assumed_align=4)
              if config.has_kv_seqlen else None)
+    extra = []
+    if config.has_alibi:
+        extra.append(make_fake_compact_tensor(cutlass.Float32, (1, num_heads),
+                                              stride_order=(1, 0), assumed_align=4))
+    if config.has_segments:
+        nm = cute.sym_int32(symbol="NM")
+        nn = cute.sym_int32(symbol="NN")
+        extra += [make_fake_compact_tensor(cutlass.Int32, shape, stride_order=order,
+                                           assumed_align=4)
+                  for shape, order in (((B, T), (1, 0)), ((B, S), (1, 0)),
+                                       ((B, nm, 4), (2, 1, 0)), ((B, nn, 2), (2, 1, 0)))]
     fs = make_fake_compact_tensor(cutlass.Float32, (2,), assumed_align=4)
     is_ = make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
-    args = [q, k, v] + [t for t in (qlen, kvlen) if t is not None] + [o, lse, fs]
+    args = [q, k, v] + [t for t in (qlen, kvlen) if t is not None] + extra + [o, lse, fs]
     if config.has_window:
         args.append(is_)
     return tuple(args) + (cuda.CUstream(0),)
