@@ -79,12 +79,15 @@ class Decision:
     refused: tuple[tuple[str, str], ...]
     platform: str
     requested: str | None
+    notes: tuple[str, ...] = ()  # from the chosen backend, e.g. which backward runs
 
     def __str__(self) -> str:
         head = (f"jaxflash on {self.platform}: "
                 + (f"'{self.backend}' runs" if self.backend else "no backend can run this call")
                 + (" (asked for by name)" if self.requested else " (best available)"))
         lines = [head]
+        for note in self.notes:
+            lines.append(f"  {note}")
         for name, why in self.refused:
             lines.append(f"  - '{name}' refused: {why}")
         return "\n".join(lines)
@@ -95,7 +98,8 @@ def decide(problem: Problem, implementation: str | None) -> Decision:
     if implementation is not None:
         why = _BACKENDS[implementation].reason(problem)
         if why is None:
-            return Decision(implementation, (), problem.platform, implementation)
+            return Decision(implementation, (), problem.platform, implementation,
+                            _BACKENDS[implementation].notes(problem))
         return Decision(None, ((implementation, why),), problem.platform, implementation)
     order = _PREFERENCE.get(problem.platform, _DEFAULT_PREFERENCE)
     refused = []
@@ -108,7 +112,8 @@ def decide(problem: Problem, implementation: str | None) -> Decision:
                     refused.append((other, f"not used automatically on {problem.platform}"
                                            + (" (interpret mode only; ask for it by name)"
                                               if other == "pallas" else "")))
-            return Decision(name, tuple(refused), problem.platform, None)
+            return Decision(name, tuple(refused), problem.platform, None,
+                            _BACKENDS[name].notes(problem))
         refused.append((name, why))
     return Decision(None, tuple(refused), problem.platform, None)
 

@@ -34,6 +34,10 @@ class Backend(abc.ABC):
         from jaxflash import autodiff
         return autodiff.attention(self, q, k, v, arrays, statics, problem)
 
+    def notes(self, problem: Problem) -> tuple[str, ...]:
+        """Sentences `explain` adds when this backend runs `problem` (e.g. which backward)."""
+        return ()
+
     def reason(self, problem: Problem) -> str | None:
         """None if `problem` is served, else why not."""
         try:

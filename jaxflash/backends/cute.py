@@ -8,17 +8,20 @@ features); or the CuTe DSL is absent and no precompiled artifact of the variant 
 ``$JAXFLASH_KERNEL_DIR`` (the message holds the ``python -m jaxflash.aot`` command that builds it).
 
 Forward: `jaxflash.kernels.hopper_fwd.FlashFwdSm90`, described by `jaxflash.kernels.fwd_launch`.
-Backward: there is no CuTe backward kernel yet; the backward runs our Pallas backward kernels on
-the (out, lse) this forward produced (same math, documented here and in `explain`'s text).
+Backward: `jaxflash.kernels.hopper_bwd.FlashBwdSm90` (`jaxflash.kernels.bwd_launch`) when its
+config accepts the call (dtype, head dims 64/96/128, causal/window/softcap/lengths, GQA/MQA,
+``deterministic=False``) and a binary is available; otherwise our Pallas backward kernels on the
+(out, lse) this forward produced (same math). `explain` says which one and why (`notes`).
 """
 from __future__ import annotations
 
 import importlib.util
+import math
 
 from jaxflash.backends.base import Backend
 
 FWD_KERNEL = "hopper_fwd"
-_BACKWARD_NOTE = "backward: Pallas kernels on the CuTe forward's (out, lse)"
+BWD_KERNEL = "hopper_bwd"
 
 
 def _module_present(name: str) -> bool:
@@ -53,6 +56,44 @@ def fwd_launch_for(problem, arch: str | None = None):
     except ValueError as e:
         raise NotImplementedError(f"the CuTe forward kernel cannot serve this call: {e}") from e
     return load_ref(launch_ref)(config, arch)
+
+
+def bwd_launch_for(problem, arch: str | None = None):
+    """The `jaxflash.ffi.Launch` serving `problem`'s backward (NotImplementedError with the
+    reason if the CuTe backward cannot, i.e. the Pallas backward runs instead)."""
+    from jaxflash.ffi.variant import current_arch, load_ref
+    arch = arch or current_arch()
+    cfg_ref, launch_ref, archs = _entry(BWD_KERNEL)
+    if arch not in archs:
+        raise NotImplementedError(f"no CuTe backward kernel for {arch}")
+    for mod in ("jaxflash.kernels.hopper_bwd", cfg_ref.partition(":")[0],
+                launch_ref.partition(":")[0]):
+        if not _module_present(mod):
+            raise NotImplementedError(f"the CuTe backward kernel is not in this checkout "
+                                      f"(module {mod} missing)")
+    cfg_mod = importlib.import_module(cfg_ref.partition(":")[0])
+    try:
+        config = cfg_mod.config_for(problem)
+    except ValueError as e:
+        raise NotImplementedError(str(e)) from e
+    launch = load_ref(launch_ref)(config, arch)
+    from jaxflash import ffi
+    if not ffi.dsl_available():
+        data, tried = ffi.find_artifact(launch)
+        if data is None:
+            raise NotImplementedError(
+                f"no precompiled artifact of {launch.name} and no CuTe DSL here (build it "
+                f"with: {ffi.aot_command(launch)})")
+    return launch
+
+
+def backward_choice(problem) -> tuple[object, str]:
+    """(launch or None, a sentence saying which backward runs and why)."""
+    try:
+        launch = bwd_launch_for(problem)
+    except NotImplementedError as e:
+        return None, f"backward: Pallas kernels on the CuTe forward's (out, lse) ({e})"
+    return launch, f"backward: CuTe kernel FlashBwdSm90 ({launch.config.key})"
 
 
 class CuteBackend(Backend):
@@ -92,9 +133,54 @@ class CuteBackend(Backend):
         out, lse = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
         return out, lse
 
+    def notes(self, problem):
+        return (backward_choice(problem)[1],)
+
     def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
-        # No CuTe backward kernel yet: the Pallas backward, which takes any forward's (out, lse)
-        # and every array of `arrays` (ALiBi slopes and segment ids included).
-        from jaxflash import pallas_fallback
-        return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,
-                                        interpret=problem.platform == "cpu")
+        launch, _ = backward_choice(problem)
+        if launch is None:
+            # The Pallas backward takes any forward's (out, lse).
+            from jaxflash import pallas_fallback
+            return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,
+                                            interpret=problem.platform == "cpu")
+        return cute_backward(launch, q, k, v, arrays, statics, out, lse, dout)
+
+
+def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
+    """(dq, dk, dv, None, None) by `FlashBwdSm90`: O(T) preprocessing (delta, log2 LSE with
+    +inf on rows that must get no gradient, padded for the kernel's TMA boxes) and the dQ
+    postprocessing (scale and cast) in XLA, everything O(T x S) in the kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash import ffi
+    from jaxflash.kernels.bwd_launch import padded_len
+    from jaxflash.kernels.fwd_launch import fwd_scalars
+    B, T, N, H = q.shape
+    Tp = padded_len(T)
+    dout = dout.astype(q.dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    # Rows that saw no key have LSE -inf; rows past q_seqlen get no gradient: +inf makes
+    # P = exp2(s - lse2) exactly 0 there (never NaN).
+    valid = lse > -jnp.inf
+    if arrays.q_seqlen is not None:
+        rows = jnp.arange(T, dtype=jnp.int32)
+        valid &= rows[None, None, :] < arrays.q_seqlen.astype(jnp.int32)[:, None, None]
+    lse2 = jnp.where(valid, lse * jnp.float32(math.log2(math.e)), jnp.inf)
+    pad = ((0, 0), (0, 0), (0, Tp - T))
+    lse2 = jnp.pad(lse2.astype(jnp.float32), pad, constant_values=jnp.inf)
+    delta = jnp.pad(delta, pad)
+    inputs = [q, k, v, dout, lse2, delta]
+    cfg = launch.config
+    if cfg.has_q_seqlen:
+        inputs.append(arrays.q_seqlen.astype(jnp.int32))
+    if cfg.has_kv_seqlen:
+        inputs.append(arrays.kv_seqlen.astype(jnp.int32))
+    fs, is_ = fwd_scalars(statics)
+    out_shapes = [jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(k.shape, k.dtype),
+                  jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dq_acc, dk, dv = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs,
+                              int_scalars=is_)
+    dq = (dq_acc * jnp.float32(statics.scale)).astype(q.dtype)
+    return dq, dk, dv, None, None

@@ -14,4 +14,7 @@ KERNELS = {
     # FlashAttention forward for Hopper.
     "hopper_fwd": ("jaxflash.kernels.config:FwdConfig",
                    "jaxflash.kernels.fwd_launch:fwd_launch", ("sm_90a",)),
+    # FlashAttention backward for Hopper (dQ, dK, dV; the backend falls back to Pallas otherwise).
+    "hopper_bwd": ("jaxflash.kernels.bwd_config:BwdConfig",
+                   "jaxflash.kernels.bwd_launch:bwd_launch", ("sm_90a",)),
 }

@@ -42,13 +42,16 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, a)
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+def smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
+                atom_cols: int | None = None):
     """Swizzled K-major (row-major) shared-memory layout for a rows x cols tile (x stages).
 
     The swizzle atom width follows the row width in bytes (128B when it allows), so TMA writes
-    and wgmma reads are bank-conflict free.
+    and wgmma reads are bank-conflict free. ``atom_cols`` (default ``cols``) picks the atom for
+    a narrower width instead: a tile read as an MN-major wgmma operand in column slices (e.g.
+    half the head dim per warpgroup) needs every slice to be whole swizzle atoms.
     """
-    kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols)
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))

@@ -1,4 +1,4 @@
-"""Tile masking and block ranges for the forward kernels (jax.nn semantics: top-left aligned).
+"""Tile masking and block ranges for the attention kernels (jax.nn semantics: top-left aligned).
 
 Key j is visible to query i iff ``j < seqlen_k`` and, with a causal mask, ``j <= i``, and with a
 window (left, right), ``i - left <= j <= i + right``. Causal and a window combine as a window with
@@ -209,3 +209,77 @@ def apply_segment_mask(acc_s: cute.Tensor, coords: TileCoords, rows: SegmentRows
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             if cseg != rows.seg[r]:
                 s[r, j] = -Float32.inf
+
+
+# ---- backward: key-major tiles (rows = keys, columns = queries) --------------------------------
+class QueryBlockRange(Carried):
+    """Which query blocks see a key block (the backward's loop), mirror of `BlockRange`.
+
+    Key j is visible to query i iff ``i >= j - right`` (right bound) and ``i <= j + left`` (left
+    bound); window_right must already be min(right, 0) when causal.
+    """
+
+    _dynamic = ("window_left", "window_right")
+
+    def __init__(self, tile_m: int, tile_n: int, has_right: bool, has_left: bool,
+                 window_left: Int32, window_right: Int32):
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.has_right = has_right
+        self.has_left = has_left
+        self.window_left = window_left
+        self.window_right = window_right
+
+    @cute.jit
+    def m_block_min_max(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """[m_min, m_max) of query blocks holding a query that sees some key of the block;
+        empty when the block starts at or past seqlen_k."""
+        m_max = (seqlen_q + self.tile_m - 1) // self.tile_m
+        first_key = n_block * self.tile_n
+        last_key = cutlass.min((n_block + 1) * self.tile_n, seqlen_k) - 1
+        m_min = Int32(0)
+        if cutlass.const_expr(self.has_right):
+            # the first query that may see the block's first key
+            m_min = cutlass.max(first_key - self.window_right, 0) // self.tile_m
+        if cutlass.const_expr(self.has_left):
+            # queries <= last_key + left see something; a negative bound means no block.
+            lim = cutlass.max(last_key + self.window_left + 1, 0)
+            m_max = cutlass.min(m_max, (lim + self.tile_m - 1) // self.tile_m)
+        if first_key >= seqlen_k:
+            m_max = m_min
+        m_max = cutlass.max(m_max, m_min)
+        return m_min, m_max
+
+
+@cute.jit
+def apply_mask_kq(acc_s: cute.Tensor, coords: TileCoords, n_block: Int32, m_block: Int32,
+                  tile_n: cutlass.Constexpr[int], tile_m: cutlass.Constexpr[int],
+                  seqlen_k: Int32, window_left: Int32, window_right: Int32,
+                  mask_right: cutlass.Constexpr[bool], mask_left: cutlass.Constexpr[bool]):
+    """Set invisible scores of a transposed (tile_n keys x tile_m queries) block to -inf.
+
+    Keys at or past seqlen_k are always masked (their rows are whole: one compare per row);
+    queries are compared as compile-time column offsets against per-row limits.
+    """
+    s = acc_as_rows_cols(acc_s)
+    t0 = coords.t0
+    col0 = m_block * tile_m + coords.base_col
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        key = n_block * tile_n + coords.row(r)
+        # Visible query offsets (relative to this thread's first column) are [lo, hi).
+        lo = Int32(0)
+        hi = Int32(tile_m)
+        if cutlass.const_expr(mask_right):
+            lo = key - window_right - col0
+        if cutlass.const_expr(mask_left):
+            hi = cutlass.min(hi, key + window_left + 1 - col0)
+        if key >= seqlen_k:
+            hi = Int32(-1)
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            off = t0[0, j][1]
+            if cutlass.const_expr(mask_right):
+                if off >= hi or off < lo:
+                    s[r, j] = -Float32.inf
+            else:
+                if off >= hi:
+                    s[r, j] = -Float32.inf

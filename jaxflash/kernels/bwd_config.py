@@ -1,0 +1,141 @@
+"""Static configuration of the Hopper backward kernel (`hopper_bwd.FlashBwdSm90`); DSL-free.
+
+Like `config.py` for the forward: everything here changes the binary (it is part of the variant
+key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
+
+Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
+``tile_m`` = 64 queries per step of the CTA's loop. Per consumer thread the registers hold the
+dK and dV accumulators (64 x hd / 128 threads each: hd/2 + hdv/2 floats) plus the 64 x 64 S^T
+and dP^T tiles (32 + 32 floats): 192 at hd 128, inside the 240 that setmaxnreg gives. hd 192
+and 256 do not fit that budget (they would need tile_n 64 with one warpgroup and a split dK/dV
+pass) and are refused, so the backend falls back to the Pallas backward for them.
+
+Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
+(tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other) and
+LSE / delta rows (tile_m floats per stage).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+SMEM_LIMIT_BYTES = 227 * 1024
+FEATURES = ("causal", "window", "softcap", "seq_lengths")
+# Runtime scalars, in tensor order (same names and meaning as the forward's).
+FLOAT_SCALARS = ("softmax_scale", "softcap")
+INT_SCALARS = ("window_left", "window_right")
+# LSE and delta are passed padded to a multiple of this many queries (TMA boxes of tile_m rows
+# need 16-byte aligned row strides; padding rows carry LSE = +inf so they contribute nothing).
+LSE_PAD = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """One compiled variant of `FlashBwdSm90`.
+
+    dtype: "bfloat16" or "float16" (q, k, v, do, dk, dv share it; dq accumulates in float32).
+    head_dim / head_dim_v: H and Hv (equal).
+    is_causal / has_window / has_softcap / has_q_seqlen / has_kv_seqlen: as in `FwdConfig`.
+    tile_m: queries per inner step (64: one wgmma M atom for the dQ GEMM).
+    tile_n: keys per CTA (64 per consumer warpgroup).
+    num_stages: pipeline depth of the Q / dO (+ LSE / delta) loads.
+    """
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: Optional[int] = None
+    is_causal: bool = False
+    has_window: bool = False
+    has_softcap: bool = False
+    has_q_seqlen: bool = False
+    has_kv_seqlen: bool = False
+    tile_m: int = 64
+    tile_n: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        ok, why = self.check()
+        if not ok:
+            raise ValueError(f"invalid BwdConfig {self}: {why}")
+
+    def check(self) -> tuple[bool, str]:
+        if self.dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {self.dtype} not in {SUPPORTED_DTYPES}"
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, (f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS} (the dK/dV "
+                           "accumulators of larger head dims do not fit the registers)")
+        if self.head_dim_v != self.head_dim:
+            return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
+        if self.tile_m != 64:
+            return False, f"tile_m {self.tile_m} must be 64 (one wgmma M atom for dQ)"
+        if self.tile_n != 128:
+            return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
+        if not 1 <= self.num_stages <= 3:
+            return False, f"num_stages {self.num_stages} must be in [1, 3]"
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
+                           f"(head_dim {self.head_dim}, {self.num_stages} stages)")
+        return True, ""
+
+    def smem_bytes(self) -> int:
+        elt = 2
+        kv = self.tile_n * (self.head_dim + self.head_dim_v) * elt
+        qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
+        ds = 2 * self.tile_n * self.tile_m * elt
+        rows = 2 * self.num_stages * self.tile_m * 4
+        return kv + qdo + ds + rows + 1024  # + barriers and alignment
+
+    @property
+    def num_mma_warpgroups(self) -> int:
+        return self.tile_n // 64
+
+    @property
+    def key(self) -> str:
+        feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
+                                 ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
+                                 ("kvlen", self.has_kv_seqlen)) if on]
+        return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
+                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{'-'.join(feats) or 'dense'}")
+
+
+def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:
+    """Whether the Hopper backward kernel serves a problem: a `BwdConfig`, or keyword facts
+    dtype, head_dim, head_dim_v, features, deterministic, num_heads, num_kv_heads."""
+    if config is not None:
+        return config.check()
+    dtype = problem.get("dtype")
+    if dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} not supported (only {SUPPORTED_DTYPES})"
+    hd, hdv = problem.get("head_dim"), problem.get("head_dim_v", problem.get("head_dim"))
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dim {hd} not supported by the CuTe backward (only {SUPPORTED_HEAD_DIMS})"
+    if hdv != hd:
+        return False, f"value head dim {hdv} != head dim {hd} not supported"
+    unsupported = [f for f in problem.get("features", ()) if f not in FEATURES]
+    if unsupported:
+        return False, f"features {unsupported} not supported by the Hopper backward kernel yet"
+    if problem.get("deterministic", False):
+        return False, ("deterministic=True: the CuTe backward accumulates dQ with atomics "
+                       "(order-dependent)")
+    return True, ""
+
+
+def config_for(problem) -> BwdConfig:
+    """The backward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
+    if min(problem.batch, problem.q_len, problem.kv_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"kv_len {problem.kv_len}, heads {problem.num_heads})")
+    st = problem.statics
+    ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                            head_dim_v=problem.head_dim_v, features=problem.features(),
+                            deterministic=st.deterministic)
+    if not ok:
+        raise ValueError(why)
+    return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                     has_window=st.window is not None, has_softcap=st.softcap is not None,
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen)

@@ -1,0 +1,333 @@
+"""Build, check and time the Hopper backward kernel on the device machine (no DSL needed there).
+
+  # here (DSL installed): compile every variant the device run needs (forward + backward)
+  CUTE_DSL_ARCH=sm_90a python -m jaxflash.kernels.bwd_devrun build --out .device/kernels
+  # on the H200 (JAXFLASH_KERNEL_DIR=.device/kernels, CUTE_DSL_RUNTIME_LIB=<unpacked lib>)
+  python -m jaxflash.kernels.bwd_devrun check --out $OUT/bwd_check.json
+  python -m jaxflash.kernels.bwd_devrun bench --out $OUT/bwd_bench.json
+
+`check`: fresh random inputs per case (odd T and S, GQA and MQA, causal with T != S, windows,
+softcap, per-batch lengths with empty rows, fp16); our forward's (out, lse) then the CuTe
+backward called directly (so a missing artifact is an error, never a silent Pallas fallback);
+dq/dk/dv against a float64 numpy gradient oracle (rel L2), cuDNN's gradient error on the same
+inputs where cuDNN takes the case (ratio recorded), NaN fails, 60 s watchdog per case. One case
+goes through ``jax.grad(flash_attention(implementation="cute"))`` and checks that explain names
+the CuTe backward.
+`bench`: forward+backward of ``flash_attention(implementation="cute")`` vs cuDNN's, same process,
+on the anchor grid (B*S = 16384, N*D = 2048, bf16, D 64/128/256, S 1k/4k/16k, causal 0/1).
+TFLOP/s as `/work/shared/anchors/README.md` counts fwd+bwd: 3.5 x 4*B*N*S^2*D (x0.5 causal).
+D 256 runs the Pallas backward (the CuTe one refuses it): the row says which backward ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+
+from jaxflash.kernels.bwd_config import BwdConfig
+from jaxflash.kernels.bwd_launch import bwd_launch
+from jaxflash.kernels.config import FwdConfig
+from jaxflash.kernels.devrun import _gpu_name, _rel, _time, ours
+from jaxflash.kernels.fwd_launch import fwd_launch
+
+# (name, config kwargs (shared by the forward and backward configs), problem):
+# problem = (B, T, S, N, K, extras)
+CHECKS = [
+    ("bf16 h128 dense odd", dict(head_dim=128), (2, 300, 333, 4, 4, {"cudnn": True})),
+    ("bf16 h64 tiny", dict(head_dim=64), (1, 64, 128, 1, 1, {})),
+    ("bf16 h128 causal gqa T<S", dict(head_dim=128, is_causal=True),
+     (2, 500, 700, 8, 2, {"cudnn": True})),
+    ("bf16 h128 causal T>S", dict(head_dim=128, is_causal=True), (1, 400, 150, 2, 2, {})),
+    ("bf16 h128 mqa odd", dict(head_dim=128), (2, 257, 259, 4, 1, {"cudnn": True})),
+    ("bf16 h96 window", dict(head_dim=96, has_window=True),
+     (2, 400, 400, 4, 2, {"window": (100, 37)})),
+    ("bf16 h64 causal window", dict(head_dim=64, is_causal=True, has_window=True),
+     (2, 333, 333, 4, 4, {"window": (129, 0), "cudnn": True})),
+    ("bf16 h128 softcap", dict(head_dim=128, has_softcap=True),
+     (2, 200, 300, 4, 2, {"softcap": 2.0})),
+    ("bf16 h128 seqlens empty rows", dict(head_dim=128, has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255],
+                          "cudnn": True})),
+    ("fp16 h128 causal gqa", dict(dtype="float16", head_dim=128, is_causal=True),
+     (2, 384, 384, 6, 3, {"cudnn": True})),
+    ("fp16 h64 window softcap kvlen", dict(dtype="float16", head_dim=64, has_window=True,
+                                            has_softcap=True, has_kv_seqlen=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "softcap": 5.0, "kv_seqlen": [270, 100]})),
+    ("bf16 h128 dense 2k", dict(head_dim=128), (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h64 causal via jax.grad", dict(head_dim=64, is_causal=True),
+     (2, 190, 190, 4, 2, {"api": True})),
+]
+
+BENCH_DIMS = (64, 128, 256)
+BENCH_S = (1024, 4096, 16384)
+TOL = {"bfloat16": 3e-2, "float16": 5e-3}
+
+
+def _configs(kw):
+    return FwdConfig(**kw), BwdConfig(**kw)
+
+
+def all_launches(cases=None):
+    launches = []
+    for name, kw, _ in CHECKS:
+        if not cases or name in cases:
+            f, b = _configs(kw)
+            launches += [fwd_launch(f), bwd_launch(b)]
+    if not cases:
+        for d in BENCH_DIMS:
+            for c in (False, True):
+                launches.append(fwd_launch(FwdConfig(head_dim=d, is_causal=c)))
+                try:
+                    launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c)))
+                except ValueError:
+                    pass  # D 256: the Pallas backward runs (JIT-compiled by XLA there)
+    uniq = {l.key: l for l in launches}
+    return list(uniq.values())
+
+
+# -- build (DSL machine) ---------------------------------------------------------------------
+def build(out: str, cases=None) -> None:
+    from jaxflash.ffi import cache
+    from jaxflash.ffi.compiler import compile_launch, dsl_version
+    for launch in all_launches(cases):
+        t0 = time.time()
+        data, _ = cache.read_entry(out, launch, dsl_version())
+        if data is None:
+            cache.write_entry(out, launch, compile_launch(launch), dsl_version())
+        print(f"{launch.config.key}: {'cached' if data is not None else 'built'} "
+              f"{time.time() - t0:.1f}s", flush=True)
+
+
+# -- oracle ------------------------------------------------------------------------------------
+def np_grads(q, k, v, do, scale, causal=False, window=None, softcap=None, q_seqlen=None,
+             kv_seqlen=None):
+    """float64 (dq, dk, dv) with the jaxflash semantics (rows with no visible key: zero
+    gradient; GQA: dk/dv summed over the query heads of a group)."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    B, T, N, _ = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    kr = np.repeat(k, G, axis=2)
+    vr = np.repeat(v, G, axis=2)
+    u = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    dcap = 1.0
+    if softcap:
+        t = np.tanh(u / softcap)
+        s = softcap * t
+        dcap = 1.0 - t * t
+    else:
+        s = u
+    i = np.arange(T)[:, None]
+    j = np.arange(S)[None, :]
+    mask = np.ones((B, 1, T, S), bool)
+    if causal:
+        mask &= (j <= i)[None, None]
+    if window is not None:
+        mask &= ((j >= i - window[0]) & (j <= i + window[1]))[None, None]
+    if q_seqlen is not None:
+        mask &= (i[None] < np.asarray(q_seqlen)[:, None, None])[:, None]
+    if kv_seqlen is not None:
+        mask &= (j[None] < np.asarray(kv_seqlen)[:, None, None])[:, None]
+    s = np.where(mask, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)
+    dp = np.einsum("btnh,bsnh->bnts", do, vr)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * dcap
+    dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
+    dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
+    dv = np.einsum("bnts,btnh->bsnh", p, do)
+    dk = dk.reshape(B, S, K, G, -1).sum(3)
+    dv = dv.reshape(B, S, K, G, -1).sum(3)
+    return dq, dk, dv
+
+
+def ours_grads(q, k, v, do, fcfg, bcfg, scale, softcap=None, window=None, q_seqlen=None,
+               kv_seqlen=None):
+    """Our forward, then the CuTe backward called directly (no fallback possible)."""
+    from jaxflash._types import AttentionArrays, AttentionStatics
+    from jaxflash.backends.cute import cute_backward
+    o, lse = ours(q, k, v, fcfg, scale, softcap, window, q_seqlen, kv_seqlen)
+    st = AttentionStatics(scale=scale, is_causal=bcfg.is_causal,
+                          window=tuple(window) if window else None, softcap=softcap)
+    arrays = AttentionArrays(q_seqlen=q_seqlen, kv_seqlen=kv_seqlen)
+    dq, dk, dv, _, _ = cute_backward(bwd_launch(bcfg), q, k, v, arrays, st, o, lse, do)
+    return dq, dk, dv
+
+
+def _cudnn_grads(q, k, v, do, scale, causal, window, q_seqlen, kv_seqlen):
+    import jax
+    kw = dict(scale=scale, is_causal=causal, implementation="cudnn")
+    if window is not None:
+        kw["local_window_size"] = tuple(window)
+    if q_seqlen is not None or kv_seqlen is not None:
+        B, T, S = q.shape[0], q.shape[1], k.shape[1]
+        import jax.numpy as jnp
+        kw["query_seq_lengths"] = q_seqlen if q_seqlen is not None else jnp.full((B,), T,
+                                                                                 jnp.int32)
+        kw["key_value_seq_lengths"] = kv_seqlen if kv_seqlen is not None else jnp.full(
+            (B,), S, jnp.int32)
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)
+    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
+
+
+def check(out_path: str, cases=None) -> bool:
+    import jax
+    import jax.numpy as jnp
+    rows, ok_all = [], True
+    for name, kw, (B, T, S, N, K, ex) in CHECKS:
+        if cases and name not in cases:
+            continue
+        print(f"start {name}", flush=True)
+        # A kernel that deadlocks would eat the whole device call: give each case 60 s.
+        dog = threading.Timer(60.0, lambda n=name: (print(f"HANG in {n}", flush=True),
+                                                    os._exit(3)))
+        dog.start()
+        fcfg, bcfg = _configs(kw)
+        dt = jnp.dtype(bcfg.dtype)
+        key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
+        ks = jax.random.split(key, 4)
+        H = bcfg.head_dim
+        q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
+        k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dt)
+        v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dt)
+        do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dt)
+        scale = 1.0 / np.sqrt(H)
+        qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None
+        kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
+        window, softcap = ex.get("window"), ex.get("softcap")
+        row = {"name": name, "config": bcfg.key, "shape": [B, T, S, N, K, H]}
+        try:
+            if ex.get("api"):
+                import jaxflash
+                row["explain"] = str(jaxflash.explain(q, k, v, implementation="cute",
+                                                      is_causal=bcfg.is_causal))
+                attn = lambda q, k, v: jaxflash.flash_attention(
+                    q, k, v, implementation="cute", is_causal=bcfg.is_causal, scale=scale)
+                g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))(q, k, v, do)
+                row["cute_backward_named"] = "FlashBwdSm90" in row["explain"]
+            else:
+                f = jax.jit(lambda q, k, v, do, qs, kvs: ours_grads(
+                    q, k, v, do, fcfg, bcfg, scale, softcap, window, qs, kvs))
+                g = f(q, k, v, do, qs, kvs)
+            g = [np.asarray(x.astype(jnp.float32)) for x in g]
+            f32 = lambda x: np.asarray(x.astype(jnp.float32))
+            ref = np_grads(f32(q), f32(k), f32(v), f32(do), scale, bcfg.is_causal, window,
+                           softcap, ex.get("q_seqlen"), ex.get("kv_seqlen"))
+            tol = TOL[bcfg.dtype]
+            ok = True
+            for nm, x, r in zip(("dq", "dk", "dv"), g, ref):
+                row[f"nan_{nm}"] = int(np.isnan(x).sum())
+                row[f"rel_{nm}"] = _rel(x, r)
+                ok &= row[f"nan_{nm}"] == 0 and row[f"rel_{nm}"] < tol
+            if "q_seqlen" in ex:  # rows past q_seqlen: exactly zero dq
+                dead = np.arange(T)[None, :] >= np.asarray(ex["q_seqlen"])[:, None]
+                row["max_abs_dq_dead_rows"] = float(np.abs(g[0][dead]).max()) if dead.any() else 0.0
+                ok &= row["max_abs_dq_dead_rows"] == 0.0
+            if "kv_seqlen" in ex:  # keys past kv_seqlen: exactly zero dk, dv
+                dead = np.arange(S)[None, :] >= np.asarray(ex["kv_seqlen"])[:, None]
+                row["max_abs_dkv_dead_keys"] = float(max(np.abs(g[1][dead]).max(),
+                                                         np.abs(g[2][dead]).max())) \
+                    if dead.any() else 0.0
+                ok &= row["max_abs_dkv_dead_keys"] == 0.0
+            if ex.get("api"):
+                ok &= row["cute_backward_named"]
+            row["ok"] = bool(ok)
+            if ex.get("cudnn"):
+                try:
+                    c = _cudnn_grads(q, k, v, do, scale, bcfg.is_causal, window, qs, kvs)
+                    for nm, x, r in zip(("dq", "dk", "dv"), c, ref):
+                        e = _rel(np.asarray(x.astype(jnp.float32)), r)
+                        row[f"rel_{nm}_cudnn"] = e
+                        row[f"ratio_{nm}_vs_cudnn"] = row[f"rel_{nm}"] / max(e, 1e-30)
+                except Exception as e:  # cuDNN refuses some cases
+                    row["cudnn"] = f"refused: {type(e).__name__}: {str(e)[:160]}"
+        except Exception as e:
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        dog.cancel()
+        ok_all &= row["ok"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        with open(out_path, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return ok_all
+
+
+def bench(out_path: str, only=None) -> None:
+    import jax
+    import jax.numpy as jnp
+    import jaxflash
+    rows = []
+    for D in BENCH_DIMS:
+        for S in BENCH_S:
+            for causal in (False, True):
+                if only and (D, S, causal) not in only:
+                    continue
+                B, N = 16384 // S, 2048 // D
+                ks = jax.random.split(jax.random.key(S + D + causal), 4)
+                q, k, v, do = (jax.random.normal(kk, (B, S, N, D), jnp.float32)
+                               .astype(jnp.bfloat16) for kk in ks)
+                scale = 1.0 / np.sqrt(D)
+                ours_f = lambda q, k, v: jaxflash.flash_attention(
+                    q, k, v, scale=scale, is_causal=causal, implementation="cute")
+                cudnn_f = lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+                g_ours = jax.jit(lambda q, k, v, do: jax.vjp(ours_f, q, k, v)[1](do))
+                g_cudnn = jax.jit(lambda q, k, v, do: jax.vjp(cudnn_f, q, k, v)[1](do))
+                flops = 3.5 * 4 * B * N * S * S * D / (2 if causal else 1)
+                row = {"D": D, "S": S, "causal": int(causal), "B": B, "N": N}
+                try:
+                    notes = jaxflash.explain(q, k, v, implementation="cute",
+                                             is_causal=causal).notes
+                    row["backward"] = " ".join(notes)[:160]
+                    a = g_ours(q, k, v, do)
+                    b = g_cudnn(q, k, v, do)
+                    row["rel_dq_vs_cudnn"] = _rel(np.asarray(a[0].astype(jnp.float32)),
+                                                  np.asarray(b[0].astype(jnp.float32)))
+                    iters = max(1, int(0.3 * 3e14 / flops))
+                    t_o = _time(g_ours, (q, k, v, do), iters)
+                    t_c = _time(g_cudnn, (q, k, v, do), iters)
+                    row.update(ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
+                               ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
+                               ratio=t_c / t_o)
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                with open(out_path, "w") as fh:
+                    json.dump({"gpu": _gpu_name(), "rows": rows}, fh, indent=1)
+    meta = {"gpu": _gpu_name(), "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+            "python": platform.python_version(),
+            "flops": "fwd+bwd = 3.5 * 4*B*N*S^2*D (x0.5 causal), as the anchors", "rows": rows}
+    with open(out_path, "w") as fh:
+        json.dump(meta, fh, indent=1)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", choices=["build", "check", "bench"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
+    p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
+    a = p.parse_args(argv)
+    cases = {c for c in a.cases.split(";") if c} or None
+    if a.cmd == "build":
+        build(a.out, cases)
+    elif a.cmd == "check":
+        sys.exit(0 if check(a.out, cases) else 1)
+    else:
+        only = {tuple(int(x) for x in s.split(":")) for s in a.only.split(",") if s}
+        bench(a.out, {(d, s, bool(c)) for d, s, c in only} or None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""How the bridge launches the Hopper backward kernel: its `jaxflash.ffi.Launch` (DSL-free).
+
+Inputs (row-major): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], do [B, T, N, Hv] (one
+dtype), lse2 [B, N, Tp] and delta [B, N, Tp] float32 with Tp = T rounded up to `LSE_PAD`
+(lse2 = LSE * log2(e), +inf where a row sees no key, is past q_seqlen or is padding; delta =
+rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them.
+Outputs: dq_acc [B, T, N, H] float32 (the kernel zeroes it, then adds dS K into it; the caller
+multiplies by the softmax scale), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv].
+Scalars as the forward's: float32 (softmax_scale, softcap), int32 (window_left, window_right)
+only with a window.
+"""
+from __future__ import annotations
+
+from jaxflash.ffi.variant import Launch, TensorArg
+from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, LSE_PAD, BwdConfig
+
+KERNEL_REF = "jaxflash.kernels.hopper_bwd:FlashBwdSm90"
+
+
+def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
+    dt = config.dtype
+    h, hv = config.head_dim, config.head_dim_v
+    rows = TensorArg("float32", (None, None, None), divisibility=(None, None, LSE_PAD))
+    inputs = [TensorArg(dt, (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
+              TensorArg(dt, (None, None, None, hv)), TensorArg(dt, (None, None, None, hv)),
+              rows, rows]
+    if config.has_q_seqlen:
+        inputs.append(TensorArg("int32", (None,)))
+    if config.has_kv_seqlen:
+        inputs.append(TensorArg("int32", (None,)))
+    outputs = (TensorArg("float32", (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
+               TensorArg(dt, (None, None, None, hv)))
+    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
+                  scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
+                  arch=arch)
+
+
+def padded_len(t: int) -> int:
+    return -(-t // LSE_PAD) * LSE_PAD

@@ -1,0 +1,545 @@
+"""FlashAttention backward for Hopper (sm_90a) in the CuTe DSL: `FlashBwdSm90`.
+
+Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
+
+- One CTA per (key block n, kv head, batch): ``tile_n`` = 128 keys, split over 2 consumer
+  warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
+  block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
+  its GQA group and, for each, over the query blocks m (``tile_m`` = 64) that can see the key
+  block (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no
+  atomics for them and no K/V copies.
+- Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
+  (``num_stages`` each), in the consumers' order.
+- Consumers, per step, with the keys as the wgmma M dimension ("swapAB", so every operand is in
+  a legal major-ness with no register transposes):
+    S^T  = K Q^T                (A = K smem, B = Q smem, both K-major)
+    dP^T = V dO^T               (A = V smem, B = dO smem)
+    P^T  = exp2(S^T * scale * log2e - lse2)      per column (query) lse2 from shared memory
+    dS^T = P^T * (dP^T - delta)  (times 1 - tanh^2 under softcap)
+    dV  += P^T dO               (A = P^T from registers, B = dO^T: MN-major smem view)
+    dK  += dS^T Q               (A = dS^T from registers, B = Q^T: MN-major smem view)
+    dQ_m = dS K                 (dS^T written to smem with stmatrix; A = its transposed view,
+                                 B = K^T; the 64 x hd tile is split by columns over the two
+                                 warpgroups) then added to the float32 dQ accumulator in global
+                                 memory with red.global.add.f32 (other CTAs add to the same rows)
+- Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
+  V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
+
+The host function first launches a small kernel zeroing the dQ accumulator (on the same stream),
+so the launch owns its output and the bridge needs no input/output aliasing.
+
+Masking (jax.nn semantics, see `mask.py`): masked logits are -inf before the exponential, so P
+and dS are exactly 0 there; queries with no visible key, past q_seqlen or past T arrive with
+lse2 = +inf (the caller's preprocessing), giving P = 0 (never NaN); keys at or past kv_seqlen
+are masked in every step, so their dK/dV rows are 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from jaxflash.kernels import layouts
+from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, BwdConfig
+from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
+
+LOG2_E = math.log2(math.e)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
+_BAR_EPILOGUE = 2
+
+_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
+_ZERO_THREADS = 256
+_ZERO_PER_THREAD = 4
+
+
+class FlashBwdSm90:
+    """Hopper backward attention kernel for one `BwdConfig` variant.
+
+    Host entry (``@cute.jit __call__``), the bridge's order (see `bwd_launch`): q, k, v, do,
+    lse2, delta, [q_seqlen], [kv_seqlen], dq_acc, dk, dv, fscalars, [iscalars], stream.
+    """
+
+    def __init__(self, config: BwdConfig):
+        ok, why = config.check()
+        if not ok:
+            raise ValueError(why)
+        self.cfg = config
+        self.dtype = _DTYPES[config.dtype]
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.hd, self.hdv = config.head_dim, config.head_dim_v
+        self.num_stages = config.num_stages
+        self.num_mma_wg = config.num_mma_warpgroups
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.num_threads = 128 * (self.num_mma_wg + 1)
+        self.producer_regs, self.mma_regs = 24, 240
+        self.has_right = config.is_causal or config.has_window
+        self.has_left = config.has_window
+
+    @classmethod
+    def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
+        return config.check()
+
+    # ------------------------------------------------------------------------------------
+    # host
+    # ------------------------------------------------------------------------------------
+    def launch_layout(self):
+        """Names of the launch's tensors, in `__call__` order (see `jaxflash.ffi`)."""
+        ins = ["q", "k", "v", "do", "lse2", "delta"]
+        if self.cfg.has_q_seqlen:
+            ins.append("q_seqlen")
+        if self.cfg.has_kv_seqlen:
+            ins.append("kv_seqlen")
+        return (tuple(ins), ("dq_acc", "dk", "dv"), FLOAT_SCALARS,
+                INT_SCALARS if self.cfg.has_window else ())
+
+    @cute.jit
+    def __call__(self, *args):
+        args = list(args)
+        mQ, mK, mV, mdO, mLSE, mDelta = args[0], args[1], args[2], args[3], args[4], args[5]
+        pos = 6
+        mQSeqlen = None
+        mKVSeqlen = None
+        if const_expr(self.cfg.has_q_seqlen):
+            mQSeqlen = args[pos]
+            pos += 1
+        if const_expr(self.cfg.has_kv_seqlen):
+            mKVSeqlen = args[pos]
+            pos += 1
+        mdQ, mdK, mdV, mFScalars = args[pos], args[pos + 1], args[pos + 2], args[pos + 3]
+        pos += 4
+        mIScalars = None
+        if const_expr(self.cfg.has_window):
+            mIScalars = args[pos]
+            pos += 1
+        stream = args[pos]
+        if const_expr(pos + 1 != len(args)):
+            raise TypeError(f"FlashBwdSm90({self.cfg.key}) got {len(args)} arguments")
+        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV,
+                    mFScalars, mIScalars, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
+               mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
+               stream: cuda.CUstream):
+        for t in (mQ, mK, mV, mdO, mdK, mdV):
+            if const_expr(t.element_type != self.dtype):
+                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+        for t in (mLSE, mDelta, mdQ):
+            if const_expr(t.element_type != Float32):
+                raise TypeError("lse2, delta and dq_acc must be float32")
+
+        # The dQ accumulator receives atomic adds: zero it first, on the same stream.
+        total = cute.size(mdQ.shape)
+        flat = cute.make_tensor(mdQ.iterator, cute.make_layout(total))
+        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
+        self.zero_kernel(flat, total).launch(
+            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
+            stream=stream)
+
+        # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want.
+        mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
+                                          for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV)]
+        mLSE, mDelta = [layouts.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (Tp, N, B)
+
+        K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        wgs = self.num_mma_wg
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (one 64-row atom per warpgroup), N = queries.
+        tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, K_, Float32, atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.tile_m))
+        # dK += dS^T Q, dV += P^T dO: A from registers (the S^T / dP^T accumulators' layout).
+        tiled_mma_dk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.hd), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_dv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.hdv), a_source=warpgroup.OperandSource.RMEM)
+        # dQ = dS K: M = the 64 queries, N = hd split over the warpgroups, both operands read
+        # MN-major (dS^T and K as stored).
+        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wgs, 1),
+            tiler_mn=(64, self.hd // wgs))
+
+        sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd, self.num_stages)
+        sdO_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hdv, self.num_stages)
+        # K is read as B of the dQ GEMM in hd/2-column slices: the swizzle atom must fit one.
+        sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd,
+                                        atom_cols=self.hd // wgs)
+        sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
+        sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
+        sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        sel = lambda l: cute.select(l, mode=[0, 1])
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
+        tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
+            g2s, mdO, sel(sdO_layout), (self.tile_m, self.hdv), 1)
+        tma_K, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, self.hd))
+        tma_V, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (self.tile_n, self.hdv))
+        row1 = cute.select(sRow_layout, mode=[0])
+        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row1, (self.tile_m,), 1)
+        tma_Dl, tma_mDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, row1, (self.tile_m,), 1)
+        tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
+        tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
+        self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
+        self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
+        self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
+                         + cute.size_in_bytes(self.dtype, sV_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+
+        S = mK.shape[0]
+        num_n_blocks = (S + self.tile_n - 1) // self.tile_n
+        self.kernel(
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV, mdQ,
+            mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV,
+            mFScalars, mIScalars, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
+            sRow_layout, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
+        ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
+                 stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------
+    # device
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def zero_kernel(self, flat: cute.Tensor, total: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        base = bid * (_ZERO_THREADS * _ZERO_PER_THREAD) + tidx
+        for k in cutlass.range_constexpr(_ZERO_PER_THREAD):
+            i = base + k * _ZERO_THREADS  # consecutive threads, consecutive words
+            if i < total:
+                flat[i] = Float32(0.0)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+        mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQ: cute.Tensor,
+        mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
+        tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom,
+        tma_LSE: cute.CopyAtom, tma_Dl: cute.CopyAtom, tma_dK: cute.CopyAtom,
+        tma_dV: cute.CopyAtom, mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout,
+        tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=mma_warps, tx_count=self.kv_bytes, defer_sync=True)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.q_bytes,
+            defer_sync=True)
+        pipe_do = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.do_bytes,
+            defer_sync=True)
+        pipeline.pipeline_init_arrive()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sDelta = storage.sDelta.get_tensor(sRow_layout)
+
+        # Runtime scalars (device-resident: new values never recompile).
+        softmax_scale = mFScalars[0]
+        pre_scale = Float32(1.0)
+        scale_log2 = softmax_scale * LOG2_E
+        if const_expr(self.cfg.has_softcap):
+            softcap = mFScalars[1]
+            pre_scale = softmax_scale / softcap
+            scale_log2 = softcap * LOG2_E
+        window_left = Int32(0)
+        window_right = Int32(0)
+        if const_expr(self.cfg.has_window):
+            window_left = mIScalars[0]
+            window_right = mIScalars[1]
+            if const_expr(self.cfg.is_causal):
+                window_right = cutlass.min(window_right, Int32(0))
+
+        n_block, kv_head, batch = cute.arch.block_idx()
+        T = mQ.shape[0]
+        S = mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+        seqlen_q = T
+        if const_expr(mQSeqlen is not None):
+            seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
+        seqlen_k = S
+        if const_expr(mKVSeqlen is not None):
+            seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
+        blocks = QueryBlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
+                                 window_left, window_right)
+        m_min, m_max = blocks.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        num_m = m_max - m_min
+        num_steps = group * num_m
+
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                             tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q,
+                             pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, tma_dK, tma_dV,
+                         pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
+                         tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
+                         scale_log2, window_left, window_right, n_block, kv_head, batch, group,
+                         m_min, num_m, num_steps, seqlen_k, T)
+
+    @cute.jit
+    def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
+                tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q, pipe_do,
+                n_block: Int32, kv_head: Int32, batch: Int32, group: Int32, m_min: Int32,
+                num_m: Int32, num_steps: Int32):
+        """Warp 0: K and V once, then (Q + LSE, dO + delta) per step, in the consumers' order.
+        Nothing at all is loaded for a key block no query sees (the consumers then only write
+        zero dK/dV, into K's and V's buffers)."""
+        if num_steps > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd),
+                                 (n_block, 0))
+            gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv),
+                                 (n_block, 0))
+            tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
+                                               cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
+                                               cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            pipe_kv.producer_acquire(kv_state)
+            cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                 self.num_stages)
+            for step in cutlass.range(num_steps, unroll=1):
+                g = step // num_m
+                m_block = m_min + step - g * num_m
+                head = kv_head * group + g
+                gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd),
+                                     (None, 0))
+                gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.hdv),
+                                      (None, 0))
+                gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
+                gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, cute.make_layout(1),
+                                                       cute.group_modes(sdO, 0, 2),
+                                                       cute.group_modes(gdO, 0, 2))
+                tLsL, tLgL = cpasync.tma_partition(tma_LSE, 0, cute.make_layout(1),
+                                                   cute.group_modes(sLSE, 0, 1),
+                                                   cute.group_modes(gLSE, 0, 1))
+                tDsD, tDgD = cpasync.tma_partition(tma_Dl, 0, cute.make_layout(1),
+                                                   cute.group_modes(sDelta, 0, 1),
+                                                   cute.group_modes(gDelta, 0, 1))
+                pipe_q.producer_acquire(state)
+                bar = pipe_q.producer_get_barrier(state)
+                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
+                pipe_do.producer_acquire(state)
+                bar = pipe_do.producer_get_barrier(state)
+                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
+                          tma_bar_ptr=bar)
+                cute.copy(tma_Dl, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=bar)
+                state.advance()
+
+    @cute.jit
+    def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, tma_dK, tma_dV,
+                pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
+                tiled_mma_dq, tidx: Int32, warp_idx: Int32, softmax_scale: Float32,
+                pre_scale: Float32, scale_log2: Float32, window_left: Int32,
+                window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
+                group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
+                T: Int32):
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        wg_dk = tiled_mma_dk.get_slice(wg * 128)
+        wg_dv = tiled_mma_dv.get_slice(wg * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        thr_dk = tiled_mma_dk.get_slice(tidx)
+        thr_dv = tiled_mma_dv.get_slice(tidx)
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        # Operand fragments (smem descriptors) and accumulators.
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(layouts.transpose_mn(sdO)))
+        tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sdS)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
+        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hd)))
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdv)))
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
+        dq_coords = TileCoords.make(tiled_mma_dq, tidx, (self.tile_m, self.hd))
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
+        tdSsdS = thr_st_ds.partition_D(sdS)
+
+        if num_steps > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)  # K and V stay until the end: never released
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                 self.num_stages)
+            for step in cutlass.range(num_steps, unroll=1):
+                g = step // num_m
+                m_block = m_min + step - g * num_m
+                head = kv_head * group + g
+                stage = state.index
+                buf = step % 2
+                pipe_q.consumer_wait(state)
+                layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
+                              zero_init=True, wait=-1)
+                pipe_do.consumer_wait(state)
+                layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
+                              zero_init=True, wait=-1)
+                warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+                if const_expr(self.cfg.has_softcap):
+                    for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
+                apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
+                              seqlen_k, window_left, window_right, self.has_right,
+                              self.has_left)
+                warpgroup.wait_group(0)
+                self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
+                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
+                layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
+                              tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
+                layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
+                              tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
+                cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
+                cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
+                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
+                acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
+                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
+                              zero_init=True, wait=0)
+                pipe_q.consumer_release(state)
+                pipe_do.consumer_release(state)
+                state.advance()
+                self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+
+        # ---- epilogue: dK (scaled) and dV through K's and V's shared buffers ----
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * softmax_scale
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdK.store(acc_dK.load().to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        rdV.store(acc_dV.load().to(self.dtype))
+        # Both warpgroups' last dQ GEMMs (which read all of sK) must be done before overwriting.
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        thr_st_dk = cute.make_tiled_copy_C(st_atom, tiled_mma_dk).get_slice(tidx)
+        thr_st_dv = cute.make_tiled_copy_C(st_atom, tiled_mma_dv).get_slice(tidx)
+        cute.copy(st_atom, thr_st_dk.retile(rdK), thr_st_dk.partition_D(sK))
+        cute.copy(st_atom, thr_st_dv.retile(rdV), thr_st_dv.partition_D(sV))
+        cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        gdK = cute.local_tile(mdK[None, None, kv_head, batch], (self.tile_n, self.hd),
+                              (n_block, 0))
+        gdV = cute.local_tile(mdV[None, None, kv_head, batch], (self.tile_n, self.hdv),
+                              (n_block, 0))
+        tdKsdK, tdKgdK = cpasync.tma_partition(tma_dK, 0, cute.make_layout(1),
+                                               cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gdK, 0, 2))
+        tdVsdV, tdVgdV = cpasync.tma_partition(tma_dV, 0, cute.make_layout(1),
+                                               cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gdV, 0, 2))
+        if warp_idx == 4:
+            cute.copy(tma_dK, tdKsdK, tdKgdK)
+            cute.copy(tma_dV, tdVsdV, tdVgdV)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
+
+    @cute.jit
+    def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,
+                        scale_log2: Float32):
+        """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) and
+        acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap, where acc_S
+        held t = tanh(.)). Columns are queries: each column's lse2/delta is read once."""
+        s = layouts.acc_as_rows_cols(acc_S)
+        dp = layouts.acc_as_rows_cols(acc_dP)
+        t0 = coords.t0
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = coords.base_col + t0[0, j][1]
+            lse2 = sLSE[col, stage]
+            delta = sDelta[col, stage]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                x = s[r, j]
+                p = cute.math.exp2(x * scale_log2 - lse2, fastmath=True)
+                ds = p * (dp[r, j] - delta)
+                if const_expr(self.cfg.has_softcap):
+                    # d(c tanh(u))/du = c (1 - t^2); masked entries hold -inf: clamp to -1 so the
+                    # factor is 0 there instead of NaN (p is 0 as well).
+                    t = cute.arch.fmax(x, Float32(-1.0))
+                    ds = ds * (Float32(1.0) - t * t)
+                s[r, j] = p
+                dp[r, j] = ds
+
+    @cute.jit
+    def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,
+               batch: Int32, T: Int32):
+        """dQ_acc[m block rows] += acc_dQ, one red.global.add.f32 per element (rows past T
+        skipped)."""
+        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
+        g = layouts.acc_as_rows_cols(thr_dq.partition_C(gdQ))
+        a = layouts.acc_as_rows_cols(acc_dQ)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if m_block * self.tile_m + dq_coords.row(r) < T:
+                for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    ptr = g.iterator + cute.crd2idx((r, c), g.layout)
+                    cute.arch.red(ptr, a[r, c], op="add", dtype=Float32, sem="relaxed",
+                                  scope="gpu")

@@ -1,0 +1,207 @@
+"""The Hopper backward kernel compiles for sm_90a without a GPU over a matrix covering every
+supported head dim, both dtypes and every mask feature at least once; its PTX holds the wgmma
+shapes, TMA, exp2 and dQ atomics the design relies on and ptxas does not serialize its wgmma;
+unsupported variants are refused with a reason; and jax.grad through
+``flash_attention(implementation="cute")`` lowers for CUDA to the forward and backward custom
+calls with no T x S tensor (numerics run on the GPU: ``python -m jaxflash.kernels.bwd_devrun``).
+
+Each compile takes 1-3 s on 2 cores (+ under a second of ptxas); the module about 40 s.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
+
+from jaxflash.kernels.bwd_config import BwdConfig, can_implement, config_for  # noqa: E402
+
+cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
+
+MATRIX = [
+    BwdConfig(dtype="bfloat16", head_dim=64),
+    BwdConfig(dtype="bfloat16", head_dim=64, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=96, has_window=True, has_softcap=True),
+    BwdConfig(dtype="bfloat16", head_dim=128),
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=128, is_causal=True, has_window=True,
+              has_q_seqlen=True, has_kv_seqlen=True),
+    BwdConfig(dtype="bfloat16", head_dim=128, has_softcap=True, has_kv_seqlen=True,
+              num_stages=1),
+]
+
+
+def _ptxas(ptx: str, tmp_path):
+    """ptxas -v output for the PTX (None if no usable ptxas): the DSL emits a newer PTX ISA
+    than the CUDA 13.0 ptxas reads; the kernel uses nothing newer, so the version is lowered."""
+    if shutil.which("ptxas") is None:
+        return None
+    src = re.sub(r"^\.version .*$", ".version 9.0", ptx, count=1, flags=re.M)
+    (tmp_path / "k.ptx").write_text(src)
+    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                        str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    return r.stdout + r.stderr if r.returncode == 0 else None
+
+
+@pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
+def test_compiles_for_sm90a(cfg, tmp_path):
+    from jaxflash.kernels.bwd_standalone import compile_bwd
+    compile_bwd(cfg, arch="sm_90a", dump_dir=str(tmp_path))
+    ptx_files = glob.glob(str(tmp_path / "*.ptx"))
+    assert ptx_files, "no PTX dumped"
+    ptx = open(ptx_files[0]).read()
+    assert ".target sm_90a" in ptx
+    dt = "bf16" if cfg.dtype == "bfloat16" else "f16"
+    wg = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{dt}.{dt}"
+    assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
+    assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
+    assert wg.format(cfg.head_dim // 2) in ptx  # dQ = dS K, head dim split over 2 warpgroups
+    assert re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx)  # dQ accumulation
+    assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
+    assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert ("tanh.approx" in ptx) == cfg.has_softcap
+    report = _ptxas(ptx, tmp_path)
+    if report is not None:
+        assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
+        assert " 0 bytes spill stores" in report
+
+
+def test_refusals_name_the_reason():
+    for kw, why in [(dict(head_dim=256), "head_dim 256"), (dict(head_dim=192), "head_dim 192"),
+                    (dict(head_dim=128, head_dim_v=64), "head_dim_v"),
+                    (dict(dtype="float32"), "dtype"), (dict(tile_m=128), "tile_m"),
+                    (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages")]:
+        with pytest.raises(ValueError, match=why):
+            BwdConfig(**kw)
+    assert can_implement(dtype="bfloat16", head_dim=128,
+                         features=("causal", "window", "softcap", "seq_lengths")) == (True, "")
+    for facts, why in [(dict(features=("alibi",)), "alibi"), (dict(features=("bias",)), "bias"),
+                       (dict(features=("segment_ids",)), "segment_ids"),
+                       (dict(features=("mask",)), "mask"),
+                       (dict(deterministic=True), "deterministic"),
+                       (dict(head_dim=256), "head dim 256"),
+                       (dict(head_dim_v=64), "value head dim")]:
+        ok, reason = can_implement(**{"dtype": "bfloat16", "head_dim": 128, **facts})
+        assert not ok and why in reason
+
+
+def test_config_for_problem():
+    from jaxflash._types import AttentionStatics, Problem
+    st = AttentionStatics(scale=0.1, is_causal=True, window=(8, 0), softcap=5.0)
+    p = Problem(batch=2, q_len=10, kv_len=12, num_heads=4, num_kv_heads=2, head_dim=96,
+                head_dim_v=96, dtype="float16", statics=st, has_q_seqlen=True)
+    cfg = config_for(p)
+    assert (cfg.dtype, cfg.head_dim, cfg.is_causal, cfg.has_window, cfg.has_softcap,
+            cfg.has_q_seqlen, cfg.has_kv_seqlen) == ("float16", 96, True, True, True, True, False)
+    with pytest.raises(ValueError, match="deterministic"):
+        config_for(Problem(**{**p.__dict__, "statics": AttentionStatics(scale=0.1,
+                                                                       deterministic=True)}))
+    with pytest.raises(ValueError, match="empty"):
+        config_for(Problem(**{**p.__dict__, "kv_len": 0}))
+
+
+def test_variant_keys_differ():
+    assert len({c.key for c in MATRIX}) == len(MATRIX)
+
+
+# -- wiring through the backend ----------------------------------------------------------------
+@pytest.fixture
+def cuda_env(tmp_path_factory, monkeypatch):
+    import jax
+    from jaxflash.ffi import cache
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path_factory.mktemp("jf_bwd_cache")))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.delenv(cache.ENV_KERNEL_DIR, raising=False)
+    monkeypatch.delenv(cache.ENV_NO_DSL, raising=False)
+    jax.clear_caches()
+    yield
+
+
+def _shapes(B=2, T=100, S=130, N=4, K=2, H=64):
+    import jax
+    import jax.numpy as jnp
+    return (jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16))
+
+
+def _grad_fn(**kw):
+    import jax
+    import jax.numpy as jnp
+    import jaxflash
+
+    def loss(q, k, v):
+        o = jaxflash.flash_attention(q, k, v, implementation="cute", **kw)
+        return o.astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _explain(qkv=None, **kw):
+    import jaxflash
+    with jaxflash.target_platform("cuda"):
+        return str(jaxflash.explain(*(qkv or _shapes()), implementation="cute", **kw))
+
+
+def test_explain_names_the_backward(cuda_env):
+    assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
+    text = _explain(is_causal=True, deterministic=True)
+    assert "backward: Pallas" in text and "deterministic" in text
+    text = _explain(_shapes(H=256))
+    assert "backward: Pallas" in text and "head dim 256" in text
+
+
+def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
+    import jax
+    import jaxflash
+    from jaxflash import ffi
+    B, T, S = 2, 100, 130
+    with jaxflash.target_platform("cuda"):
+        low = jax.jit(_grad_fn(is_causal=True, local_window_size=(40, 3),
+                               softcap=4.0)).trace(*_shapes(B, T, S)).lower(
+            lowering_platforms=("cuda",))
+    txt = low.as_text()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 2  # forward + backward
+    assert "tensor<2x100x4x64xf32>" in txt  # the float32 dQ accumulator
+    assert "tensor<2x4x128xf32>" in txt  # LSE / delta padded to the kernel's 64-row boxes
+    dims = {tuple(int(d) for d in m.split("x")) for m in re.findall(r"tensor<([0-9x]+)x", txt)}
+    assert not any(T in d and S in d for d in dims), "a T x S tensor appeared in the HLO"
+
+
+def test_grad_export_round_trip(cuda_env):
+    import jax
+    import jaxflash
+    from jaxflash import ffi
+    with jaxflash.target_platform("cuda"):
+        exp = jax.export.export(jax.jit(_grad_fn(is_causal=True)), platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(*_shapes())
+    back = jax.export.deserialize(exp.serialize())
+    assert back.mlir_module().count(ffi.TARGET) >= 2
+    assert [a.shape for a in back.out_avals] == [(2, 100, 4, 64), (2, 130, 2, 64),
+                                                 (2, 130, 2, 64)]
+
+
+def test_runtime_only_without_backward_artifact_falls_back_visibly(cuda_env, tmp_path,
+                                                                   monkeypatch):
+    """A machine without the DSL that has the forward's artifact but not the backward's runs
+    the Pallas backward, and explain says so with the command that builds the missing one."""
+    from jaxflash import aot
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.backends.cute import fwd_launch_for
+    from jaxflash.ffi import cache
+    problem = Problem(2, 100, 130, 4, 2, 64, 64, "bfloat16",
+                      AttentionStatics(scale=0.125, is_causal=True), platform="cuda")
+    aot.build([fwd_launch_for(problem, "sm_90a")], str(tmp_path), progress=False,
+              log=lambda *_: None)
+    monkeypatch.setenv(cache.ENV_NO_DSL, "1")
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(tmp_path))
+    text = _explain(is_causal=True)
+    assert "'cute' runs" in text
+    assert "backward: Pallas" in text and "python -m jaxflash.aot" in text
