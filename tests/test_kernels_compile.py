@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
-from jaxflash.kernels.config import FwdConfig, can_implement  # noqa: E402
+from jaxflash.kernels.config import FwdConfig, can_implement, schedule_for  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
@@ -167,6 +167,10 @@ BENCH_VARIANTS = [FwdConfig(head_dim=d, is_causal=c) for d in (64, 128, 256) for
 BENCH_VARIANTS += [FwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True),
                    FwdConfig(head_dim=192, is_causal=True, has_alibi=True, has_segments=True),
                    FwdConfig(head_dim=256, has_segments=True)]
+# The schedules config_for picks from measurements (persistent at 1k, three stages at 16k).
+BENCH_VARIANTS += sorted({FwdConfig(head_dim=d, is_causal=c, **schedule_for(d, s, c))
+                          for d in (64, 128, 256) for s in (1024, 16384) for c in (False, True)
+                          if schedule_for(d, s, c)}, key=lambda c: c.key)
 
 
 def _ptxas_report(cfg, tmp_path):

@@ -195,8 +195,36 @@ def config_for(problem) -> FwdConfig:
     if not ok:
         raise ValueError(why)
     st = problem.statics
-    return FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
-                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                     has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                     has_alibi=problem.has_alibi, has_segments=problem.has_segments)
+    features = dict(dtype=problem.dtype, head_dim=problem.head_dim,
+                    head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                    has_window=st.window is not None, has_softcap=st.softcap is not None,
+                    has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                    has_alibi=problem.has_alibi, has_segments=problem.has_segments)
+    return FwdConfig(**features, **schedule_for(problem.head_dim, problem.kv_len, st.is_causal,
+                                                plain=not (problem.has_alibi
+                                                           or problem.has_segments
+                                                           or problem.has_q_seqlen
+                                                           or problem.has_kv_seqlen
+                                                           or st.window is not None)))
+
+
+def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -> dict:
+    """Schedule fields that beat the default where measured (H200, 2026-11-30, same process as
+    cuDNN; `benchmarks/results/cute-fwd-variants-h200-2026-11-30.json`, ratios to cuDNN):
+
+    - persistent at S <= 1k for hdim <= 128 when causal or hdim 64 (one or two key blocks per
+      tile: the next tile's loads hide this one's epilogue): 64/1k 0.74 -> 0.80 dense, 0.66 ->
+      0.74 causal; 128/1k causal 0.83 -> 0.91. It lost elsewhere (128/1k dense 0.85 -> 0.67,
+      64/4k causal 0.90 -> 0.82, hdim 256 everywhere), so it stays off there.
+    - three K/V stages at S >= 16k for hdim 128: 1.11 -> 1.18 causal, 1.06 -> 1.07 dense.
+
+    Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
+    and segment variants keep the default. Crossing a threshold picks another variant (one more compile), nothing else does.
+    """
+    if not plain:
+        return {}
+    if kv_len <= 1024 and head_dim <= 128 and (causal or head_dim == 64):
+        return {"persistent": True}
+    if kv_len >= 16384 and head_dim == 128:
+        return {"num_stages": 3}
+    return {}

@@ -329,7 +329,7 @@ def check(out_path: str, cases=None) -> bool:
     return ok_all
 
 
-def _time(fn, args):
+def _time(fn, args, iters=None):  # iters: ignored (the harness picks n per rep)
     """Median seconds per call: the harness's throughput timing (`benchmarks/timing.py`; devrun
     runs from the repo root, where `benchmarks` imports)."""
     from benchmarks.timing import time_throughput
