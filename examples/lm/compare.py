@@ -39,6 +39,10 @@ def main(argv=None):
                    help="backend(s) under test, comma-separated: auto (best available), cute, "
                         "pallas (default auto); each is compared with one 'xla' baseline run")
     p.add_argument("--rtol", type=float, default=0.01)
+    p.add_argument("--baseline-runs", type=int, default=1,
+                   help="train the xla baseline this many times: on a GPU XLA's own scatter-adds "
+                        "are not deterministic, so repeats measure the run-to-run spread that "
+                        "any comparison sits in")
     args, rest = p.parse_known_args(argv)
     if "--implementation" in rest:
         raise SystemExit("use --candidate for the backend under test; the baseline is 'xla'")
@@ -52,10 +56,11 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
 
     runs = {}
-    for label in cands + ["xla"]:
+    repeats = [f"xla#{i + 1}" for i in range(1, args.baseline_runs)]
+    for label in cands + ["xla"] + repeats:
         if label in runs:
             continue
-        impl = None if label == "auto" else label
+        impl = None if label == "auto" else label.partition("#")[0]
         argv_run = rest + ([] if impl is None else ["--implementation", impl])
         print(f"=== {label}: implementation={impl!r}", flush=True)
         runs[label] = train.train(train.parse_args(argv_run))
@@ -88,6 +93,11 @@ def main(argv=None):
         "xla": {"final_loss": b["losses"][last], "val_loss": b.get("val_loss"),
                 "tokens_per_s": b["tokens_per_s"], "backend": b["backend"]},
         "candidates": compared, "pass": all(c["pass"] for c in compared.values()),
+        "baseline_repeats": {r: {"final_loss": runs[r]["losses"][last],
+                                 "final_loss_rel_diff": abs(runs[r]["losses"][last]
+                                                            - b["losses"][last])
+                                 / abs(b["losses"][last]),
+                                 "val_loss": runs[r].get("val_loss")} for r in repeats},
         "runs": runs,
     }
     (out / "lm_compare.json").write_text(json.dumps(result, indent=1))
@@ -99,6 +109,9 @@ def main(argv=None):
               f"({'PASS' if c['pass'] else 'FAIL'} at {args.rtol:.0%}); "
               f"{fmt(c['tokens_per_s'])} tok/s"
               + (f" ({c['speedup_vs_xla']:.2f}x)" if c["speedup_vs_xla"] else ""))
+    for r, c in result["baseline_repeats"].items():
+        print(f"{r} (the baseline again): final loss {c['final_loss']:.4f} rel diff "
+              f"{c['final_loss_rel_diff']:.2%}")
     print(f"wrote {out / 'lm_compare.json'}")
     return 0 if result["pass"] else 1
 
