@@ -86,3 +86,18 @@ def test_flops_and_report_ratios():
     lines, notes = report.mode_table([row("cudnn", 400.0), row("cute", 500.0)], "fwd")
     assert lines[0].startswith("| D | S | causal | cute | cudnn | cute/cuDNN |")
     assert lines[2].endswith("| 1.25 |") and "1.250" in notes[0]
+
+
+def test_long_context_script_runs_and_checks(tmp_path):
+    """benchmarks/long_context.py on CPU with the reference backend at a small size: it must
+    produce a result whose row check and finiteness checks pass (the GPU run is at 128k)."""
+    import json
+
+    from benchmarks import long_context
+    out = tmp_path / "lc.json"
+    assert long_context.main(["--s", "300", "--heads", "2", "--kv-heads", "1", "--d", "64",
+                              "--impl", "xla", "--causal", "1", "--reps", "1",
+                              "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["rel_l2_out_rows_vs_float64"] < 2e-2
+    assert max(res["rows_checked"]) < 300
