@@ -94,8 +94,11 @@ BENCH_S = (1024, 4096, 16384)
 # (Run of 2026-11-30: "lpt8" = l2_section_mb=8 and tile_order="plain" were within +-3% of the
 # default at every causal point measured; see NOTES.md.)
 # Variants that are invalid for a head dim (e.g. tile_m 192 above hdim 64) are skipped.
-VARIANTS = {"persistent": dict(persistent=True), "m192": dict(tile_m=192),
-            "stages3": dict(num_stages=3)}
+# (Run of 2026-11-30, 22:15: "m192" = 192x128 with intra-warpgroup overlap ran at 0.37x cuDNN
+# (ptxas: C7512 and spills); the two 192-row variants below are ptxas-clean of C7512/spills.)
+VARIANTS = {"persistent": dict(persistent=True), "stages3": dict(num_stages=3),
+            "m192_no_overlap": dict(tile_m=192, intra_wg_overlap=False),
+            "m192_n96": dict(tile_m=192, tile_n=96)}
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 16384, False),
                   (128, 16384, True), (64, 1024, True), (64, 1024, False), (64, 4096, False),
                   (64, 4096, True), (64, 16384, False), (256, 1024, False), (256, 1024, True),
