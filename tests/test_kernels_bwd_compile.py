@@ -34,6 +34,9 @@ MATRIX = [
               has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=128, has_softcap=True, has_kv_seqlen=True,
               num_stages=1),
+    # dQ by per-element atomics instead of TMA reduce-add
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, dq_accum="red"),
+    BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red"),
 ]
 
 
@@ -62,7 +65,9 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
     assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
     assert wg.format(cfg.head_dim // 2) in ptx  # dQ = dS K, head dim split over 2 warpgroups
-    assert re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx)  # dQ accumulation
+    red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
+    tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
+    assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
     assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
     assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
     assert "ld.local" not in ptx and "st.local" not in ptx
@@ -77,7 +82,8 @@ def test_refusals_name_the_reason():
     for kw, why in [(dict(head_dim=256), "head_dim 256"), (dict(head_dim=192), "head_dim 192"),
                     (dict(head_dim=128, head_dim_v=64), "head_dim_v"),
                     (dict(dtype="float32"), "dtype"), (dict(tile_m=128), "tile_m"),
-                    (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages")]:
+                    (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages"),
+                    (dict(dq_accum="smem"), "dq_accum")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,

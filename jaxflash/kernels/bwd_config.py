@@ -11,8 +11,8 @@ and 256 do not fit that budget (they would need tile_n 64 with one warpgroup and
 pass) and are refused, so the backend falls back to the Pallas backward for them.
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
-(tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other) and
-LSE / delta rows (tile_m floats per stage).
+(tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),
+LSE / delta rows (tile_m floats per stage) and, with ``dq_accum="tma"``, the float32 dQ tile.
 """
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ class BwdConfig:
     tile_m: queries per inner step (64: one wgmma M atom for the dQ GEMM).
     tile_n: keys per CTA (64 per consumer warpgroup).
     num_stages: pipeline depth of the Q / dO (+ LSE / delta) loads.
+    dq_accum: how a step's 64 x hd dQ partial reaches the float32 accumulator in global memory:
+      "tma": written to shared memory, then one TMA reduce-add (cp.reduce.async.bulk.tensor) per
+      step (the add happens in L2, no per-element instructions; 32 KB more shared memory at
+      hd 128); "red": one red.global.add.f32 per element from registers.
     """
 
     dtype: str = "bfloat16"
@@ -54,6 +58,7 @@ class BwdConfig:
     tile_m: int = 64
     tile_n: int = 128
     num_stages: int = 2
+    dq_accum: str = "tma"
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -74,6 +79,8 @@ class BwdConfig:
             return False, f"tile_m {self.tile_m} must be 64 (one wgmma M atom for dQ)"
         if self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
+        if self.dq_accum not in ("tma", "red"):
+            return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -87,7 +94,8 @@ class BwdConfig:
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
         ds = 2 * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.tile_m * 4
-        return kv + qdo + ds + rows + 1024  # + barriers and alignment
+        dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
+        return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -99,7 +107,8 @@ class BwdConfig:
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen)) if on]
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
-                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{'-'.join(feats) or 'dense'}")
+                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
+                f"_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:

@@ -62,15 +62,26 @@ CHECKS = [
     ("bf16 h128 dense 2k", dict(head_dim=128), (1, 2048, 2048, 8, 8, {"cudnn": True})),
     ("bf16 h64 causal via jax.grad", dict(head_dim=64, is_causal=True),
      (2, 190, 190, 4, 2, {"api": True})),
+    # dQ by red.global.add.f32 instead of TMA reduce-add
+    ("bf16 h128 causal gqa dq red", dict(head_dim=128, is_causal=True, dq_accum="red"),
+     (2, 500, 700, 8, 2, {})),
+    ("fp16 h64 seqlens dq red", dict(dtype="float16", head_dim=64, has_q_seqlen=True,
+                                     has_kv_seqlen=True, dq_accum="red"),
+     (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
 ]
+# Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
+RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True)}
 
 BENCH_DIMS = (64, 128, 256)
 BENCH_S = (1024, 4096, 16384)
 TOL = {"bfloat16": 3e-2, "float16": 5e-3}
 
 
+_BWD_ONLY = ("dq_accum", "num_stages")
+
+
 def _configs(kw):
-    return FwdConfig(**kw), BwdConfig(**kw)
+    return (FwdConfig(**{k: v for k, v in kw.items() if k not in _BWD_ONLY}), BwdConfig(**kw))
 
 
 def all_launches(cases=None):
@@ -83,10 +94,12 @@ def all_launches(cases=None):
         for d in BENCH_DIMS:
             for c in (False, True):
                 launches.append(fwd_launch(FwdConfig(head_dim=d, is_causal=c)))
-                try:
-                    launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c)))
-                except ValueError:
-                    pass  # D 256: the Pallas backward runs (JIT-compiled by XLA there)
+                for acc in ("tma", "red"):
+                    try:
+                        launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c,
+                                                             dq_accum=acc)))
+                    except ValueError:
+                        pass  # D 256: the Pallas backward runs (JIT-compiled by XLA there)
     uniq = {l.key: l for l in launches}
     return list(uniq.values())
 
@@ -262,6 +275,14 @@ def check(out_path: str, cases=None) -> bool:
     return ok_all
 
 
+def _direct_fwd_bwd(D, causal, scale, dq_accum):
+    """Forward + CuTe backward of one dq_accum variant (bypasses the backend's choice)."""
+    import jax
+    fcfg = FwdConfig(head_dim=D, is_causal=causal)
+    bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum)
+    return jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, scale))
+
+
 def bench(out_path: str, only=None) -> None:
     import jax
     import jax.numpy as jnp
@@ -299,6 +320,13 @@ def bench(out_path: str, only=None) -> None:
                     row.update(ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
                                ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
                                ratio=t_c / t_o)
+                    if (D, S, causal) in RED_POINTS:
+                        t_r = _time(_direct_fwd_bwd(D, causal, scale, "red"), (q, k, v, do),
+                                    iters)
+                        t_t = _time(_direct_fwd_bwd(D, causal, scale, "tma"), (q, k, v, do),
+                                    iters)
+                        row.update(dq_red_tflops=flops / t_r / 1e12,
+                                   dq_tma_tflops=flops / t_t / 1e12)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(row), flush=True)

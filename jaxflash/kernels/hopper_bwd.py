@@ -21,7 +21,9 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
     dQ_m = dS K                 (dS^T written to smem with stmatrix; A = its transposed view,
                                  B = K^T; the 64 x hd tile is split by columns over the two
                                  warpgroups) then added to the float32 dQ accumulator in global
-                                 memory with red.global.add.f32 (other CTAs add to the same rows)
+                                 memory (other CTAs add to the same rows): by default written
+                                 to shared memory and added by one TMA reduce-add per step
+                                 (``dq_accum="tma"``), else one red.global.add.f32 per element
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
@@ -56,6 +58,7 @@ LOG2_E = math.log2(math.e)
 # Named barrier ids (0 is __syncthreads).
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
+_BAR_DQ = 3  # the step's dQ tile is in shared memory: the TMA reduce may read it
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _ZERO_THREADS = 256
@@ -84,6 +87,7 @@ class FlashBwdSm90:
         self.producer_regs, self.mma_regs = 24, 240
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
+        self.dq_tma = config.dq_accum == "tma"
 
     @classmethod
     def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
@@ -180,6 +184,8 @@ class FlashBwdSm90:
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
+        # Written per warpgroup in hd/2-column halves (the dQ GEMM's split): whole atoms each.
+        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=self.hd // wgs)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -194,6 +200,8 @@ class FlashBwdSm90:
         tma_Dl, tma_mDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, row1, (self.tile_m,), 1)
         tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
         tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
+        tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
         self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
         self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
         self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
@@ -211,14 +219,16 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[
+                Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
 
         S = mK.shape[0]
         num_n_blocks = (S + self.tile_n - 1) // self.tile_n
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV, mdQ,
-            mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV,
-            mFScalars, mIScalars, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-            sRow_layout, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
+            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO,
+            tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mFScalars, mIScalars, sQ_layout, sdO_layout,
+            sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
@@ -243,10 +253,11 @@ class FlashBwdSm90:
         mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Dl: cute.CopyAtom, tma_dK: cute.CopyAtom,
-        tma_dV: cute.CopyAtom, mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
-        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout,
+        tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom, mFScalars: cute.Tensor,
+        mIScalars: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        sRow_layout: cute.Layout, sdQ_layout: cute.ComposedLayout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
@@ -255,6 +266,8 @@ class FlashBwdSm90:
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.dq_tma):
+                cpasync.prefetch_descriptor(tma_dQ)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -280,6 +293,9 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDelta = storage.sDelta.get_tensor(sRow_layout)
+        sdQ = None
+        if const_expr(self.dq_tma):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         # Runtime scalars (device-resident: new values never recompile).
         softmax_scale = mFScalars[0]
@@ -323,7 +339,8 @@ class FlashBwdSm90:
                              pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, tma_dK, tma_dV,
+            self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
+                         tma_dQ,
                          pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                          tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
                          scale_log2, window_left, window_right, n_block, kv_head, batch, group,
@@ -389,8 +406,8 @@ class FlashBwdSm90:
                 state.advance()
 
     @cute.jit
-    def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, tma_dK, tma_dV,
-                pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
+    def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
+                tma_dQ, pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                 tiled_mma_dq, tidx: Int32, warp_idx: Int32, softmax_scale: Float32,
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
@@ -426,6 +443,9 @@ class FlashBwdSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
+        tdQsdQ = None
+        if const_expr(self.dq_tma):
+            tdQsdQ = thr_dq.partition_C(sdQ)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -464,6 +484,10 @@ class FlashBwdSm90:
                               tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
                 cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
+                if const_expr(self.dq_tma):
+                    if warp_idx == 4:
+                        # The previous step's reduce has read sdQ once this barrier is passed.
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
                 acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
                 layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
@@ -471,7 +495,20 @@ class FlashBwdSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+                if const_expr(self.dq_tma):
+                    tdQsdQ.store(acc_dQ.load())
+                    cute.arch.fence_view_async_shared()  # visible to the TMA unit
+                    cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+                    if warp_idx == 4:
+                        gdQ = cute.local_tile(mdQ[None, None, head, batch],
+                                              (self.tile_m, self.hd), (m_block, 0))
+                        tQs, tQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1),
+                                                         cute.group_modes(sdQ, 0, 2),
+                                                         cute.group_modes(gdQ, 0, 2))
+                        cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T
+                        cute.arch.cp_async_bulk_commit_group()  # are clipped by the TMA unit)
+                else:
+                    self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
 
         # ---- epilogue: dK (scaled) and dV through K's and V's shared buffers ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
