@@ -74,7 +74,7 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 
 BENCH_DIMS = (64, 128, 256)
 BENCH_S = (1024, 4096, 16384)
-TOL = {"bfloat16": 3e-2, "float16": 5e-3}
+TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P and dS gives
 
 
 _BWD_ONLY = ("dq_accum", "num_stages")
