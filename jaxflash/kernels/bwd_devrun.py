@@ -317,6 +317,10 @@ def bench(out_path: str, only=None) -> None:
                     iters = max(1, int(0.3 * 3e14 / flops))
                     t_o = _time(g_ours, (q, k, v, do), iters)
                     t_c = _time(g_cudnn, (q, k, v, do), iters)
+                    # Forward alone, to read the backward's share (bwd_ms = ours_ms - fwd_ms).
+                    t_f = _time(jax.jit(ours_f), (q, k, v), iters)
+                    row.update(fwd_ms=t_f * 1e3, bwd_ms=(t_o - t_f) * 1e3,
+                               bwd_tflops=flops * 2.5 / 3.5 / max(t_o - t_f, 1e-9) / 1e12)
                     row.update(ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
                                ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
                                ratio=t_c / t_o)
