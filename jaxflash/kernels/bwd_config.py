@@ -45,6 +45,9 @@ class BwdConfig:
       "tma": written to shared memory, then one TMA reduce-add (cp.reduce.async.bulk.tensor) per
       step (the add happens in L2, no per-element instructions; 32 KB more shared memory at
       hd 128); "red": one red.global.add.f32 per element from registers.
+    deterministic: bitwise-reproducible dQ: the CTAs add into a query block in key-block order
+      (a per-(batch, head, query block) semaphore in global memory; needs dq_accum="tma").
+      dK/dV never use atomics, so they are deterministic in either mode.
     """
 
     dtype: str = "bfloat16"
@@ -59,6 +62,7 @@ class BwdConfig:
     tile_n: int = 128
     num_stages: int = 2
     dq_accum: str = "tma"
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -81,6 +85,8 @@ class BwdConfig:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
+        if self.deterministic and self.dq_accum != "tma":
+            return False, "deterministic needs dq_accum='tma' (ordered TMA reduce-adds)"
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -108,12 +114,13 @@ class BwdConfig:
                                  ("kvlen", self.has_kv_seqlen)) if on]
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
+                f"{'_det' if self.deterministic else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:
     """Whether the Hopper backward kernel serves a problem: a `BwdConfig`, or keyword facts
-    dtype, head_dim, head_dim_v, features, deterministic, num_heads, num_kv_heads."""
+    dtype, head_dim, head_dim_v, features."""
     if config is not None:
         return config.check()
     dtype = problem.get("dtype")
@@ -127,9 +134,6 @@ def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str
     unsupported = [f for f in problem.get("features", ()) if f not in FEATURES]
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper backward kernel yet"
-    if problem.get("deterministic", False):
-        return False, ("deterministic=True: the CuTe backward accumulates dQ with atomics "
-                       "(order-dependent)")
     return True, ""
 
 
@@ -140,11 +144,11 @@ def config_for(problem) -> BwdConfig:
                          f"kv_len {problem.kv_len}, heads {problem.num_heads})")
     st = problem.statics
     ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                            head_dim_v=problem.head_dim_v, features=problem.features(),
-                            deterministic=st.deterministic)
+                            head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:
         raise ValueError(why)
     return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
                      head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
                      has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen)
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                     deterministic=st.deterministic)

@@ -5,6 +5,7 @@
   # on the H200 (JAXFLASH_KERNEL_DIR=.device/kernels, CUTE_DSL_RUNTIME_LIB=<unpacked lib>)
   python -m jaxflash.kernels.bwd_devrun check --out $OUT/bwd_check.json
   python -m jaxflash.kernels.bwd_devrun bench --out $OUT/bwd_bench.json
+  python -m jaxflash.kernels.bwd_devrun determinism --out $OUT/bwd_det.json
 
 `check`: fresh random inputs per case (odd T and S, GQA and MQA, causal with T != S, windows,
 softcap, per-batch lengths with empty rows, fp16); our forward's (out, lse) then the CuTe
@@ -13,6 +14,8 @@ dq/dk/dv against a float64 numpy gradient oracle (rel L2), cuDNN's gradient erro
 inputs where cuDNN takes the case (ratio recorded), NaN fails, 60 s watchdog per case. One case
 goes through ``jax.grad(flash_attention(implementation="cute"))`` and checks that explain names
 the CuTe backward.
+`determinism`: the deterministic variant 10 times on the same inputs, bitwise equal (and the
+default variant's run-to-run spread, for information).
 `bench`: forward+backward of ``flash_attention(implementation="cute")`` vs cuDNN's, same process,
 on the anchor grid (B*S = 16384, N*D = 2048, bf16, D 64/128/256, S 1k/4k/16k, causal 0/1).
 TFLOP/s as `/work/shared/anchors/README.md` counts fwd+bwd: 3.5 x 4*B*N*S^2*D (x0.5 causal).
@@ -68,6 +71,20 @@ CHECKS = [
     ("fp16 h64 seqlens dq red", dict(dtype="float16", head_dim=64, has_q_seqlen=True,
                                      has_kv_seqlen=True, dq_accum="red"),
      (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
+    ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
+                                                deterministic=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 deterministic window", dict(head_dim=64, has_window=True, deterministic=True),
+     (2, 700, 600, 4, 1, {"window": (150, 20)})),
+]
+# `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
+DETERMINISM = [
+    ("deterministic causal gqa", dict(head_dim=128, is_causal=True, deterministic=True),
+     (2, 1000, 1000, 8, 2, {})),
+    ("deterministic window", dict(head_dim=64, has_window=True, deterministic=True),
+     (2, 1000, 1000, 4, 1, {"window": (300, 0)})),
+    ("default (atomic order) causal gqa", dict(head_dim=128, is_causal=True),
+     (2, 1000, 1000, 8, 2, {})),
 ]
 # Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
 RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True)}
@@ -77,7 +94,7 @@ BENCH_S = (1024, 4096, 16384)
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P and dS gives
 
 
-_BWD_ONLY = ("dq_accum", "num_stages")
+_BWD_ONLY = ("dq_accum", "num_stages", "deterministic")
 
 
 def _configs(kw):
@@ -86,7 +103,7 @@ def _configs(kw):
 
 def all_launches(cases=None):
     launches = []
-    for name, kw, _ in CHECKS:
+    for name, kw, _ in CHECKS + DETERMINISM:
         if not cases or name in cases:
             f, b = _configs(kw)
             launches += [fwd_launch(f), bwd_launch(b)]
@@ -344,9 +361,51 @@ def bench(out_path: str, only=None) -> None:
         json.dump(meta, fh, indent=1)
 
 
+def determinism(out_path: str, runs: int = 10) -> bool:
+    """Each DETERMINISM case `runs` times on the same inputs: deterministic variants must give
+    bitwise-identical dq/dk/dv (the default's spread is recorded, for information)."""
+    import jax
+    import jax.numpy as jnp
+    rows, ok_all = [], True
+    for name, kw, (B, T, S, N, K, ex) in DETERMINISM:
+        dog = threading.Timer(60.0, lambda n=name: (print(f"HANG in {n}", flush=True),
+                                                    os._exit(3)))
+        dog.start()
+        fcfg, bcfg = _configs(kw)
+        ks = jax.random.split(jax.random.key(int.from_bytes(os.urandom(4), "little")), 4)
+        H = bcfg.head_dim
+        q, do = (jax.random.normal(kk, (B, T, N, H), jnp.float32).astype(jnp.bfloat16)
+                 for kk in (ks[0], ks[3]))
+        k, v = (jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(jnp.bfloat16)
+                for kk in (ks[1], ks[2]))
+        row = {"name": name, "config": bcfg.key}
+        try:
+            f = jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, 1 / np.sqrt(H),
+                                                       window=ex.get("window")))
+            outs = [[np.asarray(x.astype(jnp.float32)) for x in f(q, k, v, do)]
+                    for _ in range(runs)]
+            for i, nm in enumerate(("dq", "dk", "dv")):
+                row[f"{nm}_bitwise_equal"] = all(np.array_equal(o[i], outs[0][i]) for o in outs)
+                row[f"{nm}_max_spread"] = float(max(np.abs(o[i] - outs[0][i]).max()
+                                                    for o in outs))
+                row[f"{nm}_nan"] = int(np.isnan(outs[0][i]).sum())
+            row["ok"] = bool(not bcfg.deterministic or all(
+                row[f"{nm}_bitwise_equal"] and row[f"{nm}_nan"] == 0 for nm in ("dq", "dk", "dv")))
+        except Exception as e:
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        dog.cancel()
+        ok_all &= row["ok"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        with open(out_path, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return ok_all
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["build", "check", "bench"])
+    p.add_argument("cmd", choices=["build", "check", "bench", "determinism"])
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
     p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
@@ -356,6 +415,8 @@ def main(argv=None):
         build(a.out, cases)
     elif a.cmd == "check":
         sys.exit(0 if check(a.out, cases) else 1)
+    elif a.cmd == "determinism":
+        sys.exit(0 if determinism(a.out) else 1)
     else:
         only = {tuple(int(x) for x in s.split(":")) for s in a.only.split(",") if s}
         bench(a.out, {(d, s, bool(c)) for d, s, c in only} or None)

@@ -30,6 +30,14 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
 The host function first launches a small kernel zeroing the dQ accumulator (on the same stream),
 so the launch owns its output and the bridge needs no input/output aliasing.
 
+Deterministic mode (``deterministic``): the dQ reduce-adds into one query block happen in key
+block order. A semaphore per (batch, head, query block), zeroed with dQ, counts the key blocks
+done; the CTA of key block n waits (one lane of warp 4 spinning on an acquire load) until it
+equals n - first, with first the lowest key block that visits that query block
+(`QueryBlockRange.n_block_first`), adds, waits for the add to complete and releases n + 1.
+CTA n only ever waits on CTAs of lower n of the same (kv head, batch), launched before it
+(grid x = key block), so there is no cycle.
+
 Masking (jax.nn semantics, see `mask.py`): masked logits are -inf before the exponential, so P
 and dS are exactly 0 there; queries with no visible key, past q_seqlen or past T arrive with
 lse2 = +inf (the caller's preprocessing), giving P = 0 (never NaN); keys at or past kv_seqlen
@@ -119,8 +127,14 @@ class FlashBwdSm90:
         if const_expr(self.cfg.has_kv_seqlen):
             mKVSeqlen = args[pos]
             pos += 1
-        mdQ, mdK, mdV, mFScalars = args[pos], args[pos + 1], args[pos + 2], args[pos + 3]
-        pos += 4
+        mdQ, mdK, mdV = args[pos], args[pos + 1], args[pos + 2]
+        pos += 3
+        mSem = None
+        if const_expr(self.cfg.deterministic):
+            mSem = args[pos]
+            pos += 1
+        mFScalars = args[pos]
+        pos += 1
         mIScalars = None
         if const_expr(self.cfg.has_window):
             mIScalars = args[pos]
@@ -128,15 +142,15 @@ class FlashBwdSm90:
         stream = args[pos]
         if const_expr(pos + 1 != len(args)):
             raise TypeError(f"FlashBwdSm90({self.cfg.key}) got {len(args)} arguments")
-        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV,
+        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV, mSem,
                     mFScalars, mIScalars, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
                mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
-               stream: cuda.CUstream):
+               mdV: cute.Tensor, mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -144,13 +158,12 @@ class FlashBwdSm90:
             if const_expr(t.element_type != Float32):
                 raise TypeError("lse2, delta and dq_acc must be float32")
 
-        # The dQ accumulator receives atomic adds: zero it first, on the same stream.
-        total = cute.size(mdQ.shape)
-        flat = cute.make_tensor(mdQ.iterator, cute.make_layout(total))
-        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
-        self.zero_kernel(flat, total).launch(
-            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
-            stream=stream)
+        # The dQ accumulator receives atomic adds: zero it first, on the same stream (and the
+        # semaphores of the deterministic mode).
+        self.zero_fill(mdQ, stream)
+        if const_expr(self.cfg.deterministic):
+            self.zero_fill(mSem, stream)
+            mSem = layouts.select_modes(mSem, [2, 1, 0])  # (m blocks, N, B)
 
         # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want.
         mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
@@ -227,14 +240,25 @@ class FlashBwdSm90:
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
             tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO,
-            tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mFScalars, mIScalars, sQ_layout, sdO_layout,
-            sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
+            tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
+            sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
+            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------
     # device
     # ------------------------------------------------------------------------------------
+    @cute.jit
+    def zero_fill(self, t: cute.Tensor, stream: cuda.CUstream):
+        """Launch `zero_kernel` over a compact tensor (viewed flat)."""
+        total = cute.size(t.shape)
+        flat = cute.make_tensor(t.iterator, cute.make_layout(total))
+        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
+        self.zero_kernel(flat, total).launch(
+            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
+            stream=stream)
+
     @cute.kernel
     def zero_kernel(self, flat: cute.Tensor, total: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -243,7 +267,7 @@ class FlashBwdSm90:
         for k in cutlass.range_constexpr(_ZERO_PER_THREAD):
             i = base + k * _ZERO_THREADS  # consecutive threads, consecutive words
             if i < total:
-                flat[i] = Float32(0.0)
+                flat[i] = flat.element_type(0)
 
     @cute.kernel
     def kernel(
@@ -253,7 +277,8 @@ class FlashBwdSm90:
         mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Dl: cute.CopyAtom, tma_dK: cute.CopyAtom,
-        tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom, mFScalars: cute.Tensor,
+        tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom, mSem: Optional[cute.Tensor],
+        mFScalars: cute.Tensor,
         mIScalars: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
@@ -344,7 +369,7 @@ class FlashBwdSm90:
                          pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                          tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
                          scale_log2, window_left, window_right, n_block, kv_head, batch, group,
-                         m_min, num_m, num_steps, seqlen_k, T)
+                         m_min, num_m, num_steps, seqlen_k, T, mSem, blocks)
 
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
@@ -412,7 +437,7 @@ class FlashBwdSm90:
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
-                T: Int32):
+                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -505,8 +530,15 @@ class FlashBwdSm90:
                         tQs, tQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1),
                                                          cute.group_modes(sdQ, 0, 2),
                                                          cute.group_modes(gdQ, 0, 2))
+                        sem = None
+                        if const_expr(self.cfg.deterministic):
+                            sem = mSem.iterator + cute.crd2idx((m_block, head, batch),
+                                                               mSem.layout)
+                            self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
                         cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T
                         cute.arch.cp_async_bulk_commit_group()  # are clipped by the TMA unit)
+                        if const_expr(self.cfg.deterministic):
+                            self.pass_turn(sem)
                 else:
                     self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
 
@@ -540,6 +572,27 @@ class FlashBwdSm90:
             cute.copy(tma_dV, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
+
+    @cute.jit
+    def wait_turn(self, sem, turn: Int32):
+        """Warp-wide: return once the semaphore equals `turn` (lane 0 spins on acquire loads),
+        with this warp's later TMA (async proxy) operations ordered after that load."""
+        if cute.arch.lane_idx() == 0:
+            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def pass_turn(self, sem):
+        """After this warp's reduce-add: wait for it to complete (writes done, not just the
+        smem read), order it before the release, and hand the query block to the next CTA."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
+        if cute.arch.lane_idx() == 0:
+            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+        cute.arch.sync_warp()
 
     @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,
