@@ -493,9 +493,11 @@ class FlashBwdSm90:
                 if const_expr(self.cfg.has_softcap):
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
-                apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
-                              seqlen_k, window_left, window_right, self.has_right,
-                              self.has_left)
+                # Only blocks on a boundary (key tail, diagonal, window edge) pay for the mask.
+                if blocks.needs_mask(n_block, m_block, seqlen_k):
+                    apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
+                                  seqlen_k, window_left, window_right, self.has_right,
+                                  self.has_left)
                 warpgroup.wait_group(0)
                 self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
                 rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
