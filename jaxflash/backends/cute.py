@@ -10,8 +10,9 @@ features); or the CuTe DSL is absent and no precompiled artifact of the variant 
 Forward: `jaxflash.kernels.hopper_fwd.FlashFwdSm90`, described by `jaxflash.kernels.fwd_launch`.
 Backward: `jaxflash.kernels.hopper_bwd.FlashBwdSm90` (`jaxflash.kernels.bwd_launch`) when its
 config accepts the call (dtype, head dims 64/96/128, causal/window/softcap/lengths, GQA/MQA;
-``deterministic=True`` orders the dQ adds) and a binary is available; otherwise our Pallas backward kernels on the
-(out, lse) this forward produced (same math). `explain` says which one and why (`notes`).
+``deterministic=True`` orders the dQ adds) and a binary is available; otherwise our Pallas
+backward kernels on the (out, lse) this forward produced (same math). `explain` says which one
+and why (`notes`).
 """
 from __future__ import annotations
 

@@ -128,7 +128,8 @@ def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str
         return False, f"dtype {dtype} not supported (only {SUPPORTED_DTYPES})"
     hd, hdv = problem.get("head_dim"), problem.get("head_dim_v", problem.get("head_dim"))
     if hd not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {hd} not supported by the CuTe backward (only {SUPPORTED_HEAD_DIMS})"
+        return False, (f"head dim {hd} not supported by the CuTe backward (only "
+                       f"{SUPPORTED_HEAD_DIMS})")
     if hdv != hd:
         return False, f"value head dim {hdv} != head dim {hd} not supported"
     unsupported = [f for f in problem.get("features", ()) if f not in FEATURES]

@@ -203,7 +203,8 @@ class FlashBwdSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         sel = lambda l: cute.select(l, mode=[0, 1])
-        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
+            g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
         tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
             g2s, mdO, sel(sdO_layout), (self.tile_m, self.hdv), 1)
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, self.hd))
