@@ -34,6 +34,12 @@ MATRIX = [
               has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=128, has_softcap=True, has_kv_seqlen=True,
               num_stages=1),
+    # dQ by per-element atomics instead of TMA reduce-add
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, dq_accum="red"),
+    BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red"),
+    # dQ adds ordered by key block (semaphores)
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True,
+              deterministic=True),
 ]
 
 
@@ -62,11 +68,15 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
     assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
     assert wg.format(cfg.head_dim // 2) in ptx  # dQ = dS K, head dim split over 2 warpgroups
-    assert re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx)  # dQ accumulation
+    red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
+    tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
+    assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
     assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
     assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ("tanh.approx" in ptx) == cfg.has_softcap
+    ordered = "ld.acquire.gpu.global" in ptx and "red.release.gpu.global.add" in ptx
+    assert ordered == cfg.deterministic
     report = _ptxas(ptx, tmp_path)
     if report is not None:
         assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
@@ -77,7 +87,9 @@ def test_refusals_name_the_reason():
     for kw, why in [(dict(head_dim=256), "head_dim 256"), (dict(head_dim=192), "head_dim 192"),
                     (dict(head_dim=128, head_dim_v=64), "head_dim_v"),
                     (dict(dtype="float32"), "dtype"), (dict(tile_m=128), "tile_m"),
-                    (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages")]:
+                    (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages"),
+                    (dict(dq_accum="smem"), "dq_accum"),
+                    (dict(dq_accum="red", deterministic=True), "deterministic")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
@@ -85,7 +97,6 @@ def test_refusals_name_the_reason():
     for facts, why in [(dict(features=("alibi",)), "alibi"), (dict(features=("bias",)), "bias"),
                        (dict(features=("segment_ids",)), "segment_ids"),
                        (dict(features=("mask",)), "mask"),
-                       (dict(deterministic=True), "deterministic"),
                        (dict(head_dim=256), "head dim 256"),
                        (dict(head_dim_v=64), "value head dim")]:
         ok, reason = can_implement(**{"dtype": "bfloat16", "head_dim": 128, **facts})
@@ -100,9 +111,9 @@ def test_config_for_problem():
     cfg = config_for(p)
     assert (cfg.dtype, cfg.head_dim, cfg.is_causal, cfg.has_window, cfg.has_softcap,
             cfg.has_q_seqlen, cfg.has_kv_seqlen) == ("float16", 96, True, True, True, True, False)
-    with pytest.raises(ValueError, match="deterministic"):
-        config_for(Problem(**{**p.__dict__, "statics": AttentionStatics(scale=0.1,
-                                                                       deterministic=True)}))
+    det = config_for(Problem(**{**p.__dict__, "statics": AttentionStatics(scale=0.1,
+                                                                         deterministic=True)}))
+    assert det.deterministic and not cfg.deterministic and det.key != cfg.key
     with pytest.raises(ValueError, match="empty"):
         config_for(Problem(**{**p.__dict__, "kv_len": 0}))
 
@@ -151,8 +162,7 @@ def _explain(qkv=None, **kw):
 
 def test_explain_names_the_backward(cuda_env):
     assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
-    text = _explain(is_causal=True, deterministic=True)
-    assert "backward: Pallas" in text and "deterministic" in text
+    assert "_det_causal" in _explain(is_causal=True, deterministic=True)
     text = _explain(_shapes(H=256))
     assert "backward: Pallas" in text and "head dim 256" in text
 
@@ -172,6 +182,15 @@ def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
     assert "tensor<2x4x128xf32>" in txt  # LSE / delta padded to the kernel's 64-row boxes
     dims = {tuple(int(d) for d in m.split("x")) for m in re.findall(r"tensor<([0-9x]+)x", txt)}
     assert not any(T in d and S in d for d in dims), "a T x S tensor appeared in the HLO"
+
+
+def test_deterministic_grad_carries_the_semaphores(cuda_env):
+    import jax
+    import jaxflash
+    with jaxflash.target_platform("cuda"):
+        txt = jax.jit(_grad_fn(is_causal=True, deterministic=True)).trace(
+            *_shapes(2, 100, 130)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "tensor<2x4x2xi32>" in txt  # [B, N, ceil(T / 64)] ordering semaphores
 
 
 def test_grad_export_round_trip(cuda_env):

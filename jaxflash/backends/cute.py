@@ -9,9 +9,10 @@ features); or the CuTe DSL is absent and no precompiled artifact of the variant 
 
 Forward: `jaxflash.kernels.hopper_fwd.FlashFwdSm90`, described by `jaxflash.kernels.fwd_launch`.
 Backward: `jaxflash.kernels.hopper_bwd.FlashBwdSm90` (`jaxflash.kernels.bwd_launch`) when its
-config accepts the call (dtype, head dims 64/96/128, causal/window/softcap/lengths, GQA/MQA,
-``deterministic=False``) and a binary is available; otherwise our Pallas backward kernels on the
-(out, lse) this forward produced (same math). `explain` says which one and why (`notes`).
+config accepts the call (dtype, head dims 64/96/128, causal/window/softcap/lengths, GQA/MQA;
+``deterministic=True`` orders the dQ adds) and a binary is available; otherwise our Pallas
+backward kernels on the (out, lse) this forward produced (same math). `explain` says which one
+and why (`notes`).
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     import jax.numpy as jnp
 
     from jaxflash import ffi
-    from jaxflash.kernels.bwd_launch import padded_len
+    from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
     from jaxflash.kernels.fwd_launch import fwd_scalars
     B, T, N, H = q.shape
     Tp = padded_len(T)
@@ -180,7 +181,9 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     out_shapes = [jax.ShapeDtypeStruct(q.shape, jnp.float32),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.deterministic:  # the kernel's ordering semaphores (scratch)
+        out_shapes.append(jax.ShapeDtypeStruct((B, N, num_q_blocks(T, cfg)), jnp.int32))
     dq_acc, dk, dv = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs,
-                              int_scalars=is_)
+                              int_scalars=is_)[:3]
     dq = (dq_acc * jnp.float32(statics.scale)).astype(q.dtype)
     return dq, dk, dv, None, None

@@ -11,8 +11,8 @@ and 256 do not fit that budget (they would need tile_n 64 with one warpgroup and
 pass) and are refused, so the backend falls back to the Pallas backward for them.
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
-(tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other) and
-LSE / delta rows (tile_m floats per stage).
+(tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),
+LSE / delta rows (tile_m floats per stage) and, with ``dq_accum="tma"``, the float32 dQ tile.
 """
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ class BwdConfig:
     tile_m: queries per inner step (64: one wgmma M atom for the dQ GEMM).
     tile_n: keys per CTA (64 per consumer warpgroup).
     num_stages: pipeline depth of the Q / dO (+ LSE / delta) loads.
+    dq_accum: how a step's 64 x hd dQ partial reaches the float32 accumulator in global memory:
+      "tma": written to shared memory, then one TMA reduce-add (cp.reduce.async.bulk.tensor) per
+      step (the add happens in L2, no per-element instructions; 32 KB more shared memory at
+      hd 128); "red": one red.global.add.f32 per element from registers.
+    deterministic: bitwise-reproducible dQ: the CTAs add into a query block in key-block order
+      (a per-(batch, head, query block) semaphore in global memory; needs dq_accum="tma").
+      dK/dV never use atomics, so they are deterministic in either mode.
     """
 
     dtype: str = "bfloat16"
@@ -54,6 +61,8 @@ class BwdConfig:
     tile_m: int = 64
     tile_n: int = 128
     num_stages: int = 2
+    dq_accum: str = "tma"
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -74,6 +83,10 @@ class BwdConfig:
             return False, f"tile_m {self.tile_m} must be 64 (one wgmma M atom for dQ)"
         if self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
+        if self.dq_accum not in ("tma", "red"):
+            return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
+        if self.deterministic and self.dq_accum != "tma":
+            return False, "deterministic needs dq_accum='tma' (ordered TMA reduce-adds)"
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -87,7 +100,8 @@ class BwdConfig:
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
         ds = 2 * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.tile_m * 4
-        return kv + qdo + ds + rows + 1024  # + barriers and alignment
+        dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
+        return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -99,12 +113,14 @@ class BwdConfig:
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen)) if on]
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
-                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{'-'.join(feats) or 'dense'}")
+                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
+                f"{'_det' if self.deterministic else ''}"
+                f"_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:
     """Whether the Hopper backward kernel serves a problem: a `BwdConfig`, or keyword facts
-    dtype, head_dim, head_dim_v, features, deterministic, num_heads, num_kv_heads."""
+    dtype, head_dim, head_dim_v, features."""
     if config is not None:
         return config.check()
     dtype = problem.get("dtype")
@@ -112,15 +128,13 @@ def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str
         return False, f"dtype {dtype} not supported (only {SUPPORTED_DTYPES})"
     hd, hdv = problem.get("head_dim"), problem.get("head_dim_v", problem.get("head_dim"))
     if hd not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {hd} not supported by the CuTe backward (only {SUPPORTED_HEAD_DIMS})"
+        return False, (f"head dim {hd} not supported by the CuTe backward (only "
+                       f"{SUPPORTED_HEAD_DIMS})")
     if hdv != hd:
         return False, f"value head dim {hdv} != head dim {hd} not supported"
     unsupported = [f for f in problem.get("features", ()) if f not in FEATURES]
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper backward kernel yet"
-    if problem.get("deterministic", False):
-        return False, ("deterministic=True: the CuTe backward accumulates dQ with atomics "
-                       "(order-dependent)")
     return True, ""
 
 
@@ -131,11 +145,11 @@ def config_for(problem) -> BwdConfig:
                          f"kv_len {problem.kv_len}, heads {problem.num_heads})")
     st = problem.statics
     ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                            head_dim_v=problem.head_dim_v, features=problem.features(),
-                            deterministic=st.deterministic)
+                            head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:
         raise ValueError(why)
     return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
                      head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
                      has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen)
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                     deterministic=st.deterministic)

@@ -6,6 +6,8 @@ dtype), lse2 [B, N, Tp] and delta [B, N, Tp] float32 with Tp = T rounded up to `
 rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them.
 Outputs: dq_acc [B, T, N, H] float32 (the kernel zeroes it, then adds dS K into it; the caller
 multiplies by the softmax scale), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv].
+With ``deterministic``, a fourth output dq_sem [B, N, ceil(T / 64)] int32: the kernel's
+key-block-order semaphores (zeroed by the kernel; the caller drops it).
 Scalars as the forward's: float32 (softmax_scale, softcap), int32 (window_left, window_right)
 only with a window.
 """
@@ -28,12 +30,18 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
         inputs.append(TensorArg("int32", (None,)))
     if config.has_kv_seqlen:
         inputs.append(TensorArg("int32", (None,)))
-    outputs = (TensorArg("float32", (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
-               TensorArg(dt, (None, None, None, hv)))
-    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
+    outputs = [TensorArg("float32", (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
+               TensorArg(dt, (None, None, None, hv))]
+    if config.deterministic:
+        outputs.append(TensorArg("int32", (None, None, None)))
+    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=tuple(outputs),
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
 
 
 def padded_len(t: int) -> int:
     return -(-t // LSE_PAD) * LSE_PAD
+
+
+def num_q_blocks(t: int, config: BwdConfig) -> int:
+    return -(-t // config.tile_m)

@@ -21,12 +21,22 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
     dQ_m = dS K                 (dS^T written to smem with stmatrix; A = its transposed view,
                                  B = K^T; the 64 x hd tile is split by columns over the two
                                  warpgroups) then added to the float32 dQ accumulator in global
-                                 memory with red.global.add.f32 (other CTAs add to the same rows)
+                                 memory (other CTAs add to the same rows): by default written
+                                 to shared memory and added by one TMA reduce-add per step
+                                 (``dq_accum="tma"``), else one red.global.add.f32 per element
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
 The host function first launches a small kernel zeroing the dQ accumulator (on the same stream),
 so the launch owns its output and the bridge needs no input/output aliasing.
+
+Deterministic mode (``deterministic``): the dQ reduce-adds into one query block happen in key
+block order. A semaphore per (batch, head, query block), zeroed with dQ, counts the key blocks
+done; the CTA of key block n waits (one lane of warp 4 spinning on an acquire load) until it
+equals n - first, with first the lowest key block that visits that query block
+(`QueryBlockRange.n_block_first`), adds, waits for the add to complete and releases n + 1.
+CTA n only ever waits on CTAs of lower n of the same (kv head, batch), launched before it
+(grid x = key block), so there is no cycle.
 
 Masking (jax.nn semantics, see `mask.py`): masked logits are -inf before the exponential, so P
 and dS are exactly 0 there; queries with no visible key, past q_seqlen or past T arrive with
@@ -56,6 +66,7 @@ LOG2_E = math.log2(math.e)
 # Named barrier ids (0 is __syncthreads).
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
+_BAR_DQ = 3  # the step's dQ tile is in shared memory: the TMA reduce may read it
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _ZERO_THREADS = 256
@@ -84,6 +95,7 @@ class FlashBwdSm90:
         self.producer_regs, self.mma_regs = 24, 240
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
+        self.dq_tma = config.dq_accum == "tma"
 
     @classmethod
     def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
@@ -115,8 +127,14 @@ class FlashBwdSm90:
         if const_expr(self.cfg.has_kv_seqlen):
             mKVSeqlen = args[pos]
             pos += 1
-        mdQ, mdK, mdV, mFScalars = args[pos], args[pos + 1], args[pos + 2], args[pos + 3]
-        pos += 4
+        mdQ, mdK, mdV = args[pos], args[pos + 1], args[pos + 2]
+        pos += 3
+        mSem = None
+        if const_expr(self.cfg.deterministic):
+            mSem = args[pos]
+            pos += 1
+        mFScalars = args[pos]
+        pos += 1
         mIScalars = None
         if const_expr(self.cfg.has_window):
             mIScalars = args[pos]
@@ -124,15 +142,15 @@ class FlashBwdSm90:
         stream = args[pos]
         if const_expr(pos + 1 != len(args)):
             raise TypeError(f"FlashBwdSm90({self.cfg.key}) got {len(args)} arguments")
-        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV,
+        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV, mSem,
                     mFScalars, mIScalars, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
                mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
-               stream: cuda.CUstream):
+               mdV: cute.Tensor, mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -140,13 +158,12 @@ class FlashBwdSm90:
             if const_expr(t.element_type != Float32):
                 raise TypeError("lse2, delta and dq_acc must be float32")
 
-        # The dQ accumulator receives atomic adds: zero it first, on the same stream.
-        total = cute.size(mdQ.shape)
-        flat = cute.make_tensor(mdQ.iterator, cute.make_layout(total))
-        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
-        self.zero_kernel(flat, total).launch(
-            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
-            stream=stream)
+        # The dQ accumulator receives atomic adds: zero it first, on the same stream (and the
+        # semaphores of the deterministic mode).
+        self.zero_fill(mdQ, stream)
+        if const_expr(self.cfg.deterministic):
+            self.zero_fill(mSem, stream)
+            mSem = layouts.select_modes(mSem, [2, 1, 0])  # (m blocks, N, B)
 
         # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want.
         mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
@@ -180,11 +197,14 @@ class FlashBwdSm90:
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
+        # Written per warpgroup in hd/2-column halves (the dQ GEMM's split): whole atoms each.
+        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=self.hd // wgs)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         sel = lambda l: cute.select(l, mode=[0, 1])
-        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
+        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
+            g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
         tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
             g2s, mdO, sel(sdO_layout), (self.tile_m, self.hdv), 1)
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, self.hd))
@@ -194,6 +214,8 @@ class FlashBwdSm90:
         tma_Dl, tma_mDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, row1, (self.tile_m,), 1)
         tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
         tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
+        tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
         self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
         self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
         self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
@@ -211,20 +233,33 @@ class FlashBwdSm90:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[
+                Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
 
         S = mK.shape[0]
         num_n_blocks = (S + self.tile_n - 1) // self.tile_n
         self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV, mdQ,
-            mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV,
-            mFScalars, mIScalars, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-            sRow_layout, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
+            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
+            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO,
+            tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
+            sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
+            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------
     # device
     # ------------------------------------------------------------------------------------
+    @cute.jit
+    def zero_fill(self, t: cute.Tensor, stream: cuda.CUstream):
+        """Launch `zero_kernel` over a compact tensor (viewed flat)."""
+        total = cute.size(t.shape)
+        flat = cute.make_tensor(t.iterator, cute.make_layout(total))
+        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
+        self.zero_kernel(flat, total).launch(
+            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
+            stream=stream)
+
     @cute.kernel
     def zero_kernel(self, flat: cute.Tensor, total: Int32):
         tidx, _, _ = cute.arch.thread_idx()
@@ -233,7 +268,7 @@ class FlashBwdSm90:
         for k in cutlass.range_constexpr(_ZERO_PER_THREAD):
             i = base + k * _ZERO_THREADS  # consecutive threads, consecutive words
             if i < total:
-                flat[i] = Float32(0.0)
+                flat[i] = flat.element_type(0)
 
     @cute.kernel
     def kernel(
@@ -243,10 +278,12 @@ class FlashBwdSm90:
         mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Dl: cute.CopyAtom, tma_dK: cute.CopyAtom,
-        tma_dV: cute.CopyAtom, mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor],
-        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout,
+        tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom, mSem: Optional[cute.Tensor],
+        mFScalars: cute.Tensor,
+        mIScalars: Optional[cute.Tensor], sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        sRow_layout: cute.Layout, sdQ_layout: cute.ComposedLayout,
         tiled_mma_sdp: cute.TiledMma, tiled_mma_dk: cute.TiledMma, tiled_mma_dv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
@@ -255,6 +292,8 @@ class FlashBwdSm90:
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.dq_tma):
+                cpasync.prefetch_descriptor(tma_dQ)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -280,6 +319,9 @@ class FlashBwdSm90:
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDelta = storage.sDelta.get_tensor(sRow_layout)
+        sdQ = None
+        if const_expr(self.dq_tma):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         # Runtime scalars (device-resident: new values never recompile).
         softmax_scale = mFScalars[0]
@@ -323,11 +365,12 @@ class FlashBwdSm90:
                              pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, tma_dK, tma_dV,
+            self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
+                         tma_dQ,
                          pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                          tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
                          scale_log2, window_left, window_right, n_block, kv_head, batch, group,
-                         m_min, num_m, num_steps, seqlen_k, T)
+                         m_min, num_m, num_steps, seqlen_k, T, mSem, blocks)
 
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
@@ -389,13 +432,13 @@ class FlashBwdSm90:
                 state.advance()
 
     @cute.jit
-    def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, tma_dK, tma_dV,
-                pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
+    def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
+                tma_dQ, pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                 tiled_mma_dq, tidx: Int32, warp_idx: Int32, softmax_scale: Float32,
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
-                T: Int32):
+                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -426,6 +469,9 @@ class FlashBwdSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
+        tdQsdQ = None
+        if const_expr(self.dq_tma):
+            tdQsdQ = thr_dq.partition_C(sdQ)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -448,9 +494,11 @@ class FlashBwdSm90:
                 if const_expr(self.cfg.has_softcap):
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
-                apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
-                              seqlen_k, window_left, window_right, self.has_right,
-                              self.has_left)
+                # Only blocks on a boundary (key tail, diagonal, window edge) pay for the mask.
+                if blocks.needs_mask(n_block, m_block, seqlen_k):
+                    apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
+                                  seqlen_k, window_left, window_right, self.has_right,
+                                  self.has_left)
                 warpgroup.wait_group(0)
                 self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
                 rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -464,6 +512,10 @@ class FlashBwdSm90:
                               tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
                 cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
+                if const_expr(self.dq_tma):
+                    if warp_idx == 4:
+                        # The previous step's reduce has read sdQ once this barrier is passed.
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
                 acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
                 layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
@@ -471,7 +523,27 @@ class FlashBwdSm90:
                 pipe_q.consumer_release(state)
                 pipe_do.consumer_release(state)
                 state.advance()
-                self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+                if const_expr(self.dq_tma):
+                    tdQsdQ.store(acc_dQ.load())
+                    cute.arch.fence_view_async_shared()  # visible to the TMA unit
+                    cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+                    if warp_idx == 4:
+                        gdQ = cute.local_tile(mdQ[None, None, head, batch],
+                                              (self.tile_m, self.hd), (m_block, 0))
+                        tQs, tQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1),
+                                                         cute.group_modes(sdQ, 0, 2),
+                                                         cute.group_modes(gdQ, 0, 2))
+                        sem = None
+                        if const_expr(self.cfg.deterministic):
+                            sem = mSem.iterator + cute.crd2idx((m_block, head, batch),
+                                                               mSem.layout)
+                            self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
+                        cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T
+                        cute.arch.cp_async_bulk_commit_group()  # are clipped by the TMA unit)
+                        if const_expr(self.cfg.deterministic):
+                            self.pass_turn(sem)
+                else:
+                    self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
 
         # ---- epilogue: dK (scaled) and dV through K's and V's shared buffers ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -503,6 +575,27 @@ class FlashBwdSm90:
             cute.copy(tma_dV, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
+
+    @cute.jit
+    def wait_turn(self, sem, turn: Int32):
+        """Warp-wide: return once the semaphore equals `turn` (lane 0 spins on acquire loads),
+        with this warp's later TMA (async proxy) operations ordered after that load."""
+        if cute.arch.lane_idx() == 0:
+            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+            while seen != turn:
+                seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_warp()
+        cute.arch.fence_proxy("async.global")
+
+    @cute.jit
+    def pass_turn(self, sem):
+        """After this warp's reduce-add: wait for it to complete (writes done, not just the
+        smem read), order it before the release, and hand the query block to the next CTA."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
+        if cute.arch.lane_idx() == 0:
+            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+        cute.arch.sync_warp()
 
     @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,

@@ -250,6 +250,31 @@ class QueryBlockRange(Carried):
         m_max = cutlass.max(m_max, m_min)
         return m_min, m_max
 
+    @cute.jit
+    def needs_mask(self, n_block: Int32, m_block: Int32, seqlen_k: Int32):
+        """Whether some (key, query) of the (n, m) block pair is invisible: the block holds
+        keys at or past seqlen_k, or its corner pairs cross the right / left bound."""
+        first_key = n_block * self.tile_n
+        first_q = m_block * self.tile_m
+        need = first_key + self.tile_n > seqlen_k
+        if cutlass.const_expr(self.has_right):
+            # query first_q must see key first_key + tile_n - 1
+            need = need or first_q < first_key + self.tile_n - 1 - self.window_right
+        if cutlass.const_expr(self.has_left):
+            # query first_q + tile_m - 1 must see key first_key
+            need = need or first_q + self.tile_m - 1 > first_key + self.window_left
+        return need
+
+    @cute.jit
+    def n_block_first(self, m_block: Int32):
+        """The first key block whose `m_block_min_max` range holds `m_block` (the key blocks
+        holding it are contiguous, as both range ends grow with the key block). Only the left
+        bound moves it: query 64m sees keys >= 64m - left, in blocks >= (64m - left) // tile_n."""
+        n = Int32(0)
+        if cutlass.const_expr(self.has_left):
+            n = cutlass.max(m_block * self.tile_m - self.window_left, 0) // self.tile_n
+        return n
+
 
 @cute.jit
 def apply_mask_kq(acc_s: cute.Tensor, coords: TileCoords, n_block: Int32, m_block: Int32,
