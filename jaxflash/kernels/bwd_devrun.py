@@ -117,6 +117,8 @@ def all_launches(cases=None):
                                                              dq_accum=acc)))
                     except ValueError:
                         pass  # D 256: the Pallas backward runs (JIT-compiled by XLA there)
+        for d, _, c in RED_POINTS:
+            launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, deterministic=True)))
     uniq = {l.key: l for l in launches}
     return list(uniq.values())
 
@@ -292,11 +294,12 @@ def check(out_path: str, cases=None) -> bool:
     return ok_all
 
 
-def _direct_fwd_bwd(D, causal, scale, dq_accum):
+def _direct_fwd_bwd(D, causal, scale, dq_accum, deterministic=False):
     """Forward + CuTe backward of one dq_accum variant (bypasses the backend's choice)."""
     import jax
     fcfg = FwdConfig(head_dim=D, is_causal=causal)
-    bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum)
+    bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum,
+                     deterministic=deterministic)
     return jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, scale))
 
 
@@ -346,8 +349,12 @@ def bench(out_path: str, only=None) -> None:
                                     iters)
                         t_t = _time(_direct_fwd_bwd(D, causal, scale, "tma"), (q, k, v, do),
                                     iters)
+                        # deterministic=True: what the ordered dQ adds cost
+                        t_d = _time(_direct_fwd_bwd(D, causal, scale, "tma", True),
+                                    (q, k, v, do), iters)
                         row.update(dq_red_tflops=flops / t_r / 1e12,
-                                   dq_tma_tflops=flops / t_t / 1e12)
+                                   dq_tma_tflops=flops / t_t / 1e12,
+                                   deterministic_tflops=flops / t_d / 1e12)
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(row), flush=True)
