@@ -48,6 +48,11 @@ class BwdConfig:
     deterministic: bitwise-reproducible dQ: the CTAs add into a query block in key-block order
       (a per-(batch, head, query block) semaphore in global memory; needs dq_accum="tma").
       dK/dV never use atomics, so they are deterministic in either mode.
+    overlap_dq: issue order dV, (dS^T to smem, barrier), dQ, dK instead of dV, dK, (...), dQ,
+      and wait for dV + dQ only: the dQ tile's store to shared memory, barrier and reduce-add
+      (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
+      of the step has finished. hd 64 and 96 only: at hd 128 the dQ accumulator live beside
+      dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes).
     """
 
     dtype: str = "bfloat16"
@@ -63,6 +68,7 @@ class BwdConfig:
     num_stages: int = 2
     dq_accum: str = "tma"
     deterministic: bool = False
+    overlap_dq: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -87,6 +93,8 @@ class BwdConfig:
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
             return False, "deterministic needs dq_accum='tma' (ordered TMA reduce-adds)"
+        if self.overlap_dq and self.head_dim > 96:
+            return False, (f"overlap_dq at head_dim {self.head_dim}: ptxas spills (hd <= 96)")
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -114,7 +122,7 @@ class BwdConfig:
                                  ("kvlen", self.has_kv_seqlen)) if on]
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
-                f"{'_det' if self.deterministic else ''}"
+                f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

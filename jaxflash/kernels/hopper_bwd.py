@@ -472,6 +472,7 @@ class FlashBwdSm90:
         tdQsdQ = None
         if const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -508,8 +509,9 @@ class FlashBwdSm90:
                 # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
                 layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
                               tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
-                layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
-                              tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
+                if const_expr(not self.cfg.overlap_dq):
+                    layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
+                                  tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
                 cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
                 if const_expr(self.dq_tma):
@@ -517,33 +519,28 @@ class FlashBwdSm90:
                         # The previous step's reduce has read sdQ once this barrier is passed.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
-                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
-                              zero_init=True, wait=0)
-                pipe_q.consumer_release(state)
-                pipe_do.consumer_release(state)
-                state.advance()
-                if const_expr(self.dq_tma):
-                    tdQsdQ.store(acc_dQ.load())
-                    cute.arch.fence_view_async_shared()  # visible to the TMA unit
-                    cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
-                    if warp_idx == 4:
-                        gdQ = cute.local_tile(mdQ[None, None, head, batch],
-                                              (self.tile_m, self.hd), (m_block, 0))
-                        tQs, tQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1),
-                                                         cute.group_modes(sdQ, 0, 2),
-                                                         cute.group_modes(gdQ, 0, 2))
-                        sem = None
-                        if const_expr(self.cfg.deterministic):
-                            sem = mSem.iterator + cute.crd2idx((m_block, head, batch),
-                                                               mSem.layout)
-                            self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
-                        cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T
-                        cute.arch.cp_async_bulk_commit_group()  # are clipped by the TMA unit)
-                        if const_expr(self.cfg.deterministic):
-                            self.pass_turn(sem)
+                if const_expr(self.cfg.overlap_dq):
+                    # dQ first, then dK: the dQ tile's store, barrier and reduce-add run while
+                    # the tensor cores compute dK (groups complete in order: <= 1 pending
+                    # means dV and dQ are done).
+                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
+                                  zero_init=True, wait=-1)
+                    layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
+                                  tdKrQt[None, None, None, stage], zero_init=False, wait=1)
+                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
+                                  head, batch, n_block, T, warp_idx, mSem, blocks)
+                    warpgroup.wait_group(0)  # dK read Q (and rdS): then release the stage
+                    pipe_q.consumer_release(state)
+                    pipe_do.consumer_release(state)
+                    state.advance()
                 else:
-                    self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
+                                  zero_init=True, wait=0)
+                    pipe_q.consumer_release(state)
+                    pipe_do.consumer_release(state)
+                    state.advance()
+                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
+                                  head, batch, n_block, T, warp_idx, mSem, blocks)
 
         # ---- epilogue: dK (scaled) and dV through K's and V's shared buffers ----
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -575,6 +572,35 @@ class FlashBwdSm90:
             cute.copy(tma_dV, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
+
+    @cute.jit
+    def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
+                 m_block: Int32, head: Int32, batch: Int32, n_block: Int32, T: Int32,
+                 warp_idx: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
+        """Add one step's dQ partial (acc_dQ, complete) to the float32 accumulator in global
+        memory: through sdQ and one TMA reduce-add issued by warp 4, or per-element atomics.
+        sdQ must be free: warp 4 waited for the previous reduce's reads before the last
+        _BAR_DS that every consumer thread passed since."""
+        if const_expr(self.dq_tma):
+            tdQsdQ.store(acc_dQ.load())
+            cute.arch.fence_view_async_shared()  # visible to the TMA unit
+            cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+            if warp_idx == 4:
+                gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
+                                      (m_block, 0))
+                tQs, tQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1),
+                                                 cute.group_modes(sdQ, 0, 2),
+                                                 cute.group_modes(gdQ, 0, 2))
+                sem = None
+                if const_expr(self.cfg.deterministic):
+                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                    self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
+                cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T are
+                cute.arch.cp_async_bulk_commit_group()  # clipped by the TMA unit)
+                if const_expr(self.cfg.deterministic):
+                    self.pass_turn(sem)
+        else:
+            self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
 
     @cute.jit
     def wait_turn(self, sem, turn: Int32):
