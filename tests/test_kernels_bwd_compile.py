@@ -40,6 +40,14 @@ MATRIX = [
     # dQ adds ordered by key block (semaphores)
     BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True,
               deterministic=True),
+    # Opt-in scheduling variants (issue 3): P^T / dV before dS^T, dQ before dK
+    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True),
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True,
+              has_q_seqlen=True, has_kv_seqlen=True, early_dv=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, is_causal=True, early_dv=True, overlap_dq=True),
+    BwdConfig(dtype="float16", head_dim=96, has_window=True, has_softcap=True, early_dv=True,
+              overlap_dq=True),
+    BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red", overlap_dq=True),
 ]
 
 
@@ -80,6 +88,7 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     report = _ptxas(ptx, tmp_path)
     if report is not None:
         assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
+        assert "instructions are serialized" not in report, report  # C7514 and the like
         assert " 0 bytes spill stores" in report
 
 
@@ -89,7 +98,9 @@ def test_refusals_name_the_reason():
                     (dict(dtype="float32"), "dtype"), (dict(tile_m=128), "tile_m"),
                     (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages"),
                     (dict(dq_accum="smem"), "dq_accum"),
-                    (dict(dq_accum="red", deterministic=True), "deterministic")]:
+                    (dict(dq_accum="red", deterministic=True), "deterministic"),
+                    (dict(head_dim=128, overlap_dq=True), "overlap_dq"),
+                    (dict(head_dim=128, has_softcap=True, early_dv=True), "early_dv")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,

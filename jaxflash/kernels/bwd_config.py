@@ -53,6 +53,10 @@ class BwdConfig:
       (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
       of the step has finished. hd 64 and 96 only: at hd 128 the dQ accumulator live beside
       dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes).
+    early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
+      dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
+      of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
+      With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
     """
 
     dtype: str = "bfloat16"
@@ -69,6 +73,7 @@ class BwdConfig:
     dq_accum: str = "tma"
     deterministic: bool = False
     overlap_dq: bool = False
+    early_dv: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -95,6 +100,9 @@ class BwdConfig:
             return False, "deterministic needs dq_accum='tma' (ordered TMA reduce-adds)"
         if self.overlap_dq and self.head_dim > 96:
             return False, (f"overlap_dq at head_dim {self.head_dim}: ptxas spills (hd <= 96)")
+        if self.early_dv and self.has_softcap and self.head_dim > 96:
+            return False, (f"early_dv with softcap at head_dim {self.head_dim}: the tanh values "
+                           "kept for dS^T make ptxas spill (hd <= 96)")
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -123,6 +131,7 @@ class BwdConfig:
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
+                f"{'_edv' if self.early_dv else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -500,15 +500,32 @@ class FlashBwdSm90:
                     apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
                                   seqlen_k, window_left, window_right, self.has_right,
                                   self.has_left)
-                warpgroup.wait_group(0)
-                self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
-                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
-                layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
-                              tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
+                if const_expr(self.cfg.early_dv):
+                    # P^T while the tensor cores still compute dP^T, then dV += P^T dO issued
+                    # before dS^T is formed (dS^T's arithmetic runs behind the dV GEMM).
+                    rT = None
+                    if const_expr(self.cfg.has_softcap):
+                        rT = cute.make_rmem_tensor_like(acc_S, Float32)  # tanh, for dS^T
+                        rT.store(acc_S.load())
+                    self.probs(acc_S, coords, sLSE, stage, scale_log2)
+                    rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
+                                  tdVrdOt[None, None, None, stage], zero_init=False, wait=1)
+                    self.grads(acc_S, acc_dP, rT, coords, sDelta, stage)  # dP^T done (<= 1)
+                    rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+                    rdS.store(acc_dP.load().to(self.dtype))
+                else:
+                    warpgroup.wait_group(0)
+                    self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage,
+                                         scale_log2)
+                    rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+                    rdS.store(acc_dP.load().to(self.dtype))
+                    # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
+                    layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
+                                  tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
                 if const_expr(not self.cfg.overlap_dq):
                     layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
                                   tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
@@ -646,6 +663,35 @@ class FlashBwdSm90:
                     t = cute.arch.fmax(x, Float32(-1.0))
                     ds = ds * (Float32(1.0) - t * t)
                 s[r, j] = p
+                dp[r, j] = ds
+
+    @cute.jit
+    def probs(self, acc_S, coords: TileCoords, sLSE, stage: Int32, scale_log2: Float32):
+        """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) (`early_dv`)."""
+        s = layouts.acc_as_rows_cols(acc_S)
+        t0 = coords.t0
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lse2 = sLSE[coords.base_col + t0[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
+
+    @cute.jit
+    def grads(self, acc_P, acc_dP, rT, coords: TileCoords, sDelta, stage: Int32):
+        """In place: acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap,
+        t = tanh(.) kept in rT) (`early_dv`)."""
+        p = layouts.acc_as_rows_cols(acc_P)
+        dp = layouts.acc_as_rows_cols(acc_dP)
+        t0 = coords.t0
+        tt = None
+        if const_expr(self.cfg.has_softcap):
+            tt = layouts.acc_as_rows_cols(rT)
+        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+            delta = sDelta[coords.base_col + t0[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                ds = p[r, j] * (dp[r, j] - delta)
+                if const_expr(self.cfg.has_softcap):
+                    t = cute.arch.fmax(tt[r, j], Float32(-1.0))  # masked: -inf -> factor 0
+                    ds = ds * (Float32(1.0) - t * t)
                 dp[r, j] = ds
 
     @cute.jit
