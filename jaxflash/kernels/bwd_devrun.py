@@ -71,6 +71,31 @@ CHECKS = [
     ("fp16 h64 seqlens dq red", dict(dtype="float16", head_dim=64, has_q_seqlen=True,
                                      has_kv_seqlen=True, dq_accum="red"),
      (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    # Scheduling variants (issue 3, opt-in): early_dv = P^T and the dV GEMM before dS^T;
+    # overlap_dq = dQ GEMM before dK, its store / reduce behind the dK GEMM (hd <= 96).
+    ("bf16 h128 causal gqa T<S edv", dict(head_dim=128, is_causal=True, early_dv=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h128 dense 2k edv", dict(head_dim=128, early_dv=True),
+     (1, 2048, 2048, 8, 8, {})),
+    ("bf16 h128 seqlens empty rows edv", dict(head_dim=128, has_q_seqlen=True,
+                                              has_kv_seqlen=True, early_dv=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h128 window T>S edv", dict(head_dim=128, is_causal=True, has_window=True,
+                                      early_dv=True),
+     (1, 400, 150, 2, 2, {"window": (70, 0)})),
+    ("bf16 h64 dense odd ovl", dict(head_dim=64, overlap_dq=True), (2, 300, 333, 4, 4, {})),
+    ("bf16 h64 causal window ovl edv", dict(head_dim=64, is_causal=True, has_window=True,
+                                            overlap_dq=True, early_dv=True),
+     (2, 333, 333, 4, 4, {"window": (129, 0)})),
+    ("bf16 h64 causal gqa 1k ovl edv", dict(head_dim=64, is_causal=True, overlap_dq=True,
+                                            early_dv=True), (2, 1024, 1024, 8, 2, {})),
+    ("fp16 h96 window softcap ovl edv", dict(dtype="float16", head_dim=96, has_window=True,
+                                             has_softcap=True, overlap_dq=True, early_dv=True),
+     (2, 400, 400, 4, 2, {"window": (100, 37), "softcap": 3.0})),
+    ("fp16 h64 seqlens dq red ovl edv", dict(dtype="float16", head_dim=64, has_q_seqlen=True,
+                                             has_kv_seqlen=True, dq_accum="red",
+                                             overlap_dq=True, early_dv=True),
+     (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -88,13 +113,23 @@ DETERMINISM = [
 ]
 # Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
 RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True)}
+# Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
+# kwargs, per head dim; at VARIANT_POINTS (~26 timed calls, ~40 s of device time).
+BENCH_VARIANTS = {
+    64: {"edv": dict(early_dv=True), "ovl": dict(overlap_dq=True),
+         "ovl_edv": dict(overlap_dq=True, early_dv=True)},
+    128: {"edv": dict(early_dv=True)},
+}
+VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
+                  (128, 1024, False), (128, 4096, False), (128, 4096, True),
+                  (128, 16384, False), (128, 16384, True)}
 
 BENCH_DIMS = (64, 128, 256)
 BENCH_S = (1024, 4096, 16384)
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P and dS gives
 
 
-_BWD_ONLY = ("dq_accum", "num_stages", "deterministic")
+_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv")
 
 
 def _configs(kw):
@@ -119,6 +154,9 @@ def all_launches(cases=None):
                         pass  # D 256: the Pallas backward runs (JIT-compiled by XLA there)
         for d, _, c in RED_POINTS:
             launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, deterministic=True)))
+        for d, _, c in VARIANT_POINTS:
+            for vkw in BENCH_VARIANTS.get(d, {}).values():
+                launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, **vkw)))
     uniq = {l.key: l for l in launches}
     return list(uniq.values())
 
@@ -294,12 +332,12 @@ def check(out_path: str, cases=None) -> bool:
     return ok_all
 
 
-def _direct_fwd_bwd(D, causal, scale, dq_accum, deterministic=False):
-    """Forward + CuTe backward of one dq_accum variant (bypasses the backend's choice)."""
+def _direct_fwd_bwd(D, causal, scale, dq_accum, deterministic=False, **variant):
+    """Forward + CuTe backward of one variant (bypasses the backend's choice)."""
     import jax
     fcfg = FwdConfig(head_dim=D, is_causal=causal)
     bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum,
-                     deterministic=deterministic)
+                     deterministic=deterministic, **variant)
     return jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, scale))
 
 
@@ -355,6 +393,22 @@ def bench(out_path: str, only=None) -> None:
                         row.update(dq_red_tflops=flops / t_r / 1e12,
                                    dq_tma_tflops=flops / t_t / 1e12,
                                    deterministic_tflops=flops / t_d / 1e12)
+                    if (D, S, causal) in VARIANT_POINTS and D in BENCH_VARIANTS:
+                        # Default schedule by the same direct path, then each variant; the
+                        # ratio > 1 means the variant is faster. A failing variant is recorded
+                        # without losing the row.
+                        t_t = _time(_direct_fwd_bwd(D, causal, scale, "tma"), (q, k, v, do),
+                                    iters)
+                        row["default_direct_ms"] = t_t * 1e3
+                        for vn, vkw in BENCH_VARIANTS[D].items():
+                            try:
+                                t_v = _time(_direct_fwd_bwd(D, causal, scale, "tma", **vkw),
+                                            (q, k, v, do), iters)
+                                row[f"{vn}_ms"] = t_v * 1e3
+                                row[f"{vn}_speedup"] = t_t / t_v
+                                row[f"{vn}_bwd_speedup"] = (t_t - t_f) / max(t_v - t_f, 1e-9)
+                            except Exception as e:
+                                row[f"{vn}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(json.dumps(row), flush=True)
