@@ -89,7 +89,12 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     if report is not None:
         assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
         assert "instructions are serialized" not in report, report  # C7514 and the like
-        assert " 0 bytes spill stores" in report
+        # Every function (the zero-fill kernel too): no spills. (Until 2026-11-30 this only
+        # looked for one " 0 bytes spill stores" line, which the zero-fill kernel always has.)
+        # Known: deterministic hd 128 causal + window spills 4 bytes (already in 8adcba1).
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        allowed = 4 if (cfg.deterministic and cfg.head_dim == 128 and cfg.has_window) else 0
+        assert spills and max(spills) <= allowed, report
 
 
 def test_refusals_name_the_reason():
