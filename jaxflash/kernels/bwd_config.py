@@ -169,4 +169,16 @@ def config_for(problem) -> BwdConfig:
                      head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
                      has_window=st.window is not None, has_softcap=st.softcap is not None,
                      has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                     deterministic=st.deterministic)
+                     deterministic=st.deterministic,
+                     early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
+                                           st.deterministic))
+
+
+def use_early_dv(head_dim: int, softcap: bool, deterministic: bool) -> bool:
+    """early_dv where it was measured correct and faster (H200, 2026-11-30,
+    `benchmarks/results/cute-bwd-variants-h200-2026-11-30.json`): hdim 128 forward+backward
+    1.00-1.04x the default (dense 4k 1.04, causal 16k 1.03), checked against float64 on causal
+    GQA T<S, dense 2k, lengths with empty rows and window T>S. At hdim 64 it was slower
+    (0.95-0.96x); with softcap at hdim 128 it spills (refused); with deterministic it was not
+    run on the GPU, so it stays off there."""
+    return head_dim == 128 and not softcap and not deterministic
