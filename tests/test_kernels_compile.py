@@ -156,6 +156,40 @@ def test_config_for_problem():
         config_for(Problem(**{**p.__dict__, "q_len": 0}))
 
 
+@pytest.mark.parametrize("D,S,causal,extra,want", [
+    (64, 1024, False, {}, dict(persistent=True, num_stages=2)),
+    (64, 1024, True, {}, dict(persistent=True)),
+    (128, 1024, True, {}, dict(persistent=True)),
+    (128, 1024, False, {}, dict(persistent=False, num_stages=2)),   # persistent lost there
+    (256, 1024, True, {}, dict(persistent=False)),
+    (128, 16384, True, {}, dict(num_stages=3, persistent=False)),
+    (128, 4096, False, {}, dict(num_stages=2, persistent=False)),
+    (64, 1024, True, {"has_kv_seqlen": True}, dict(persistent=False)),  # not measured: default
+    (64, 1024, True, {"has_segments": True}, dict(persistent=False)),
+])
+def test_config_for_picks_the_measured_schedule(D, S, causal, extra, want):
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.config import config_for
+    p = Problem(batch=2, q_len=S, kv_len=S, num_heads=4, num_kv_heads=4, head_dim=D,
+                head_dim_v=D, dtype="bfloat16", statics=AttentionStatics(0.1, is_causal=causal),
+                **extra)
+    cfg = config_for(p)
+    assert {k: getattr(cfg, k) for k in want} == want
+
+
+def test_backward_config_uses_early_dv_only_where_measured():
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.bwd_config import config_for
+    def cfg(D, **st):
+        return config_for(Problem(batch=1, q_len=256, kv_len=256, num_heads=2, num_kv_heads=2,
+                                  head_dim=D, head_dim_v=D, dtype="bfloat16",
+                                  statics=AttentionStatics(0.1, **st)))
+    assert cfg(128, is_causal=True).early_dv
+    assert not cfg(64, is_causal=True).early_dv
+    assert not cfg(128, softcap=3.0).early_dv
+    assert not cfg(128, deterministic=True).early_dv
+
+
 def test_variant_key_distinguishes_features():
     keys = {c.key for c in MATRIX}
     assert len(keys) == len(MATRIX)
