@@ -179,37 +179,13 @@ def np_grads(q, k, v, do, scale, causal=False, window=None, softcap=None, q_seql
              kv_seqlen=None):
     """float64 (dq, dk, dv) with the jaxflash semantics (rows with no visible key: zero
     gradient; GQA: dk/dv summed over the query heads of a group)."""
+    from jaxflash.kernels.devrun import np_probs
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     B, T, N, _ = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    kr = np.repeat(k, G, axis=2)
+    p, _, dcap, kr = np_probs(q, k, scale, causal, window, softcap, q_seqlen, kv_seqlen)
     vr = np.repeat(v, G, axis=2)
-    u = np.einsum("btnh,bsnh->bnts", q, kr) * scale
-    dcap = 1.0
-    if softcap:
-        t = np.tanh(u / softcap)
-        s = softcap * t
-        dcap = 1.0 - t * t
-    else:
-        s = u
-    i = np.arange(T)[:, None]
-    j = np.arange(S)[None, :]
-    mask = np.ones((B, 1, T, S), bool)
-    if causal:
-        mask &= (j <= i)[None, None]
-    if window is not None:
-        mask &= ((j >= i - window[0]) & (j <= i + window[1]))[None, None]
-    if q_seqlen is not None:
-        mask &= (i[None] < np.asarray(q_seqlen)[:, None, None])[:, None]
-    if kv_seqlen is not None:
-        mask &= (j[None] < np.asarray(kv_seqlen)[:, None, None])[:, None]
-    s = np.where(mask, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    p = p / np.where(l > 0, l, 1.0)
     dp = np.einsum("btnh,bsnh->bnts", do, vr)
     ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * dcap
     dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale

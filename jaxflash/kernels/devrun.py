@@ -169,19 +169,22 @@ def ours(q, k, v, cfg, scale, softcap=None, window=None, q_seqlen=None, kv_seqle
     return o, lse
 
 
-def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seqlen=None,
-                 kv_seqlen=None, alibi_slopes=None, q_seg=None, kv_seg=None):
-    """float64 numpy oracle with the jaxflash semantics (top-left causal, window (l, r),
-    softcap, then ALiBi -slope[n] * |i - j|, per-batch lengths, segment ids [B, T] / [B, S];
-    empty rows give output 0 and LSE -inf). Returns (o, lse[B,N,T])."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+def np_probs(q, k, scale, causal=False, window=None, softcap=None, q_seqlen=None,
+             kv_seqlen=None, alibi_slopes=None, q_seg=None, kv_seg=None):
+    """float64 softmax probabilities with the jaxflash semantics (top-left causal, window
+    (l, r), softcap, then ALiBi -slope[n] * |i - j|, per-batch lengths, segment ids [B, T] /
+    [B, S]), shared by the forward and gradient oracles. Returns (p [B,N,T,S], all zero on rows
+    with no visible key; lse [B,N,T], -inf there; dcap = d(softcapped logit)/d(logit), 1.0
+    without softcap; the keys repeated over the GQA group [B,S,N,H])."""
+    q, k = (np.asarray(x, np.float64) for x in (q, k))
     B, T, N, _ = q.shape
     S, K = k.shape[1], k.shape[2]
-    k = np.repeat(k, N // K, axis=2)
-    v = np.repeat(v, N // K, axis=2)
-    s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    kr = np.repeat(k, N // K, axis=2)
+    s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    dcap = 1.0
     if softcap:
-        s = softcap * np.tanh(s / softcap)
+        t = np.tanh(s / softcap)
+        s, dcap = softcap * t, 1.0 - t * t
     i = np.arange(T)[:, None]
     j = np.arange(S)[None, :]
     if alibi_slopes is not None:
@@ -202,10 +205,20 @@ def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seql
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     l = p.sum(-1, keepdims=True)
-    o = np.einsum("bnts,bsnh->btnh", p / np.where(l > 0, l, 1.0), v)
     lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)),
                    -np.inf)
-    return o, lse
+    return p / np.where(l > 0, l, 1.0), lse, dcap, kr
+
+
+def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seqlen=None,
+                 kv_seqlen=None, alibi_slopes=None, q_seg=None, kv_seg=None):
+    """float64 numpy oracle (semantics: `np_probs`); empty rows give output 0 and LSE -inf.
+    Returns (o, lse[B,N,T])."""
+    p, lse, _, _ = np_probs(q, k, scale, causal, window, softcap, q_seqlen, kv_seqlen,
+                            alibi_slopes, q_seg, kv_seg)
+    N = np.shape(q)[2]
+    v = np.repeat(np.asarray(v, np.float64), N // np.shape(v)[2], axis=2)
+    return np.einsum("bnts,bsnh->btnh", p, v), lse
 
 
 def _runs(runs, length):
