@@ -60,6 +60,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, BwdConfig
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
+from jaxflash.kernels.pipes import TmaPipelines
 
 LOG2_E = math.log2(math.e)
 
@@ -297,20 +298,11 @@ class FlashBwdSm90:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=mma_warps, tx_count=self.kv_bytes, defer_sync=True)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.q_bytes,
-            defer_sync=True)
-        pipe_do = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.do_bytes,
-            defer_sync=True)
-        pipeline.pipeline_init_arrive()
+        pipes = TmaPipelines(self.num_mma_threads)
+        pipe_kv = pipes.make(storage.mbar_kv.data_ptr(), 1, self.kv_bytes)
+        pipe_q = pipes.make(storage.mbar_q.data_ptr(), self.num_stages, self.q_bytes)
+        pipe_do = pipes.make(storage.mbar_do.data_ptr(), self.num_stages, self.do_bytes)
+        pipes.init_done()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)

@@ -45,6 +45,7 @@ from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
 from jaxflash.kernels.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
                                    apply_segment_mask)
+from jaxflash.kernels.pipes import TmaPipelines
 from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
 
@@ -265,20 +266,11 @@ class FlashFwdSm90:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=mma_warps, tx_count=self.q_bytes, defer_sync=True)
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.k_bytes,
-            defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-            producer_group=one_thread, consumer_group=mma_warps, tx_count=self.v_bytes,
-            defer_sync=True)
-        pipeline.pipeline_init_arrive()
+        pipes = TmaPipelines(self.num_mma_threads)
+        pipe_q = pipes.make(storage.mbar_q.data_ptr(), 1, self.q_bytes)
+        pipe_k = pipes.make(storage.mbar_k.data_ptr(), self.num_stages, self.k_bytes)
+        pipe_v = pipes.make(storage.mbar_v.data_ptr(), self.num_stages, self.v_bytes)
+        pipes.init_done()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
