@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import sys
-import threading
 import time
 
 import numpy as np
@@ -36,7 +35,7 @@ import numpy as np
 from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.bwd_launch import bwd_launch
 from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.devrun import _gpu_name, _rel, _time, ours
+from jaxflash.kernels.devrun import _gpu_name, _rel, _time, finish_case, ours, start_watchdog
 from jaxflash.kernels.fwd_launch import fwd_launch
 
 # (name, config kwargs (shared by the forward and backward configs), problem):
@@ -232,11 +231,7 @@ def check(out_path: str, cases=None) -> bool:
     for name, kw, (B, T, S, N, K, ex) in CHECKS:
         if cases and name not in cases:
             continue
-        print(f"start {name}", flush=True)
-        # A kernel that deadlocks would eat the whole device call: give each case 60 s.
-        dog = threading.Timer(60.0, lambda n=name: (print(f"HANG in {n}", flush=True),
-                                                    os._exit(3)))
-        dog.start()
+        dog = start_watchdog(name)
         fcfg, bcfg = _configs(kw)
         dt = jnp.dtype(bcfg.dtype)
         key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
@@ -299,12 +294,7 @@ def check(out_path: str, cases=None) -> bool:
         except Exception as e:
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-        dog.cancel()
-        ok_all &= row["ok"]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        with open(out_path, "w") as fh:
-            json.dump(rows, fh, indent=1)
+        ok_all &= finish_case(dog, row, rows, out_path)
     return ok_all
 
 
@@ -406,9 +396,7 @@ def determinism(out_path: str, runs: int = 10) -> bool:
     import jax.numpy as jnp
     rows, ok_all = [], True
     for name, kw, (B, T, S, N, K, ex) in DETERMINISM:
-        dog = threading.Timer(60.0, lambda n=name: (print(f"HANG in {n}", flush=True),
-                                                    os._exit(3)))
-        dog.start()
+        dog = start_watchdog(name)
         fcfg, bcfg = _configs(kw)
         ks = jax.random.split(jax.random.key(int.from_bytes(os.urandom(4), "little")), 4)
         H = bcfg.head_dim
@@ -432,12 +420,7 @@ def determinism(out_path: str, runs: int = 10) -> bool:
         except Exception as e:
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-        dog.cancel()
-        ok_all &= row["ok"]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        with open(out_path, "w") as fh:
-            json.dump(rows, fh, indent=1)
+        ok_all &= finish_case(dog, row, rows, out_path)
     return ok_all
 
 

@@ -281,19 +281,37 @@ def _cudnn_error(q, k, v, scale, causal, ex, ref_o, o) -> dict:
             "within_1p2_of_cudnn": bool(ours_err <= 1.2 * theirs)}
 
 
+# -- the case loop of `check` (and bwd_devrun's check / determinism) ---------------------------
+def start_watchdog(name: str, seconds: float = 60.0):
+    """A kernel that deadlocks would eat the whole device call: after `seconds` say which case
+    hung and exit (status 3); the rows written so far stay on disk. Returns the timer (cancel
+    it when the case ends)."""
+    import threading
+    print(f"start {name}", flush=True)
+    dog = threading.Timer(seconds, lambda: (print(f"HANG in {name}", flush=True), os._exit(3)))
+    dog.start()
+    return dog
+
+
+def finish_case(dog, row: dict, rows: list, out_path: str) -> bool:
+    """Cancel the case's watchdog, print its row and rewrite `out_path` with every row so far
+    (a later hang loses nothing); returns the row's ok."""
+    dog.cancel()
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    with open(out_path, "w") as fh:
+        json.dump(rows, fh, indent=1)
+    return bool(row["ok"])
+
+
 def check(out_path: str, cases=None) -> bool:
     import jax
     import jax.numpy as jnp
-    import threading
     rows, ok_all = [], True
     for name, kw, (B, T, S, N, K, ex) in CHECKS:
         if cases and name not in cases:
             continue
-        print(f"start {name}", flush=True)
-        # A kernel that deadlocks would eat the whole device call: give each case 60 s.
-        dog = threading.Timer(60.0, lambda n=name: (print(f"HANG in {n}", flush=True),
-                                                    os._exit(3)))
-        dog.start()
+        dog = start_watchdog(name)
         cfg = FwdConfig(**kw)
         dt = jnp.dtype(cfg.dtype)
         key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
@@ -336,12 +354,7 @@ def check(out_path: str, cases=None) -> bool:
         except Exception as e:
             row["ok"] = False
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        dog.cancel()
-        ok_all &= row["ok"]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        with open(out_path, "w") as f:
-            json.dump(rows, f, indent=1)
+        ok_all &= finish_case(dog, row, rows, out_path)
     return ok_all
 
 
