@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import sys
 
@@ -39,6 +40,10 @@ def main(argv=None):
                    help="backend(s) under test, comma-separated: auto (best available), cute, "
                         "pallas (default auto); each is compared with one 'xla' baseline run")
     p.add_argument("--rtol", type=float, default=0.01)
+    p.add_argument("--xla-deterministic", action="store_true",
+                   help="set XLA_FLAGS=--xla_gpu_deterministic_ops=true before JAX starts (the "
+                        "xla baseline did not reproduce itself on the H200 without it; not yet "
+                        "run there with it)")
     p.add_argument("--baseline-runs", type=int, default=1,
                    help="train the xla baseline this many times: on a GPU XLA's own scatter-adds "
                         "are not deterministic, so repeats measure the run-to-run spread that "
@@ -46,6 +51,10 @@ def main(argv=None):
     args, rest = p.parse_known_args(argv)
     if "--implementation" in rest:
         raise SystemExit("use --candidate for the backend under test; the baseline is 'xla'")
+    if args.xla_deterministic:
+        # Read when the backend starts, which no code above has triggered yet.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_deterministic_ops=true").strip()
     cands = [c.strip() for c in args.candidate.split(",") if c.strip()]
     bad = [c for c in cands if c not in ("auto", "cute", "pallas", "xla")]
     if bad or not cands:
