@@ -59,6 +59,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, BwdConfig
+from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 from jaxflash.kernels.pipes import TmaPipelines
 
@@ -117,32 +118,15 @@ class FlashBwdSm90:
 
     @cute.jit
     def __call__(self, *args):
-        args = list(args)
-        mQ, mK, mV, mdO, mLSE, mDelta = args[0], args[1], args[2], args[3], args[4], args[5]
-        pos = 6
-        mQSeqlen = None
-        mKVSeqlen = None
-        if const_expr(self.cfg.has_q_seqlen):
-            mQSeqlen = args[pos]
-            pos += 1
-        if const_expr(self.cfg.has_kv_seqlen):
-            mKVSeqlen = args[pos]
-            pos += 1
-        mdQ, mdK, mdV = args[pos], args[pos + 1], args[pos + 2]
-        pos += 3
-        mSem = None
-        if const_expr(self.cfg.deterministic):
-            mSem = args[pos]
-            pos += 1
-        mFScalars = args[pos]
-        pos += 1
-        mIScalars = None
-        if const_expr(self.cfg.has_window):
-            mIScalars = args[pos]
-            pos += 1
-        stream = args[pos]
-        if const_expr(pos + 1 != len(args)):
-            raise TypeError(f"FlashBwdSm90({self.cfg.key}) got {len(args)} arguments")
+        a = LaunchArgs(args, f"FlashBwdSm90({self.cfg.key})")
+        mQ, mK, mV, mdO, mLSE, mDelta = a.take(6)
+        mQSeqlen = a.maybe(self.cfg.has_q_seqlen)
+        mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
+        mdQ, mdK, mdV = a.take(3)
+        mSem = a.maybe(self.cfg.deterministic)
+        mFScalars = a.take()
+        mIScalars = a.maybe(self.cfg.has_window)
+        stream = a.stream()
         self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV, mSem,
                     mFScalars, mIScalars, stream)
 

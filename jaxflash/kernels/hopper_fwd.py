@@ -45,6 +45,7 @@ from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
 from jaxflash.kernels.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
                                    apply_segment_mask)
+from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.pipes import TmaPipelines
 from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
@@ -131,34 +132,15 @@ class FlashFwdSm90:
     def __call__(self, *args):
         """The bridge's order: q, k, v, [q_seqlen], [kv_seqlen], [alibi], [q_seg, kv_seg,
         q_blocks, kv_blocks], o, lse, fscalars, [iscalars], stream (see `jaxflash.ffi`)."""
-        args = list(args)
-        mQ, mK, mV = args[0], args[1], args[2]
-        pos = 3
-        mQSeqlen = None
-        mKVSeqlen = None
-        if const_expr(self.cfg.has_q_seqlen):
-            mQSeqlen = args[pos]
-            pos += 1
-        if const_expr(self.cfg.has_kv_seqlen):
-            mKVSeqlen = args[pos]
-            pos += 1
-        mAlibi = None
-        if const_expr(self.cfg.has_alibi):
-            mAlibi = args[pos]
-            pos += 1
-        seg = (None, None, None, None)
-        if const_expr(self.cfg.has_segments):
-            seg = tuple(args[pos:pos + 4])
-            pos += 4
-        mO, mLSE, mFScalars = args[pos], args[pos + 1], args[pos + 2]
-        pos += 3
-        mIScalars = None
-        if const_expr(self.cfg.has_window):
-            mIScalars = args[pos]
-            pos += 1
-        stream = args[pos]
-        if const_expr(pos + 1 != len(args)):
-            raise TypeError(f"FlashFwdSm90({self.cfg.key}) got {len(args)} arguments")
+        a = LaunchArgs(args, f"FlashFwdSm90({self.cfg.key})")
+        mQ, mK, mV = a.take(3)
+        mQSeqlen = a.maybe(self.cfg.has_q_seqlen)
+        mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
+        mAlibi = a.maybe(self.cfg.has_alibi)
+        seg = a.maybe(self.cfg.has_segments, 4)
+        mO, mLSE, mFScalars = a.take(3)
+        mIScalars = a.maybe(self.cfg.has_window)
+        stream = a.stream()
         self.launch(mQ, mK, mV, mQSeqlen, mKVSeqlen, mAlibi, seg[0], seg[1], seg[2], seg[3], mO,
                     mLSE, mFScalars, mIScalars, stream)
 
