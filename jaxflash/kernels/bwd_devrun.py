@@ -35,7 +35,8 @@ import numpy as np
 from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.bwd_launch import bwd_launch
 from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.devrun import _gpu_name, _rel, _time, finish_case, ours, start_watchdog
+from jaxflash.kernels.devrun import (_gpu_name, _rel, _time, finish_case, fresh_inputs, ours,
+                                     start_watchdog)
 from jaxflash.kernels.fwd_launch import fwd_launch
 
 # (name, config kwargs (shared by the forward and backward configs), problem):
@@ -233,17 +234,9 @@ def check(out_path: str, cases=None) -> bool:
             continue
         dog = start_watchdog(name)
         fcfg, bcfg = _configs(kw)
-        dt = jnp.dtype(bcfg.dtype)
-        key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
-        ks = jax.random.split(key, 4)
         H = bcfg.head_dim
-        q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
-        k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dt)
-        v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dt)
-        do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dt)
+        q, k, v, do, qs, kvs = fresh_inputs(B, T, S, N, K, H, bcfg.dtype, ex, with_do=True)
         scale = 1.0 / np.sqrt(H)
-        qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None
-        kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
         window, softcap = ex.get("window"), ex.get("softcap")
         row = {"name": name, "config": bcfg.key, "shape": [B, T, S, N, K, H]}
         try:

@@ -304,6 +304,22 @@ def finish_case(dog, row: dict, rows: list, out_path: str) -> bool:
     return bool(row["ok"])
 
 
+def fresh_inputs(B, T, S, N, K, H, dtype, ex, with_do=False):
+    """A check case's inputs: q [B,T,N,H], k, v [B,S,K,H] (and dO like q) drawn from a fresh
+    OS-random key (never zeros, never the same twice), plus the case's lengths as int32."""
+    import jax
+    import jax.numpy as jnp
+    dt = jnp.dtype(dtype)
+    ks = jax.random.split(jax.random.key(int.from_bytes(os.urandom(4), "little")), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
+    k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dt)
+    v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dt)
+    do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dt) if with_do else None
+    qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None
+    kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
+    return q, k, v, do, qs, kvs
+
+
 def check(out_path: str, cases=None) -> bool:
     import jax
     import jax.numpy as jnp
@@ -313,16 +329,9 @@ def check(out_path: str, cases=None) -> bool:
             continue
         dog = start_watchdog(name)
         cfg = FwdConfig(**kw)
-        dt = jnp.dtype(cfg.dtype)
-        key = jax.random.key(int.from_bytes(os.urandom(4), "little"))
-        ks = jax.random.split(key, 3)
         H = cfg.head_dim
-        q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
-        k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dt)
-        v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dt)
+        q, k, v, _, qs, kvs = fresh_inputs(B, T, S, N, K, H, cfg.dtype, ex)
         scale = 1.0 / np.sqrt(H)
-        qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None
-        kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
         slopes, q_seg, kv_seg = _alibi_and_segments(ex, B, T, S, N)
         row = {"name": name, "config": cfg.key, "shape": [B, T, S, N, K, H]}
         try:
