@@ -107,3 +107,20 @@ def loss_and_grads(q, k, v, argnums=(0, 1, 2), **kwargs):
         bias = kwargs.pop("bias")
         return jax.grad(f, argnums=argnums)(q, k, v, bias)
     return jax.grad(f, argnums=argnums)(q, k, v)
+
+
+def runtime_only(monkeypatch, kernel_dir=None, forbid_compile=True):
+    """Simulate a machine without the CuTe DSL (the GPU machine here): the env switch, `import
+    cutlass` failing, no compiler, and artifacts read from `kernel_dir` when given."""
+    import sys
+
+    import pytest
+
+    from jaxflash.ffi import cache, compiler
+    monkeypatch.setenv(cache.ENV_NO_DSL, "1")
+    monkeypatch.setitem(sys.modules, "cutlass", None)  # `import cutlass` now raises ImportError
+    if forbid_compile:
+        monkeypatch.setattr(compiler, "compile_launch",
+                            lambda launch: pytest.fail("compiled in runtime-only mode"))
+    if kernel_dir is not None:
+        monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(kernel_dir))

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.cute
 from jaxflash import ffi  # noqa: E402
 from jaxflash.ffi import cache, compiler  # noqa: E402
 from jaxflash.kernels._selftest_config import SelfTestConfig, scale_add, selftest_launch  # noqa: E402
+from tests.common import runtime_only  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -48,16 +49,6 @@ def _count_compiles(monkeypatch, delay=0.0):
 
     monkeypatch.setattr(compiler, "compile_launch", counting)
     return calls
-
-
-def _runtime_only(monkeypatch, kernel_dir):
-    """Simulate a machine without the DSL: env switch, `import cutlass` failing, no compiler."""
-    monkeypatch.setenv(cache.ENV_NO_DSL, "1")
-    monkeypatch.setitem(sys.modules, "cutlass", None)  # `import cutlass` now raises ImportError
-    monkeypatch.setattr(compiler, "compile_launch",
-                        lambda launch: pytest.fail("compiled in runtime-only mode"))
-    if kernel_dir is not None:
-        monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(kernel_dir))
 
 
 def _f(x, y, alpha):
@@ -179,7 +170,7 @@ def test_runtime_only_with_precompiled_dir(tmp_path, monkeypatch):
     kd = tmp_path / "kernels"
     launch = selftest_launch(SelfTestConfig("float32"), "sm_90a")
     aot.build([launch], str(kd), progress=False, log=lambda *_: None)
-    _runtime_only(monkeypatch, kd)
+    runtime_only(monkeypatch, kd)
     assert not ffi.dsl_available()
     x = jnp.ones((5, 7), jnp.float32)
     txt = _lower_cuda(_f, x, x, 2.0).as_text()
@@ -190,7 +181,7 @@ def test_runtime_only_with_precompiled_dir(tmp_path, monkeypatch):
 def test_missing_variant_error_names_variant_and_exact_command(tmp_path, monkeypatch):
     kd = tmp_path / "kernels"
     kd.mkdir()
-    _runtime_only(monkeypatch, kd)
+    runtime_only(monkeypatch, kd)
     launch = selftest_launch(SelfTestConfig("bfloat16"), "sm_90a")
     x = jnp.ones((3, 4), jnp.bfloat16)
     with pytest.raises(ffi.MissingVariantError) as ei:
@@ -206,7 +197,7 @@ def test_missing_variant_error_names_variant_and_exact_command(tmp_path, monkeyp
     assert argv[:4] == ["CUTE_DSL_ARCH=sm_90a", "python", "-m", "jaxflash.aot"]
     from jaxflash import aot
     assert aot.main(argv[4:] + ["--no-progress"]) == 0
-    _runtime_only(monkeypatch, kd)
+    runtime_only(monkeypatch, kd)
     cache.clear_memory_cache()
     assert ffi.TARGET in _lower_cuda(_f, x, x, 1.5).as_text()
 

@@ -4,7 +4,6 @@ through the bridge (custom call in the HLO, no recompile for new batch/lengths/s
 jax.export). Numerics run on the GPU machine (the kernel's own tests)."""
 from __future__ import annotations
 
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ pytestmark = pytest.mark.cute
 import jaxflash  # noqa: E402
 from jaxflash import ffi  # noqa: E402
 from jaxflash.ffi import cache, compiler  # noqa: E402
+from tests.common import runtime_only  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +72,7 @@ def test_runtime_only_refuses_without_artifact_and_serves_with_one(tmp_path, mon
     from jaxflash import aot
     from jaxflash.backends.cute import fwd_launch_for
     from jaxflash._types import AttentionStatics, Problem
-    monkeypatch.setenv(cache.ENV_NO_DSL, "1")
-    monkeypatch.setitem(sys.modules, "cutlass", None)
-    monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(tmp_path))
+    runtime_only(monkeypatch, tmp_path)
     backend, why = _why(is_causal=True)
     assert backend is None
     assert "not installed" in why and "python -m jaxflash.aot --arch sm_90a" in why
@@ -84,9 +82,7 @@ def test_runtime_only_refuses_without_artifact_and_serves_with_one(tmp_path, mon
                       AttentionStatics(scale=0.125, is_causal=True), platform="cuda")
     aot.build([fwd_launch_for(problem, "sm_90a")], str(tmp_path), progress=False,
               log=lambda *_: None)
-    monkeypatch.setenv(cache.ENV_NO_DSL, "1")
-    monkeypatch.setitem(sys.modules, "cutlass", None)
-    monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(tmp_path))
+    runtime_only(monkeypatch, tmp_path)
     assert _why(is_causal=True) == ("cute", "")
 
 

@@ -14,13 +14,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
 from jaxflash.kernels.bwd_config import BwdConfig, can_implement, config_for  # noqa: E402
+from tests.common import runtime_only  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
@@ -234,9 +234,7 @@ def test_runtime_only_without_backward_artifact_falls_back_visibly(cuda_env, tmp
                       AttentionStatics(scale=0.125, is_causal=True), platform="cuda")
     aot.build([fwd_launch_for(problem, "sm_90a")], str(tmp_path), progress=False,
               log=lambda *_: None)
-    monkeypatch.setenv(cache.ENV_NO_DSL, "1")
-    monkeypatch.setitem(sys.modules, "cutlass", None)
-    monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(tmp_path))
+    runtime_only(monkeypatch, tmp_path)
     text = _explain(is_causal=True)
     assert "'cute' runs" in text
     assert "backward: Pallas" in text and "python -m jaxflash.aot" in text
