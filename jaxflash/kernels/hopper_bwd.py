@@ -362,12 +362,8 @@ class FlashBwdSm90:
                                  (n_block, 0))
             gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv),
                                  (n_block, 0))
-            tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
-                                               cute.group_modes(sK, 0, 2),
-                                               cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
-                                               cute.group_modes(sV, 0, 2),
-                                               cute.group_modes(gV, 0, 2))
+            tKsK, tKgK = layouts.tma_tiles(tma_K, sK, gK)
+            tVsV, tVgV = layouts.tma_tiles(tma_V, sV, gV)
             pipe_kv.producer_acquire(kv_state)
             cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -384,18 +380,10 @@ class FlashBwdSm90:
                                       (None, 0))
                 gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
                 gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
-                tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                                   cute.group_modes(sQ, 0, 2),
-                                                   cute.group_modes(gQ, 0, 2))
-                tdOsdO, tdOgdO = cpasync.tma_partition(tma_dO, 0, cute.make_layout(1),
-                                                       cute.group_modes(sdO, 0, 2),
-                                                       cute.group_modes(gdO, 0, 2))
-                tLsL, tLgL = cpasync.tma_partition(tma_LSE, 0, cute.make_layout(1),
-                                                   cute.group_modes(sLSE, 0, 1),
-                                                   cute.group_modes(gLSE, 0, 1))
-                tDsD, tDgD = cpasync.tma_partition(tma_Dl, 0, cute.make_layout(1),
-                                                   cute.group_modes(sDelta, 0, 1),
-                                                   cute.group_modes(gDelta, 0, 1))
+                tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
+                tdOsdO, tdOgdO = layouts.tma_tiles(tma_dO, sdO, gdO)
+                tLsL, tLgL = layouts.tma_tiles(tma_LSE, sLSE, gLSE, rank=1)
+                tDsD, tDgD = layouts.tma_tiles(tma_Dl, sDelta, gDelta, rank=1)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
                 cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
@@ -554,12 +542,8 @@ class FlashBwdSm90:
                               (n_block, 0))
         gdV = cute.local_tile(mdV[None, None, kv_head, batch], (self.tile_n, self.hdv),
                               (n_block, 0))
-        tdKsdK, tdKgdK = cpasync.tma_partition(tma_dK, 0, cute.make_layout(1),
-                                               cute.group_modes(sK, 0, 2),
-                                               cute.group_modes(gdK, 0, 2))
-        tdVsdV, tdVgdV = cpasync.tma_partition(tma_dV, 0, cute.make_layout(1),
-                                               cute.group_modes(sV, 0, 2),
-                                               cute.group_modes(gdV, 0, 2))
+        tdKsdK, tdKgdK = layouts.tma_tiles(tma_dK, sK, gdK)
+        tdVsdV, tdVgdV = layouts.tma_tiles(tma_dV, sV, gdV)
         if warp_idx == 4:
             cute.copy(tma_dK, tdKsdK, tdKgdK)
             cute.copy(tma_dV, tdVsdV, tdVgdV)
@@ -581,9 +565,7 @@ class FlashBwdSm90:
             if warp_idx == 4:
                 gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
                                       (m_block, 0))
-                tQs, tQg = cpasync.tma_partition(tma_dQ, 0, cute.make_layout(1),
-                                                 cute.group_modes(sdQ, 0, 2),
-                                                 cute.group_modes(gdQ, 0, 2))
+                tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ, gdQ)
                 sem = None
                 if const_expr(self.cfg.deterministic):
                     sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)

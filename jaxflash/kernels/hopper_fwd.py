@@ -425,12 +425,9 @@ class FlashFwdSm90:
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
         gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
         gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_Q, 0, cute.make_layout(1),
-                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_K, 0, cute.make_layout(1),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_V, 0, cute.make_layout(1),
-                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
+        tKsK, tKgK = layouts.tma_tiles(tma_K, sK, gK)
+        tVsV, tVgV = layouts.tma_tiles(tma_V, sV, gV)
         n = n_max - 1
         if n_max > n_min:
             # K of the first (rightmost) block before Q: with a persistent CTA, Q's buffer may
@@ -601,8 +598,7 @@ class FlashFwdSm90:
         cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdv), (m_block, 0))
-        tOsO, tOgO = cpasync.tma_partition(tma_O, 0, cute.make_layout(1),
-                                           cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+        tOsO, tOgO = layouts.tma_tiles(tma_O, sO, gO)
         if warp_idx == 4:
             cute.copy(tma_O, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()

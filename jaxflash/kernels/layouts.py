@@ -10,7 +10,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 
@@ -56,6 +56,13 @@ def smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def tma_tiles(atom, smem: cute.Tensor, gmem: cute.Tensor, rank: int = 2):
+    """(smem view, gmem view) of a TMA copy whose box is the first `rank` modes of both tiles
+    (a CTA issuing alone, no multicast): what every TMA load and store in these kernels uses."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, rank),
+                                 cute.group_modes(gmem, 0, rank))
 
 
 def transpose_mn(t: cute.Tensor) -> cute.Tensor:
