@@ -56,6 +56,8 @@ def fwd_launch_for(problem, arch: str | None = None):
         config = cfg_mod.config_for(problem)  # runs the kernel's can_implement
     except ValueError as e:
         raise NotImplementedError(f"the CuTe forward kernel cannot serve this call: {e}") from e
+    from jaxflash.kernels.verified import require_verified
+    require_verified(config, "forward")
     return load_ref(launch_ref)(config, arch)
 
 
@@ -77,6 +79,8 @@ def bwd_launch_for(problem, arch: str | None = None):
         config = cfg_mod.config_for(problem)
     except ValueError as e:
         raise NotImplementedError(str(e)) from e
+    from jaxflash.kernels.verified import require_verified
+    require_verified(config, "backward")
     launch = load_ref(launch_ref)(config, arch)
     from jaxflash import ffi
     if not ffi.dsl_available():

@@ -120,6 +120,14 @@ class FwdConfig:
                            f"(tile {self.tile_m}x{self.tile_n}, {self.num_stages} stages)")
         return True, ""
 
+    def unverified(self) -> tuple[str, ...]:
+        """Features compiled here but not yet checked against the reference on a GPU
+        (`jaxflash.kernels.verified`). ``config_for`` never picks these; the gate only matters
+        if it ever does."""
+        if self.tile_m == 192 and not self.intra_wg_overlap:
+            return ("the 192-row tile without intra-warpgroup overlap",)
+        return ()
+
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
         elt = 2
         q = self.tile_m * self.head_dim * elt
