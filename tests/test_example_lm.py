@@ -67,3 +67,24 @@ def test_kill_and_resume_gives_the_same_next_losses(tmp_path):
     np.testing.assert_allclose([single[s] for s in sorted(single)],
                                [straight[s] for s in sorted(straight)], rtol=2e-4)
     assert straight["5"] < straight["1"], "the loss did not go down"
+
+
+def test_compare_reports_the_baseline_spread_and_uses_the_gentle_schedule(tmp_path):
+    """examples.lm.compare on CPU (tiny model): the candidate and two xla baseline runs are
+    trained and compared; the comparison's own lr / warmup defaults are applied unless given."""
+    from examples.lm import compare
+    argv = ["--out", str(tmp_path), "--candidate", "xla", "--baseline-runs", "2",
+            "--size", "tiny", "--seq-len", "32", "--batch", "8", "--steps", "3",
+            "--log-every", "1"]
+    assert compare.main(argv) == 0
+    res = json.loads((tmp_path / "lm_compare.json").read_text())
+    args = res["argv"]
+    assert args[args.index("--lr") + 1] == "1e-3" and args[args.index("--warmup") + 1] == "50"
+    # CPU XLA is deterministic: the repeat equals the baseline exactly.
+    assert res["baseline_repeats"]["xla#2"]["final_loss_rel_diff"] == 0.0
+    assert res["candidates"]["xla"]["pass"] and np.isfinite(res["xla"]["final_loss"])
+    # An explicit flag wins over the comparison's default.
+    argv2 = ["--out", str(tmp_path / "b")] + argv[2:] + ["--lr", "2e-3"]
+    assert compare.main(argv2) == 0
+    args2 = json.loads((tmp_path / "b" / "lm_compare.json").read_text())["argv"]
+    assert args2.count("--lr") == 1 and args2[args2.index("--lr") + 1] == "2e-3"
