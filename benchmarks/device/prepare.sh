@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Here (CuTe DSL installed, no GPU): everything a GPU session carries, in .device/ and artifacts/
+# (both git-ignored; about 20 MB, under the 64 MiB a device call may upload):
+#   .device/libcute_dsl_runtime.so.xz + unpack.sh   the DSL runtime (../shared/device/pack_runtime.sh)
+#   .device/kernels/   forward and backward variants of devrun / bwd_devrun (checks, bench grid,
+#                      variants) and of the example LM's GPU run
+#   artifacts/ffi_selftest/   the bridge self-test kernels and exports (tests/test_ffi_gpu.py)
+# Then one call: run(command="bash benchmarks/device/run.sh checks", carry=[".device", "artifacts"]).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+export CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD
+bash ../shared/device/pack_runtime.sh .device "$PY"
+"$PY" -m jaxflash.kernels.devrun build --out .device/kernels
+"$PY" -m jaxflash.kernels.bwd_devrun build --out .device/kernels
+"$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
+"$PY" -m jaxflash.ffi.gpu_selftest artifacts/ffi_selftest
+du -sh .device artifacts

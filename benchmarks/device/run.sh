@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the H200 (no DSL; jax 0.11.2): run.sh STAGE... with STAGE in
+#   checks  forward and backward kernels against float64 (+ cuDNN's error), bwd determinism,
+#           the bridge's GPU tests                                        (~4 min)
+#   lm      examples.lm.compare: cute vs two xla runs, 400 steps          (~4 min)
+#   grid    the anchor grid, every implementation, fwd and fwd+bwd       (~7 min)
+#   kbench  kernel-level fwd and bwd timings beside cuDNN                (~4 min)
+# Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
+# benchmarks/results/ with the date. Variants not yet checked on a GPU are admitted here
+# (JAXFLASH_CUTE_UNVERIFIED=1): these runs are what checks them.
+set -x
+cd "$(dirname "$0")/../.."
+export CUTE_DSL_RUNTIME_LIB=$(bash .device/unpack.sh)
+export JAXFLASH_KERNEL_DIR=$PWD/.device/kernels JAXFLASH_CUTE_UNVERIFIED=1
+D=$(date -u +%F)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for stage in "$@"; do case $stage in
+checks)
+  timeout 200 python3 -m jaxflash.kernels.devrun check --out $OUT/cute-fwd-check-$D.json 2>&1 | tail -30
+  timeout 240 python3 -m jaxflash.kernels.bwd_devrun check --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -40
+  timeout 120 python3 -m jaxflash.kernels.bwd_devrun determinism --out $OUT/cute-bwd-determinism-$D.json 2>&1 | tail -8
+  JAXFLASH_KERNEL_DIR=$PWD/artifacts/ffi_selftest/kernels JAXFLASH_FFI_EXPORT_DIR=$PWD/artifacts/ffi_selftest \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -4 ;;
+lm)
+  timeout 330 python3 -m examples.lm.compare --out $OUT/lm --baseline-runs 2 --candidate cute \
+    --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
+grid)
+  timeout 500 python3 -m benchmarks.bench --out $OUT --name h200-$D --budget-s 430 --stall-s 120 2>&1 | tail -40 ;;
+kbench)
+  timeout 200 python3 -m jaxflash.kernels.devrun bench --out $OUT/cute-fwd-bench-$D.json 2>&1 | tail -25
+  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench --out $OUT/cute-bwd-bench-$D.json 2>&1 | tail -25 ;;
+*) echo "unknown stage $stage" ;;
+esac; done
