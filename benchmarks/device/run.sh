@@ -2,6 +2,8 @@
 # On the H200 (no DSL; jax 0.11.2): run.sh STAGE... with STAGE in
 #   checks  forward and backward kernels against float64 (+ cuDNN's error), bwd determinism,
 #           the bridge's GPU tests                                        (~4 min)
+#   api     the shared backend test base (tests/test_backends.py) for "cute" and the forward's
+#           API tests, through jax.grad / custom_vjp on the GPU                  (~2 min)
 #   lm      examples.lm.compare: cute vs two xla runs, 400 steps          (~4 min)
 #   grid    the anchor grid, every implementation, fwd and fwd+bwd       (~7 min)
 #   kbench  kernel-level fwd and bwd timings beside cuDNN                (~4 min)
@@ -21,6 +23,9 @@ checks)
   timeout 120 python3 -m jaxflash.kernels.bwd_devrun determinism --out $OUT/cute-bwd-determinism-$D.json 2>&1 | tail -8
   JAXFLASH_KERNEL_DIR=$PWD/artifacts/ffi_selftest/kernels JAXFLASH_FFI_EXPORT_DIR=$PWD/artifacts/ffi_selftest \
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -4 ;;
+api)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_backends.py -k cute \
+    tests/test_kernels_hopper_gpu.py 2>&1 | tail -15 ;;
 lm)
   timeout 330 python3 -m examples.lm.compare --out $OUT/lm --baseline-runs 2 --candidate cute \
     --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
