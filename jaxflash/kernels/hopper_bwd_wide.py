@@ -105,7 +105,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sdO_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hdv, self.num_stages,
                                          atom_cols=halfv)
         sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=half)
-        sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
+        # V too: the dV epilogue stores each warpgroup's hd/2 columns into it (stmatrix).
+        sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv, atom_cols=halfv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
                                          2 * self.pds_bufs)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
