@@ -48,6 +48,18 @@ MATRIX = [
     BwdConfig(dtype="float16", head_dim=96, has_window=True, has_softcap=True, early_dv=True,
               overlap_dq=True),
     BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red", overlap_dq=True),
+    # Head dims 192 / 256: FlashBwdSm90Wide (tile_n 64, the warpgroups split the head dim)
+    BwdConfig(dtype="bfloat16", head_dim=256),
+    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True,
+              has_softcap=True, has_q_seqlen=True, has_kv_seqlen=True),
+    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, dq_accum="red"),
+    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
+              deterministic=True),
+    BwdConfig(dtype="bfloat16", head_dim=192, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=192, has_window=True, has_softcap=True,
+              has_q_seqlen=True, has_kv_seqlen=True),
+    BwdConfig(dtype="bfloat16", head_dim=192, has_kv_seqlen=True, dq_accum="red"),
 ]
 
 
@@ -73,9 +85,14 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert ".target sm_90a" in ptx
     dt = "bf16" if cfg.dtype == "bfloat16" else "f16"
     wg = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{dt}.{dt}"
-    assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
-    assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
-    assert wg.format(cfg.head_dim // 2) in ptx  # dQ = dS K, head dim split over 2 warpgroups
+    if cfg.split == "keys":
+        assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
+        assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
+        assert wg.format(cfg.head_dim // 2) in ptx  # dQ = dS K, head dim split over 2 WGs
+    else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
+        shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
+        assert shapes == {str(cfg.tile_m // 2), str(cfg.head_dim // 2)}, shapes
+        assert ".shared" in ptx and "wgmma" in ptx
     red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
     tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
     assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
@@ -98,7 +115,11 @@ def test_compiles_for_sm90a(cfg, tmp_path):
 
 
 def test_refusals_name_the_reason():
-    for kw, why in [(dict(head_dim=256), "head_dim 256"), (dict(head_dim=192), "head_dim 192"),
+    for kw, why in [(dict(head_dim=320), "head_dim 320"), (dict(head_dim=160), "head_dim 160"),
+                    (dict(head_dim=256, tile_n=128), "tile_n 128 must be 64"),
+                    (dict(head_dim=256, num_stages=2), "shared memory"),
+                    (dict(head_dim=256, early_dv=True), "early_dv"),
+                    (dict(head_dim=192, overlap_dq=True), "overlap_dq"),
                     (dict(head_dim=128, head_dim_v=64), "head_dim_v"),
                     (dict(dtype="float32"), "dtype"), (dict(tile_m=128), "tile_m"),
                     (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages"),
@@ -113,7 +134,7 @@ def test_refusals_name_the_reason():
     for facts, why in [(dict(features=("alibi",)), "alibi"), (dict(features=("bias",)), "bias"),
                        (dict(features=("segment_ids",)), "segment_ids"),
                        (dict(features=("mask",)), "mask"),
-                       (dict(head_dim=256), "head dim 256"),
+                       (dict(head_dim=320), "head dim 320"),
                        (dict(head_dim_v=64), "value head dim")]:
         ok, reason = can_implement(**{"dtype": "bfloat16", "head_dim": 128, **facts})
         assert not ok and why in reason
@@ -132,6 +153,23 @@ def test_config_for_problem():
     assert det.deterministic and not cfg.deterministic and det.key != cfg.key
     with pytest.raises(ValueError, match="empty"):
         config_for(Problem(**{**p.__dict__, "kv_len": 0}))
+
+
+def test_wide_head_dims_pick_the_head_dim_split_kernel():
+    """hd 192 / 256: tile_n 64, the wide kernel, and the most Q / dO stages that fit (hd 256 with
+    the float32 dQ tile in shared memory: 1; without it: 2); hd <= 128 unchanged."""
+    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
+    from jaxflash.kernels.bwd_launch import WIDE_KERNEL_REF, KERNEL_REF, bwd_launch
+    for hd, acc, stages in [(192, "tma", 2), (192, "red", 2), (256, "tma", 1), (256, "red", 2)]:
+        c = BwdConfig(head_dim=hd, dq_accum=acc)
+        assert (c.split, c.tile_n, c.num_stages) == ("headdim", 64, stages), c
+        assert c.smem_bytes() <= SMEM_LIMIT_BYTES
+        assert bwd_launch(c, "sm_90a").kernel == WIDE_KERNEL_REF
+    c = BwdConfig(head_dim=128)
+    assert (c.split, c.tile_n, c.num_stages) == ("keys", 128, 2)
+    assert bwd_launch(c, "sm_90a").kernel == KERNEL_REF
+    assert can_implement(dtype="float16", head_dim=256,
+                         features=("causal", "window", "softcap", "seq_lengths")) == (True, "")
 
 
 def test_variant_keys_differ():
@@ -179,8 +217,13 @@ def _explain(qkv=None, **kw):
 def test_explain_names_the_backward(cuda_env):
     assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
     assert "_det_causal" in _explain(is_causal=True, deterministic=True)
-    text = _explain(_shapes(H=256))
-    assert "backward: Pallas" in text and "head dim 256" in text
+    for H in (192, 256):
+        text = _explain(_shapes(H=H), is_causal=True)
+        assert f"backward: CuTe kernel FlashBwdSm90Wide (bwd_sm90_bfloat16_h{H}" in text, text
+    # Still refused (and said why) at the wide head dims: what the backward does not implement.
+    import jax.numpy as jnp
+    text = _explain(_shapes(H=256), alibi_slopes=jnp.ones((4,), jnp.float32))
+    assert "backward: Pallas" in text and "alibi" in text, text
 
 
 def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
@@ -198,6 +241,20 @@ def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
     assert "tensor<2x4x128xf32>" in txt  # LSE / delta padded to the kernel's 64-row boxes
     dims = {tuple(int(d) for d in m.split("x")) for m in re.findall(r"tensor<([0-9x]+)x", txt)}
     assert not any(T in d and S in d for d in dims), "a T x S tensor appeared in the HLO"
+
+
+@pytest.mark.parametrize("H", [192, 256])
+def test_wide_grad_lowers_to_the_cute_backward(cuda_env, H):
+    """jax.grad at D 192 / 256 runs our backward (two custom calls, float32 dQ accumulator),
+    not the Pallas fallback."""
+    import jax
+    import jaxflash
+    from jaxflash import ffi
+    with jaxflash.target_platform("cuda"):
+        txt = jax.jit(_grad_fn(is_causal=True, softcap=4.0)).trace(
+            *_shapes(2, 100, 130, H=H)).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 2  # forward + backward
+    assert f"tensor<2x100x4x{H}xf32>" in txt  # the float32 dQ accumulator
 
 
 def test_deterministic_grad_carries_the_semaphores(cuda_env):

@@ -9,7 +9,8 @@ features); or the CuTe DSL is absent and no precompiled artifact of the variant 
 
 Forward: `jaxflash.kernels.hopper_fwd.FlashFwdSm90`, described by `jaxflash.kernels.fwd_launch`.
 Backward: `jaxflash.kernels.hopper_bwd.FlashBwdSm90` (`jaxflash.kernels.bwd_launch`) when its
-config accepts the call (dtype, head dims 64/96/128, causal/window/softcap/lengths, GQA/MQA;
+config accepts the call (dtype, head dims 64/96/128; 192/256 by
+`jaxflash.kernels.hopper_bwd_wide.FlashBwdSm90Wide`, causal/window/softcap/lengths, GQA/MQA;
 ``deterministic=True`` orders the dQ adds) and a binary is available; otherwise our Pallas
 backward kernels on the (out, lse) this forward produced (same math). `explain` says which one
 and why (`notes`).
@@ -69,8 +70,7 @@ def bwd_launch_for(problem, arch: str | None = None):
     cfg_ref, launch_ref, archs = _entry(BWD_KERNEL)
     if arch not in archs:
         raise NotImplementedError(f"no CuTe backward kernel for {arch}")
-    for mod in ("jaxflash.kernels.hopper_bwd", cfg_ref.partition(":")[0],
-                launch_ref.partition(":")[0]):
+    for mod in (cfg_ref.partition(":")[0], launch_ref.partition(":")[0]):
         if not _module_present(mod):
             raise NotImplementedError(f"the CuTe backward kernel is not in this checkout "
                                       f"(module {mod} missing)")
@@ -81,7 +81,11 @@ def bwd_launch_for(problem, arch: str | None = None):
         raise NotImplementedError(str(e)) from e
     from jaxflash.kernels.verified import require_verified
     require_verified(config, "backward")
-    launch = load_ref(launch_ref)(config, arch)
+    launch = load_ref(launch_ref)(config, arch)  # names the kernel class (key / hd split)
+    kernel_module = launch.kernel.partition(":")[0]
+    if not _module_present(kernel_module):
+        raise NotImplementedError(f"the CuTe backward kernel is not in this checkout "
+                                  f"(module {kernel_module} missing)")
     from jaxflash import ffi
     if not ffi.dsl_available():
         data, tried = ffi.find_artifact(launch)
@@ -98,7 +102,8 @@ def backward_choice(problem) -> tuple[object, str]:
         launch = bwd_launch_for(problem)
     except NotImplementedError as e:
         return None, f"backward: Pallas kernels on the CuTe forward's (out, lse) ({e})"
-    return launch, f"backward: CuTe kernel FlashBwdSm90 ({launch.config.key})"
+    cls = launch.kernel.rpartition(":")[2]  # FlashBwdSm90, or FlashBwdSm90Wide at hd 192/256
+    return launch, f"backward: CuTe kernel {cls} ({launch.config.key})"
 
 
 class CuteBackend(Backend):

@@ -7,8 +7,11 @@ Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each
 ``tile_m`` = 64 queries per step of the CTA's loop. Per consumer thread the registers hold the
 dK and dV accumulators (64 x hd / 128 threads each: hd/2 + hdv/2 floats) plus the 64 x 64 S^T
 and dP^T tiles (32 + 32 floats): 192 at hd 128, inside the 240 that setmaxnreg gives. hd 192
-and 256 do not fit that budget (they would need tile_n 64 with one warpgroup and a split dK/dV
-pass) and are refused, so the backend falls back to the Pallas backward for them.
+and 256 do not fit that budget at 64 keys per warpgroup: they run `hopper_bwd_wide` instead
+(``split == "headdim"``): ``tile_n`` = 64 keys, the two warpgroups split the head dim of dK, dV
+and dQ (hd/4 + hd/4 floats + hd/4 for dQ per thread, P^T / dS^T through shared memory). Its
+shared memory: at hd 256 the float32 dQ tile (64 KB, dq_accum="tma") leaves room for one Q / dO
+stage (``num_stages`` defaults to the most, up to 2, that fits); "red" fits 2 stages.
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
 (tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),
@@ -19,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# Head dims above this run `hopper_bwd_wide.FlashBwdSm90Wide` (tile_n 64, head dim split).
+KEY_SPLIT_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
 FEATURES = ("causal", "window", "softcap", "seq_lengths")
@@ -68,8 +73,8 @@ class BwdConfig:
     has_q_seqlen: bool = False
     has_kv_seqlen: bool = False
     tile_m: int = 64
-    tile_n: int = 128
-    num_stages: int = 2
+    tile_n: Optional[int] = None
+    num_stages: Optional[int] = None
     dq_accum: str = "tma"
     deterministic: bool = False
     overlap_dq: bool = False
@@ -78,6 +83,15 @@ class BwdConfig:
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+        wide = self.head_dim > KEY_SPLIT_MAX_HEAD_DIM
+        if self.tile_n is None:
+            object.__setattr__(self, "tile_n", 64 if wide else 128)
+        if self.num_stages is None:
+            # 2 (prefetch the next step's Q / dO) where the shared memory allows, else 1: at
+            # hd 256 the float32 dQ tile of dq_accum="tma" (64 KB) leaves room for one stage.
+            object.__setattr__(self, "num_stages", 2)
+            if self.smem_bytes() > SMEM_LIMIT_BYTES:
+                object.__setattr__(self, "num_stages", 1)
         ok, why = self.check()
         if not ok:
             raise ValueError(f"invalid BwdConfig {self}: {why}")
@@ -92,8 +106,15 @@ class BwdConfig:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
         if self.tile_m != 64:
             return False, f"tile_m {self.tile_m} must be 64 (one wgmma M atom for dQ)"
-        if self.tile_n != 128:
+        if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM and self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
+        if self.head_dim > KEY_SPLIT_MAX_HEAD_DIM:
+            if self.tile_n != 64:
+                return False, (f"tile_n {self.tile_n} must be 64 at head_dim {self.head_dim} "
+                               "(the two consumer warpgroups split the head dim)")
+            if self.early_dv:
+                return False, (f"early_dv at head_dim {self.head_dim}: a schedule of the "
+                               "key-split kernel only (hd <= 128)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -114,7 +135,10 @@ class BwdConfig:
         elt = 2
         kv = self.tile_n * (self.head_dim + self.head_dim_v) * elt
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
-        ds = 2 * self.tile_n * self.tile_m * elt
+        ds = 2 * self.tile_n * self.tile_m * elt  # dS^T, 2 buffers
+        if self.split == "headdim":
+            # P^T and dS^T; 2 buffers with "red" (no per-step barrier then guards their reuse)
+            ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.tile_m * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
@@ -123,11 +147,20 @@ class BwdConfig:
         """Features this variant uses that were compiled here but not yet checked against the
         float64 reference on a GPU (`jaxflash.kernels.verified`: dispatch skips such variants
         unless asked). Everything the 2026-11-30 H200 runs covered is verified."""
-        return ()
+        pending = []
+        if self.split == "headdim":  # FlashBwdSm90Wide, written 2026-12-01
+            pending.append(f"head dim {self.head_dim} (FlashBwdSm90Wide)")
+        return tuple(pending)
+
+    @property
+    def split(self) -> str:
+        """How the two consumer warpgroups share the work: "keys" (64 key rows each, hd <= 128)
+        or "headdim" (hd / 2 columns of dK, dV and dQ each, hd 192 / 256)."""
+        return "keys" if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM else "headdim"
 
     @property
     def num_mma_warpgroups(self) -> int:
-        return self.tile_n // 64
+        return 2
 
     @property
     def key(self) -> str:

@@ -19,7 +19,7 @@ default variant's run-to-run spread, for information).
 `bench`: forward+backward of ``flash_attention(implementation="cute")`` vs cuDNN's, same process,
 on the anchor grid (B*S = 16384, N*D = 2048, bf16, D 64/128/256, S 1k/4k/16k, causal 0/1).
 TFLOP/s as `/work/shared/anchors/README.md` counts fwd+bwd: 3.5 x 4*B*N*S^2*D (x0.5 causal).
-D 256 runs the Pallas backward (the CuTe one refuses it): the row says which backward ran.
+D 256 runs `FlashBwdSm90Wide` (head-dim split); the row says which backward ran.
 """
 from __future__ import annotations
 
@@ -96,10 +96,48 @@ CHECKS = [
                                              has_kv_seqlen=True, dq_accum="red",
                                              overlap_dq=True, early_dv=True),
      (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    # Head dims 192 / 256: FlashBwdSm90Wide (warpgroups split the head dim, tile_n 64).
+    ("bf16 h256 dense odd", dict(head_dim=256), (2, 300, 333, 4, 4, {"cudnn": True})),
+    ("bf16 h256 tiny", dict(head_dim=256), (1, 64, 64, 1, 1, {})),
+    ("bf16 h256 causal gqa T<S", dict(head_dim=256, is_causal=True),
+     (2, 500, 700, 8, 2, {"cudnn": True})),
+    ("bf16 h192 causal T>S", dict(head_dim=192, is_causal=True), (1, 400, 150, 2, 2, {})),
+    ("bf16 h192 mqa odd", dict(head_dim=192), (2, 257, 259, 4, 1, {})),
+    ("bf16 h256 window", dict(head_dim=256, has_window=True),
+     (2, 400, 400, 4, 2, {"window": (100, 37)})),
+    ("bf16 h192 causal window", dict(head_dim=192, is_causal=True, has_window=True),
+     (2, 333, 333, 4, 4, {"window": (129, 0)})),
+    ("bf16 h256 softcap", dict(head_dim=256, has_softcap=True),
+     (2, 200, 300, 4, 2, {"softcap": 2.0})),
+    ("bf16 h192 seqlens empty rows", dict(head_dim=192, has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h256 seqlens empty rows", dict(head_dim=256, has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("fp16 h256 causal gqa", dict(dtype="float16", head_dim=256, is_causal=True),
+     (2, 384, 384, 6, 3, {})),
+    ("fp16 h192 window softcap kvlen", dict(dtype="float16", head_dim=192, has_window=True,
+                                             has_softcap=True, has_kv_seqlen=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "softcap": 5.0, "kv_seqlen": [270, 100]})),
+    ("bf16 h256 dense 2k", dict(head_dim=256), (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    ("bf16 h192 dense 1k", dict(head_dim=192), (1, 1024, 1024, 4, 2, {})),
+    ("bf16 h256 causal via jax.grad", dict(head_dim=256, is_causal=True),
+     (2, 190, 190, 4, 2, {"api": True})),
+    ("bf16 h192 causal via jax.grad", dict(head_dim=192, is_causal=True),
+     (2, 190, 190, 4, 2, {"api": True})),
+    # hd 256 with "red": 2 Q / dO stages, 2 P^T / dS^T buffers (no dQ tile in smem)
+    ("bf16 h256 causal gqa dq red", dict(head_dim=256, is_causal=True, dq_accum="red"),
+     (2, 500, 700, 8, 2, {})),
+    ("fp16 h192 seqlens dq red", dict(dtype="float16", head_dim=192, has_q_seqlen=True,
+                                      has_kv_seqlen=True, dq_accum="red"),
+     (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
     ("bf16 h64 deterministic window", dict(head_dim=64, has_window=True, deterministic=True),
+     (2, 700, 600, 4, 1, {"window": (150, 20)})),
+    ("bf16 h256 deterministic causal gqa", dict(head_dim=256, is_causal=True,
+                                                deterministic=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h192 deterministic window", dict(head_dim=192, has_window=True, deterministic=True),
      (2, 700, 600, 4, 1, {"window": (150, 20)})),
 ]
 # `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
@@ -112,7 +150,10 @@ DETERMINISM = [
      (2, 1000, 1000, 8, 2, {})),
 ]
 # Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
-RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True)}
+# At D 256 this compares the two shapes of the wide kernel: "tma" (1 Q / dO stage, the default)
+# against "red" (2 stages).
+RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True),
+              (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)}
 # Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
 # kwargs, per head dim; at VARIANT_POINTS (~26 timed calls, ~40 s of device time).
 BENCH_VARIANTS = {
@@ -151,7 +192,7 @@ def all_launches(cases=None):
                         launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c,
                                                              dq_accum=acc)))
                     except ValueError:
-                        pass  # D 256: the Pallas backward runs (JIT-compiled by XLA there)
+                        pass  # a variant the config refuses (none at the bench dims now)
         for d, _, c in RED_POINTS:
             launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, deterministic=True)))
         for d, _, c in VARIANT_POINTS:

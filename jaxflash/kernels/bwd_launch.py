@@ -17,6 +17,13 @@ from jaxflash.ffi.variant import Launch, TensorArg
 from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, LSE_PAD, BwdConfig
 
 KERNEL_REF = "jaxflash.kernels.hopper_bwd:FlashBwdSm90"
+# hd 192 / 256: consumer warpgroups split the head dim (see `BwdConfig.split`).
+WIDE_KERNEL_REF = "jaxflash.kernels.hopper_bwd_wide:FlashBwdSm90Wide"
+
+
+def kernel_ref(config: BwdConfig) -> str:
+    """The one place that maps a backward config to its kernel class."""
+    return KERNEL_REF if config.split == "keys" else WIDE_KERNEL_REF
 
 
 def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
@@ -34,7 +41,7 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
                TensorArg(dt, (None, None, None, hv))]
     if config.deterministic:
         outputs.append(TensorArg("int32", (None, None, None)))
-    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=tuple(outputs),
+    return Launch(kernel=kernel_ref(config), config=config, inputs=tuple(inputs), outputs=tuple(outputs),
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
 

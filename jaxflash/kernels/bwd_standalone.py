@@ -17,7 +17,7 @@ def compile_bwd(config: BwdConfig, arch: str = "sm_90a", dump_dir: Optional[str]
 
     from jaxflash.ffi.compiler import _launcher, _placeholder, target_arch
     from jaxflash.ffi.variant import TensorArg
-    from jaxflash.kernels.hopper_bwd import FlashBwdSm90
+    from jaxflash.ffi.variant import load_ref
 
     launch = bwd_launch(config, arch)
     args = [_placeholder(t) for t in launch.inputs]
@@ -29,7 +29,7 @@ def compile_bwd(config: BwdConfig, arch: str = "sm_90a", dump_dir: Optional[str]
     if dump_dir:
         opts += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     with target_arch(arch):
-        kernel = FlashBwdSm90(config)
+        kernel = load_ref(launch.kernel)(config)  # key split or head-dim split
         return cute.compile(_launcher, cuda.CUstream(0), *args, kernel=kernel,
                             n_in=len(launch.inputs), n_scalar_tensors=1 + bool(launch.int_scalars),
                             options=opts)
