@@ -214,9 +214,17 @@ def _explain(qkv=None, **kw):
         return str(jaxflash.explain(*(qkv or _shapes()), implementation="cute", **kw))
 
 
-def test_explain_names_the_backward(cuda_env):
+def test_explain_names_the_backward(cuda_env, monkeypatch):
+    from jaxflash.kernels import verified
     assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
     assert "_det_causal" in _explain(is_causal=True, deterministic=True)
+    # The wide kernel is not yet checked on a GPU: the Pallas backward runs and explain says why.
+    monkeypatch.delenv(verified.ENV, raising=False)
+    for H in (192, 256):
+        text = _explain(_shapes(H=H), is_causal=True)
+        assert "backward: Pallas" in text and "not yet checked on a GPU" in text, text
+        assert f"head dim {H} (FlashBwdSm90Wide)" in text and verified.ENV in text, text
+    monkeypatch.setenv(verified.ENV, "1")
     for H in (192, 256):
         text = _explain(_shapes(H=H), is_causal=True)
         assert f"backward: CuTe kernel FlashBwdSm90Wide (bwd_sm90_bfloat16_h{H}" in text, text
@@ -244,9 +252,11 @@ def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
 
 
 @pytest.mark.parametrize("H", [192, 256])
-def test_wide_grad_lowers_to_the_cute_backward(cuda_env, H):
+def test_wide_grad_lowers_to_the_cute_backward(cuda_env, H, monkeypatch):
     """jax.grad at D 192 / 256 runs our backward (two custom calls, float32 dQ accumulator),
-    not the Pallas fallback."""
+    not the Pallas fallback, once admitted (it is not yet GPU-checked: `verified`)."""
+    from jaxflash.kernels import verified
+    monkeypatch.setenv(verified.ENV, "1")
     import jax
     import jaxflash
     from jaxflash import ffi
