@@ -48,6 +48,14 @@ MATRIX = [
     BwdConfig(dtype="float16", head_dim=96, has_window=True, has_softcap=True, early_dv=True,
               overlap_dq=True),
     BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red", overlap_dq=True),
+    # ALiBi (with its d(slopes) partials) and segment ids (block skipping + element compare)
+    BwdConfig(dtype="bfloat16", head_dim=64, has_alibi=True),
+    BwdConfig(dtype="float16", head_dim=96, has_segments=True, has_kv_seqlen=True),
+    BwdConfig(dtype="float16", head_dim=96, is_causal=True, has_alibi=True, early_dv=True),
+    BwdConfig(dtype="float16", head_dim=128, is_causal=True, has_segments=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, is_causal=True, has_alibi=True, has_segments=True),
+    BwdConfig(dtype="bfloat16", head_dim=96, is_causal=True, has_window=True, has_alibi=True,
+              has_segments=True, has_q_seqlen=True),
 ]
 
 
