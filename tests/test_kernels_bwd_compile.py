@@ -118,8 +118,9 @@ def test_refusals_name_the_reason():
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
                          features=("causal", "window", "softcap", "seq_lengths")) == (True, "")
-    for facts, why in [(dict(features=("alibi",)), "alibi"), (dict(features=("bias",)), "bias"),
-                       (dict(features=("segment_ids",)), "segment_ids"),
+    assert can_implement(dtype="bfloat16", head_dim=64,
+                         features=("causal", "alibi", "segment_ids")) == (True, "")
+    for facts, why in [(dict(features=("bias",)), "bias"),
                        (dict(features=("mask",)), "mask"),
                        (dict(head_dim=256), "head dim 256"),
                        (dict(head_dim_v=64), "value head dim")]:
@@ -279,3 +280,66 @@ def test_device_gradient_oracle_matches_the_reference(kw):
         w = np.asarray(w, np.float64)
         assert np.isfinite(g).all(), name
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5 * np.abs(w).max(), err_msg=name)
+
+
+# -- ALiBi and segment ids in the CuTe backward --------------------------------------------------
+def _seg_arrays(B=2, T=100, S=130):
+    import jax.numpy as jnp
+    q_seg = jnp.broadcast_to((jnp.arange(T) // 37)[None], (B, T)).astype(jnp.int32)
+    kv_seg = jnp.broadcast_to((jnp.arange(S) // 45)[None], (B, S)).astype(jnp.int32)
+    return q_seg, kv_seg
+
+
+def test_explain_names_the_backward_for_alibi_and_segments(cuda_env):
+    import jax
+    import jax.numpy as jnp
+    slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+    q_seg, kv_seg = _seg_arrays()
+    text = _explain(is_causal=True, alibi_slopes=slopes, q_segment_ids=q_seg,
+                    kv_segment_ids=kv_seg)
+    assert "backward: CuTe kernel FlashBwdSm90" in text and "causal-alibi-seg" in text
+    # hd 128 ALiBi and ALiBi + softcap are refused with the reason (Pallas backward runs).
+    text = _explain(_shapes(H=128), alibi_slopes=slopes)
+    assert "backward: Pallas" in text and "ALiBi at head_dim 128" in text
+    text = _explain(alibi_slopes=slopes, softcap=5.0)
+    assert "backward: Pallas" in text and "ALiBi with softcap" in text
+    text = _explain(_shapes(H=128), q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    assert "backward: CuTe kernel FlashBwdSm90" in text and "_seg" in text
+
+
+def test_grad_with_alibi_and_segments_lowers_to_custom_calls(cuda_env):
+    """jax.grad w.r.t. the slopes goes through the CuTe backward (its partials output
+    [B, N, ceil(S/128), 8] is in the HLO) and no T x S tensor appears."""
+    import jax
+    import jax.numpy as jnp
+    import jaxflash
+    from jaxflash import ffi
+    B, T, S = 2, 100, 130
+    q_seg, kv_seg = _seg_arrays(B, T, S)
+
+    def loss(q, k, v, slopes):
+        o = jaxflash.flash_attention(q, k, v, implementation="cute", is_causal=True,
+                                     alibi_slopes=slopes, q_segment_ids=q_seg,
+                                     kv_segment_ids=kv_seg)
+        return o.astype(jnp.float32).sum()
+    with jaxflash.target_platform("cuda"):
+        low = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(
+            *_shapes(B, T, S), jax.ShapeDtypeStruct((4,), jnp.float32)).lower(
+            lowering_platforms=("cuda",))
+    txt = low.as_text()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 2  # forward + backward
+    assert "tensor<2x4x2x8xf32>" in txt  # the d(slopes) partials
+    dims = {tuple(int(d) for d in m.split("x")) for m in re.findall(r"tensor<([0-9x]+)x", txt)}
+    assert not any(T in d and S in d for d in dims), "a T x S tensor appeared in the HLO"
+
+
+def test_refusals_for_alibi_and_segments():
+    ok, why = BwdConfig(head_dim=64, has_alibi=True).check()
+    assert ok, why
+    for kw, word in ((dict(head_dim=128, has_alibi=True), "ALiBi at head_dim 128"),
+                     (dict(head_dim=64, has_alibi=True, has_softcap=True), "softcap"),
+                     (dict(head_dim=64, has_segments=True, deterministic=True), "deterministic")):
+        with pytest.raises(ValueError, match=word):
+            BwdConfig(**kw)
+    assert "alibi" in BwdConfig(head_dim=64, has_alibi=True).key
+    assert "seg" in BwdConfig(head_dim=64, has_segments=True).key
