@@ -343,3 +343,52 @@ def test_refusals_for_alibi_and_segments():
             BwdConfig(**kw)
     assert "alibi" in BwdConfig(head_dim=64, has_alibi=True).key
     assert "seg" in BwdConfig(head_dim=64, has_segments=True).key
+
+
+def test_cute_backward_passes_alibi_segments_and_reduces_dslopes(monkeypatch):
+    """cute_backward hands the kernel its inputs in the launch's order and shapes (slopes
+    [1, N], segment ids, key-major block summaries) and turns the kernel's per-warp partials
+    into d(slopes) = -their sum over batch, key blocks and warps (the kernel is replaced by a
+    fake here: only the XLA side is under test)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxflash import ffi
+    from jaxflash._types import AttentionArrays, AttentionStatics
+    from jaxflash.backends.cute import cute_backward
+    from jaxflash.kernels.bwd_launch import bwd_launch
+    from jaxflash.kernels.segments import block_summaries
+    B, T, S, N, K, H = 2, 100, 300, 4, 2, 64
+    cfg = BwdConfig(head_dim=H, is_causal=True, has_alibi=True, has_segments=True)
+    launch = bwd_launch(cfg)
+    q_seg, kv_seg = _seg_arrays(B, T, S)
+    parts = jnp.asarray(np.random.default_rng(0).standard_normal((B, N, 3, 8)), jnp.float32)
+    seen = {}
+
+    def fake_call(l, *inputs, out_shapes, scalars, int_scalars):
+        seen["inputs"] = inputs
+        assert l is launch
+        assert [tuple(o.shape) for o in out_shapes] == [(B, T, N, H), (B, S, K, H),
+                                                        (B, S, K, H), (B, N, 3, 8)]
+        return [jnp.zeros(o.shape, o.dtype) for o in out_shapes[:3]] + [parts]
+    monkeypatch.setattr(ffi, "call", fake_call)
+    q = jnp.zeros((B, T, N, H), jnp.bfloat16)
+    k = v = jnp.zeros((B, S, K, H), jnp.bfloat16)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+    arrays = AttentionArrays(alibi_slopes=slopes, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    st = AttentionStatics(scale=0.125, is_causal=True)
+    out = jnp.zeros((B, T, N, H), jnp.bfloat16)
+    lse = jnp.zeros((B, N, T), jnp.float32)
+    dq, dk, dv, dbias, dslopes = cute_backward(launch, q, k, v, arrays, st, out, lse, out)
+    ins = seen["inputs"]
+    assert len(ins) == len(launch.inputs) == 6 + 1 + 4
+    for x, spec in zip(ins, launch.inputs):
+        assert x.ndim == len(spec.shape) and str(x.dtype) == spec.dtype
+        assert all(f is None or f == d for f, d in zip(spec.shape, x.shape))
+    np.testing.assert_array_equal(np.asarray(ins[6]), np.asarray(slopes)[None])
+    kv_blocks, q_blocks = block_summaries(kv_seg, q_seg, cfg.tile_n, cfg.tile_m)
+    assert ins[9].shape == (B, 3, 4) and ins[10].shape == (B, 2, 2)  # rows = keys
+    np.testing.assert_array_equal(np.asarray(ins[9]), np.asarray(kv_blocks))
+    np.testing.assert_array_equal(np.asarray(ins[10]), np.asarray(q_blocks))
+    assert dbias is None
+    np.testing.assert_allclose(np.asarray(dslopes), -np.asarray(parts).sum(axis=(0, 2, 3)),
+                               rtol=1e-6)
