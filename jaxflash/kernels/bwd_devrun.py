@@ -6,6 +6,7 @@
   python -m jaxflash.kernels.bwd_devrun check --out $OUT/bwd_check.json
   python -m jaxflash.kernels.bwd_devrun bench --out $OUT/bwd_bench.json
   python -m jaxflash.kernels.bwd_devrun determinism --out $OUT/bwd_det.json
+  python -m jaxflash.kernels.bwd_devrun segbench --out $OUT/bwd_segbench.json  # 8 docs vs dense
 
 `check`: fresh random inputs per case (odd T and S, GQA and MQA, causal with T != S, windows,
 softcap, per-batch lengths with empty rows, fp16); our forward's (out, lse) then the CuTe
