@@ -51,3 +51,17 @@ def test_default_backward_variants_verified():
     for d in (64, 96, 128):
         for causal in (False, True):
             assert BwdConfig(head_dim=d, is_causal=causal).unverified() == ()
+
+
+def test_backward_features_written_2026_12_01_are_unverified():
+    assert BwdConfig(head_dim=256, is_causal=True).unverified()
+    assert BwdConfig(head_dim=192).unverified()
+    assert "ALiBi" in " ".join(BwdConfig(head_dim=64, has_alibi=True).unverified())
+    assert "segment" in " ".join(BwdConfig(head_dim=128, has_segments=True).unverified())
+
+
+def test_wide_backward_refuses_segments():
+    ok, why = BwdConfig.check.__get__(BwdConfig(head_dim=256))()
+    assert ok
+    with pytest.raises(ValueError, match="segment ids at head_dim 256"):
+        BwdConfig(head_dim=256, has_segments=True)

@@ -11,6 +11,7 @@ Forward: `jaxflash.kernels.hopper_fwd.FlashFwdSm90`, described by `jaxflash.kern
 Backward: `jaxflash.kernels.hopper_bwd.FlashBwdSm90` (`jaxflash.kernels.bwd_launch`) when its
 config accepts the call (dtype, head dims 64/96/128; 192/256 by
 `jaxflash.kernels.hopper_bwd_wide.FlashBwdSm90Wide`, causal/window/softcap/lengths, GQA/MQA;
+at 64/96/128 also segment ids, and ALiBi at 64/96 (not with softcap; d(slopes) returned);
 ``deterministic=True`` orders the dQ adds) and a binary is available; otherwise our Pallas
 backward kernels on the (out, lse) this forward produced (same math). `explain` says which one
 and why (`notes`).
@@ -157,7 +158,7 @@ class CuteBackend(Backend):
 
 
 def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
-    """(dq, dk, dv, None, None) by `FlashBwdSm90`: O(T) preprocessing (delta, log2 LSE with
+    """(dq, dk, dv, None, dslopes or None) by `FlashBwdSm90`: O(T) preprocessing (delta, log2 LSE with
     +inf on rows that must get no gradient, padded for the kernel's TMA boxes) and the dQ
     postprocessing (scale and cast) in XLA, everything O(T x S) in the kernel."""
     import jax
@@ -186,13 +187,31 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
         inputs.append(arrays.q_seqlen.astype(jnp.int32))
     if cfg.has_kv_seqlen:
         inputs.append(arrays.kv_seqlen.astype(jnp.int32))
+    if cfg.has_alibi:
+        inputs.append(jnp.asarray(arrays.alibi_slopes, jnp.float32).reshape(1, N))
+    if cfg.has_segments:
+        # Block summaries with rows = keys, columns = queries (the backward's loop).
+        from jaxflash.kernels.segments import block_summaries
+        qs = jnp.asarray(arrays.q_segment_ids, jnp.int32)
+        ks = jnp.asarray(arrays.kv_segment_ids, jnp.int32)
+        kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
+        inputs += [qs, ks, kv_blocks, q_blocks]
     fs, is_ = fwd_scalars(statics)
     out_shapes = [jax.ShapeDtypeStruct(q.shape, jnp.float32),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    if cfg.has_alibi:  # per-warp partial sums of dS_ij |i - j|
+        from jaxflash.kernels.bwd_config import ALIBI_PARTS
+        from jaxflash.kernels.bwd_launch import num_k_blocks
+        out_shapes.append(jax.ShapeDtypeStruct(
+            (B, N, num_k_blocks(k.shape[1], cfg), ALIBI_PARTS), jnp.float32))
     if cfg.deterministic:  # the kernel's ordering semaphores (scratch)
         out_shapes.append(jax.ShapeDtypeStruct((B, N, num_q_blocks(T, cfg)), jnp.int32))
-    dq_acc, dk, dv = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs,
-                              int_scalars=is_)[:3]
+    outs = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
+    dq_acc, dk, dv = outs[:3]
     dq = (dq_acc * jnp.float32(statics.scale)).astype(q.dtype)
-    return dq, dk, dv, None, None
+    dslopes = None
+    if cfg.has_alibi:
+        # The logit holds -slope * |i - j|: d(slope) = -sum dS_ij |i - j| over b, i, j.
+        dslopes = -outs[3].sum(axis=(0, 2, 3))
+    return dq, dk, dv, None, dslopes

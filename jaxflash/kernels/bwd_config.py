@@ -27,7 +27,9 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 KEY_SPLIT_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
-FEATURES = ("causal", "window", "softcap", "seq_lengths")
+FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids")
+# Per consumer warp partial sums of d(alibi slope) (see `hopper_bwd`): [B, N, n blocks, 8].
+ALIBI_PARTS = 8
 # Runtime scalars, in tensor order (same names and meaning as the forward's).
 FLOAT_SCALARS = ("softmax_scale", "softcap")
 INT_SCALARS = ("window_left", "window_right")
@@ -58,6 +60,10 @@ class BwdConfig:
       (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
       of the step has finished. hd 64 and 96 only: at hd 128 the dQ accumulator live beside
       dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes).
+    has_alibi / has_segments: as in `FwdConfig` (slopes [1, N], ids and block summaries with
+      rows = keys, columns = queries); ALiBi also writes per-warp partial sums of
+      sum_ij dS_ij |i - j| (``ALIBI_PARTS`` per (batch, head, key block)) that the caller
+      reduces in XLA into d(slopes) (no atomics: deterministic).
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
@@ -72,6 +78,8 @@ class BwdConfig:
     has_softcap: bool = False
     has_q_seqlen: bool = False
     has_kv_seqlen: bool = False
+    has_alibi: bool = False
+    has_segments: bool = False
     tile_m: int = 64
     tile_n: Optional[int] = None
     num_stages: Optional[int] = None
@@ -124,6 +132,18 @@ class BwdConfig:
         if self.early_dv and self.has_softcap and self.head_dim > 96:
             return False, (f"early_dv with softcap at head_dim {self.head_dim}: the tanh values "
                            "kept for dS^T make ptxas spill (hd <= 96)")
+        if self.has_alibi and self.head_dim > 96:
+            return False, (f"ALiBi at head_dim {self.head_dim}: the bias and d(slope) "
+                           "registers make ptxas spill or serialize the wgmma (hd <= 96)")
+        if self.has_segments and self.head_dim > KEY_SPLIT_MAX_HEAD_DIM:
+            return False, (f"segment ids at head_dim {self.head_dim}: the head-dim-split kernel "
+                           "(FlashBwdSm90Wide) does not implement them yet")
+        if self.has_alibi and self.has_softcap:
+            return False, ("ALiBi with softcap: the backward keeps tanh in the S^T registers "
+                           "for the softcap derivative, which the ALiBi bias would overwrite")
+        if self.has_segments and self.deterministic:
+            return False, ("deterministic with segment ids: the key-block order of the dQ adds "
+                           "assumes the geometric block ranges, which segment skipping changes")
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -150,6 +170,10 @@ class BwdConfig:
         pending = []
         if self.split == "headdim":  # FlashBwdSm90Wide, written 2026-12-01
             pending.append(f"head dim {self.head_dim} (FlashBwdSm90Wide)")
+        if self.has_alibi:  # written 2026-12-01
+            pending.append("ALiBi (and its d(slopes))")
+        if self.has_segments:  # written 2026-12-01
+            pending.append("segment ids")
         return tuple(pending)
 
     @property
@@ -166,7 +190,8 @@ class BwdConfig:
     def key(self) -> str:
         feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
-                                 ("kvlen", self.has_kv_seqlen)) if on]
+                                 ("kvlen", self.has_kv_seqlen),
+                                 ("alibi", self.has_alibi), ("seg", self.has_segments)) if on]
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
@@ -208,6 +233,7 @@ def config_for(problem) -> BwdConfig:
                      head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
                      has_window=st.window is not None, has_softcap=st.softcap is not None,
                      has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                     has_alibi=problem.has_alibi, has_segments=problem.has_segments,
                      deterministic=st.deterministic,
                      early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
                                            st.deterministic))

@@ -6,6 +6,7 @@
   python -m jaxflash.kernels.bwd_devrun check --out $OUT/bwd_check.json
   python -m jaxflash.kernels.bwd_devrun bench --out $OUT/bwd_bench.json
   python -m jaxflash.kernels.bwd_devrun determinism --out $OUT/bwd_det.json
+  python -m jaxflash.kernels.bwd_devrun segbench --out $OUT/bwd_segbench.json  # 8 docs vs dense
 
 `check`: fresh random inputs per case (odd T and S, GQA and MQA, causal with T != S, windows,
 softcap, per-batch lengths with empty rows, fp16); our forward's (out, lse) then the CuTe
@@ -35,8 +36,8 @@ import numpy as np
 from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.bwd_launch import bwd_launch
 from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.devrun import (_gpu_name, _rel, _time, finish_case, fresh_inputs, ours,
-                                     start_watchdog)
+from jaxflash.kernels.devrun import (_alibi_and_segments, _gpu_name, _rel, _time, finish_case,
+                                     fresh_inputs, ours, start_watchdog)
 from jaxflash.kernels.fwd_launch import fwd_launch
 
 # (name, config kwargs (shared by the forward and backward configs), problem):
@@ -130,6 +131,33 @@ CHECKS = [
     ("fp16 h192 seqlens dq red", dict(dtype="float16", head_dim=192, has_q_seqlen=True,
                                       has_kv_seqlen=True, dq_accum="red"),
      (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    # ALiBi (d(slopes) compared too) and segment ids (added 2026-12-01, not yet run on a GPU).
+    ("bf16 h64 alibi odd", dict(head_dim=64, has_alibi=True), (2, 300, 457, 4, 4, {"alibi": 1})),
+    ("fp16 h96 alibi causal gqa", dict(dtype="float16", head_dim=96, has_alibi=True,
+                                       is_causal=True), (2, 555, 555, 8, 2, {"alibi": 1})),
+    # batch 0: query segment 2 (250 rows) and batch 1: segment 6 (1 row) meet no key.
+    ("bf16 h128 segments", dict(head_dim=128, has_segments=True),
+     (2, 700, 650, 4, 2, {"q_segs": [[(0, 100), (1, 37), (2, 250), (3, 313)], [(5, 699), (6, 1)]],
+                          "kv_segs": [[(0, 100), (1, 37), (3, 513)], [(5, 650)]]})),
+    ("bf16 h128 segments causal gqa", dict(head_dim=128, has_segments=True, is_causal=True),
+     (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
+                            "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
+    ("bf16 h64 alibi segments causal gqa", dict(head_dim=64, has_alibi=True, has_segments=True,
+                                                is_causal=True),
+     (2, 700, 700, 8, 2, {"alibi": 1,
+                          "q_segs": [[(0, 1), (1, 300), (2, 129), (3, 270)], [(5, 650), (9, 50)]],
+                          "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 270)],
+                                      [(5, 650), (8, 50)]]})),
+    ("fp16 h96 alibi segments random kvlen edv", dict(dtype="float16", head_dim=96,
+                                                      has_alibi=True, has_segments=True,
+                                                      early_dv=True),
+     (3, 333, 444, 4, 2, {"random_segs": 3, "alibi": 1, "kv_seqlen": [444, 200, 0]})),
+    ("bf16 h96 alibi segments window qlen", dict(head_dim=96, has_alibi=True, has_segments=True,
+                                                 is_causal=True, has_window=True,
+                                                 has_q_seqlen=True),
+     (2, 513, 513, 4, 1, {"alibi": 1, "window": (200, 0), "q_seqlen": [513, 77],
+                          "q_segs": [[(0, 200), (1, 313)], [(2, 513)]],
+                          "kv_segs": [[(0, 200), (1, 313)], [(2, 513)]]})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -198,6 +226,7 @@ def all_launches(cases=None):
         for d, _, c in VARIANT_POINTS:
             for vkw in BENCH_VARIANTS.get(d, {}).values():
                 launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, **vkw)))
+        launches += _seg_bench_launches()
     uniq = {l.key: l for l in launches}
     return list(uniq.values())
 
@@ -217,36 +246,47 @@ def build(out: str, cases=None) -> None:
 
 # -- oracle ------------------------------------------------------------------------------------
 def np_grads(q, k, v, do, scale, causal=False, window=None, softcap=None, q_seqlen=None,
-             kv_seqlen=None):
+             kv_seqlen=None, alibi_slopes=None, q_seg=None, kv_seg=None):
     """float64 (dq, dk, dv) with the jaxflash semantics (rows with no visible key: zero
-    gradient; GQA: dk/dv summed over the query heads of a group)."""
+    gradient; GQA: dk/dv summed over the query heads of a group); with ALiBi a fourth entry,
+    d(slopes) [N] = -sum over b, i, j of dlogit_ij |i - j|."""
     from jaxflash.kernels.devrun import np_probs
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     B, T, N, _ = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
-    p, _, dcap, kr = np_probs(q, k, scale, causal, window, softcap, q_seqlen, kv_seqlen)
+    p, _, dcap, kr = np_probs(q, k, scale, causal, window, softcap, q_seqlen, kv_seqlen,
+                              alibi_slopes, q_seg, kv_seg)
     vr = np.repeat(v, G, axis=2)
     dp = np.einsum("btnh,bsnh->bnts", do, vr)
-    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * dcap
+    dlogit = p * (dp - (p * dp).sum(-1, keepdims=True))  # d loss / d (final logit)
+    ds = dlogit * dcap
     dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
     dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
     dv = np.einsum("bnts,btnh->bsnh", p, do)
     dk = dk.reshape(B, S, K, G, -1).sum(3)
     dv = dv.reshape(B, S, K, G, -1).sum(3)
+    if alibi_slopes is not None:
+        dist = np.abs(np.arange(T)[:, None] - np.arange(S)[None, :]).astype(np.float64)
+        return dq, dk, dv, -np.einsum("bnts,ts->n", dlogit, dist)
     return dq, dk, dv
 
 
 def ours_grads(q, k, v, do, fcfg, bcfg, scale, softcap=None, window=None, q_seqlen=None,
-               kv_seqlen=None):
-    """Our forward, then the CuTe backward called directly (no fallback possible)."""
+               kv_seqlen=None, alibi_slopes=None, q_seg=None, kv_seg=None):
+    """Our forward, then the CuTe backward called directly (no fallback possible); with ALiBi
+    a fourth entry, d(slopes)."""
     from jaxflash._types import AttentionArrays, AttentionStatics
     from jaxflash.backends.cute import cute_backward
-    o, lse = ours(q, k, v, fcfg, scale, softcap, window, q_seqlen, kv_seqlen)
+    o, lse = ours(q, k, v, fcfg, scale, softcap, window, q_seqlen, kv_seqlen, alibi_slopes,
+                  q_seg, kv_seg)
     st = AttentionStatics(scale=scale, is_causal=bcfg.is_causal,
                           window=tuple(window) if window else None, softcap=softcap)
-    arrays = AttentionArrays(q_seqlen=q_seqlen, kv_seqlen=kv_seqlen)
-    dq, dk, dv, _, _ = cute_backward(bwd_launch(bcfg), q, k, v, arrays, st, o, lse, do)
+    arrays = AttentionArrays(q_seqlen=q_seqlen, kv_seqlen=kv_seqlen, alibi_slopes=alibi_slopes,
+                             q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    dq, dk, dv, _, dslopes = cute_backward(bwd_launch(bcfg), q, k, v, arrays, st, o, lse, do)
+    if bcfg.has_alibi:
+        return dq, dk, dv, dslopes
     return dq, dk, dv
 
 
@@ -279,6 +319,7 @@ def check(out_path: str, cases=None) -> bool:
         q, k, v, do, qs, kvs = fresh_inputs(B, T, S, N, K, H, bcfg.dtype, ex, with_do=True)
         scale = 1.0 / np.sqrt(H)
         window, softcap = ex.get("window"), ex.get("softcap")
+        slopes, q_seg, kv_seg = _alibi_and_segments(ex, B, T, S, N)
         row = {"name": name, "config": bcfg.key, "shape": [B, T, S, N, K, H]}
         try:
             if ex.get("api"):
@@ -290,16 +331,17 @@ def check(out_path: str, cases=None) -> bool:
                 g = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))(q, k, v, do)
                 row["cute_backward_named"] = "FlashBwdSm90" in row["explain"]
             else:
-                f = jax.jit(lambda q, k, v, do, qs, kvs: ours_grads(
-                    q, k, v, do, fcfg, bcfg, scale, softcap, window, qs, kvs))
-                g = f(q, k, v, do, qs, kvs)
+                f = jax.jit(lambda q, k, v, do, qs, kvs, sl, qg, kg: ours_grads(
+                    q, k, v, do, fcfg, bcfg, scale, softcap, window, qs, kvs, sl, qg, kg))
+                g = f(q, k, v, do, qs, kvs, slopes, q_seg, kv_seg)
             g = [np.asarray(x.astype(jnp.float32)) for x in g]
             f32 = lambda x: np.asarray(x.astype(jnp.float32))
             ref = np_grads(f32(q), f32(k), f32(v), f32(do), scale, bcfg.is_causal, window,
-                           softcap, ex.get("q_seqlen"), ex.get("kv_seqlen"))
+                           softcap, ex.get("q_seqlen"), ex.get("kv_seqlen"), slopes, q_seg,
+                           kv_seg)
             tol = TOL[bcfg.dtype]
             ok = True
-            for nm, x, r in zip(("dq", "dk", "dv"), g, ref):
+            for nm, x, r in zip(("dq", "dk", "dv", "dslopes"), g, ref):
                 row[f"nan_{nm}"] = int(np.isnan(x).sum())
                 row[f"rel_{nm}"] = _rel(x, r)
                 ok &= row[f"nan_{nm}"] == 0 and row[f"rel_{nm}"] < tol
@@ -313,6 +355,11 @@ def check(out_path: str, cases=None) -> bool:
                                                          np.abs(g[2][dead]).max())) \
                     if dead.any() else 0.0
                 ok &= row["max_abs_dkv_dead_keys"] == 0.0
+            if q_seg is not None:  # queries whose segment meets no key: exactly zero dq
+                dead = ~(q_seg[:, :, None] == kv_seg[:, None, :]).any(-1)
+                row["max_abs_dq_segment_dead_rows"] = (float(np.abs(g[0][dead]).max())
+                                                       if dead.any() else 0.0)
+                ok &= row["max_abs_dq_segment_dead_rows"] == 0.0
             if ex.get("api"):
                 ok &= row["cute_backward_named"]
             row["ok"] = bool(ok)
@@ -458,9 +505,55 @@ def determinism(out_path: str, runs: int = 10) -> bool:
     return ok_all
 
 
+# `segbench`: the backward with segment ids (8 equal documents) and with ALiBi vs the dense
+# one at B=1, S=16k, N=16 (forward + backward of our kernels, direct calls, same inputs).
+# The 8-document case does ~1/8 of the dense work (block skipping): its time should be well
+# under the dense one's.
+SEG_BENCH_SHAPE = (1, 16384, 16)  # B, S, N
+SEG_BENCH = [("dense", 128, {}), ("docs8", 128, dict(has_segments=True)),
+             ("dense", 64, {}), ("alibi", 64, dict(has_alibi=True)),
+             ("docs8 alibi", 64, dict(has_segments=True, has_alibi=True))]
+
+
+def _seg_bench_launches():
+    out = []
+    for _, D, kw in SEG_BENCH:
+        for causal in (False, True):
+            f, b = _configs(dict(head_dim=D, is_causal=causal, **kw))
+            out += [fwd_launch(f), bwd_launch(b)]
+    return out
+
+
+def segbench(out_path: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    B, S, N = SEG_BENCH_SHAPE
+    rows = []
+    for name, D, kw in SEG_BENCH:
+        for causal in (False, True):
+            fcfg, bcfg = _configs(dict(head_dim=D, is_causal=causal, **kw))
+            q, k, v, do, _, _ = fresh_inputs(B, S, S, N, N, D, "bfloat16", {}, with_do=True)
+            scale = 1.0 / np.sqrt(D)
+            slopes = (2.0 ** (-8.0 * np.arange(1, N + 1) / N)).astype(np.float32) \
+                if bcfg.has_alibi else None
+            seg = (np.repeat(np.arange(8), S // 8)[None].astype(np.int32)
+                   if bcfg.has_segments else None)
+            f = jax.jit(lambda q, k, v, do, sl, sg: ours_grads(
+                q, k, v, do, fcfg, bcfg, scale, alibi_slopes=sl, q_seg=sg, kv_seg=sg))
+            row = {"name": name, "D": D, "S": S, "causal": causal, "config": bcfg.key}
+            try:
+                row["fwd_bwd_ms"] = _time(f, (q, k, v, do, slopes, seg)) * 1e3
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            with open(out_path, "w") as fh:
+                json.dump({"gpu": _gpu_name(), "rows": rows}, fh, indent=1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=["build", "check", "bench", "determinism"])
+    p.add_argument("cmd", choices=["build", "check", "bench", "determinism", "segbench"])
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
     p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
@@ -472,6 +565,8 @@ def main(argv=None):
         sys.exit(0 if check(a.out, cases) else 1)
     elif a.cmd == "determinism":
         sys.exit(0 if determinism(a.out) else 1)
+    elif a.cmd == "segbench":
+        segbench(a.out)
     else:
         only = {tuple(int(x) for x in s.split(":")) for s in a.only.split(",") if s}
         bench(a.out, {(d, s, bool(c)) for d, s, c in only} or None)

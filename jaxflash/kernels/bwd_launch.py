@@ -3,7 +3,12 @@
 Inputs (row-major): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], do [B, T, N, Hv] (one
 dtype), lse2 [B, N, Tp] and delta [B, N, Tp] float32 with Tp = T rounded up to `LSE_PAD`
 (lse2 = LSE * log2(e), +inf where a row sees no key, is past q_seqlen or is padding; delta =
-rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them.
+rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them, alibi slopes
+[1, N] float32 (``has_alibi``), and (``has_segments``) q_segment_ids [B, T], kv_segment_ids
+[B, S], kv_blocks [B, ceil(S/tile_n), 4] and q_blocks [B, ceil(T/tile_m), 2] int32
+(`segments.block_summaries(kv_seg, q_seg, tile_n, tile_m)`: rows = keys).
+With ``has_alibi`` an output alibi_parts [B, N, ceil(S/tile_n), ALIBI_PARTS] float32 follows dv:
+per-warp partial sums of dS_ij |i - j| (the caller returns d(slopes) = -their sum over all but N).
 Outputs: dq_acc [B, T, N, H] float32 (the kernel zeroes it, then adds dS K into it; the caller
 multiplies by the softmax scale), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv].
 With ``deterministic``, a fourth output dq_sem [B, N, ceil(T / 64)] int32: the kernel's
@@ -14,7 +19,7 @@ only with a window.
 from __future__ import annotations
 
 from jaxflash.ffi.variant import Launch, TensorArg
-from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, LSE_PAD, BwdConfig
+from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, LSE_PAD, BwdConfig
 
 KERNEL_REF = "jaxflash.kernels.hopper_bwd:FlashBwdSm90"
 # hd 192 / 256: consumer warpgroups split the head dim (see `BwdConfig.split`).
@@ -37,8 +42,15 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
         inputs.append(TensorArg("int32", (None,)))
     if config.has_kv_seqlen:
         inputs.append(TensorArg("int32", (None,)))
+    if config.has_alibi:
+        inputs.append(TensorArg("float32", (1, None)))
+    if config.has_segments:
+        inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
+                   TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
     outputs = [TensorArg("float32", (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
                TensorArg(dt, (None, None, None, hv))]
+    if config.has_alibi:
+        outputs.append(TensorArg("float32", (None, None, None, ALIBI_PARTS)))
     if config.deterministic:
         outputs.append(TensorArg("int32", (None, None, None)))
     return Launch(kernel=kernel_ref(config), config=config, inputs=tuple(inputs), outputs=tuple(outputs),
@@ -52,3 +64,7 @@ def padded_len(t: int) -> int:
 
 def num_q_blocks(t: int, config: BwdConfig) -> int:
     return -(-t // config.tile_m)
+
+
+def num_k_blocks(s: int, config: BwdConfig) -> int:
+    return -(-s // config.tile_n)

@@ -42,6 +42,18 @@ Masking (jax.nn semantics, see `mask.py`): masked logits are -inf before the exp
 and dS are exactly 0 there; queries with no visible key, past q_seqlen or past T arrive with
 lse2 = +inf (the caller's preprocessing), giving P = 0 (never NaN); keys at or past kv_seqlen
 are masked in every step, so their dK/dV rows are 0.
+
+ALiBi and segment ids reuse the forward's blocks (`mask.py`) on the transposed tile (rows =
+keys, columns = queries; |i - j| is symmetric, and `SegmentRows` / `apply_segment_mask` take
+keys as rows). ALiBi: the slope (in S^T units: divided by the softmax scale) is subtracted
+times |i - j| before the exponential; d(slope) = -sum dS_ij |i - j| (dS = dL/dlogit, before
+the scale folded into dK) is accumulated per thread in float32 while dS^T is in registers,
+reduced over the warp at the end of each query head and written by lane 0 to
+alibi_parts[b, head, n_block, warp] (no atomics: deterministic; the caller sums and negates).
+Segment ids: the CTA visits only the query blocks [first, end) that XLA precomputed from the
+per-block (min, max) ids with rows = keys (`segments.block_summaries(kv_seg, q_seg, ...)`),
+intersected with the causal/window/length range; a block pair whose ids are not one shared
+segment gets the element compare (P = dS = 0 where the ids differ).
 """
 from __future__ import annotations
 
@@ -58,9 +70,11 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels import layouts
-from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, BwdConfig
+from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, BwdConfig
 from jaxflash.kernels.launch_args import LaunchArgs
-from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
+from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords,
+                                   alibi_distance_dot, apply_alibi, apply_mask_kq,
+                                   apply_segment_mask)
 from jaxflash.kernels.pipes import TmaPipelines
 
 LOG2_E = math.log2(math.e)
@@ -113,7 +127,16 @@ class FlashBwdSm90:
             ins.append("q_seqlen")
         if self.cfg.has_kv_seqlen:
             ins.append("kv_seqlen")
-        return (tuple(ins), ("dq_acc", "dk", "dv"), FLOAT_SCALARS,
+        if self.cfg.has_alibi:
+            ins.append("alibi_slopes")
+        if self.cfg.has_segments:
+            ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
+        outs = ["dq_acc", "dk", "dv"]
+        if self.cfg.has_alibi:
+            outs.append("alibi_parts")
+        if self.cfg.deterministic:
+            outs.append("dq_sem")
+        return (tuple(ins), tuple(outs), FLOAT_SCALARS,
                 INT_SCALARS if self.cfg.has_window else ())
 
     @cute.jit
@@ -122,19 +145,25 @@ class FlashBwdSm90:
         mQ, mK, mV, mdO, mLSE, mDelta = a.take(6)
         mQSeqlen = a.maybe(self.cfg.has_q_seqlen)
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
+        mAlibi = a.maybe(self.cfg.has_alibi)
+        seg = a.maybe(self.cfg.has_segments, 4)
         mdQ, mdK, mdV = a.take(3)
+        mdAlibi = a.maybe(self.cfg.has_alibi)
         mSem = a.maybe(self.cfg.deterministic)
         mFScalars = a.take()
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
-        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV, mSem,
-                    mFScalars, mIScalars, stream)
+        self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mAlibi, seg[0], seg[1],
+                    seg[2], seg[3], mdQ, mdK, mdV, mdAlibi, mSem, mFScalars, mIScalars, stream)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
-               mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
+               mKVSeqlen: Optional[cute.Tensor], mAlibi: Optional[cute.Tensor],
+               mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor],
+               mKVBlk: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor], mdQ: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mdAlibi: Optional[cute.Tensor],
+               mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
                mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
@@ -149,6 +178,8 @@ class FlashBwdSm90:
         if const_expr(self.cfg.deterministic):
             self.zero_fill(mSem, stream)
             mSem = layouts.select_modes(mSem, [2, 1, 0])  # (m blocks, N, B)
+        if const_expr(self.cfg.has_alibi):
+            self.zero_fill(mdAlibi, stream)  # key blocks no query sees write nothing
 
         # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want.
         mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
@@ -225,7 +256,8 @@ class FlashBwdSm90:
         num_n_blocks = (S + self.tile_n - 1) // self.tile_n
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
-            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO,
+            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen,
+            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi), tma_Q, tma_K, tma_V, tma_dO,
             tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
@@ -260,7 +292,7 @@ class FlashBwdSm90:
         self,
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
         mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mdQ: cute.Tensor,
-        mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor],
+        mQSeqlen: Optional[cute.Tensor], mKVSeqlen: Optional[cute.Tensor], feats,
         tma_Q: cute.CopyAtom, tma_K: cute.CopyAtom, tma_V: cute.CopyAtom, tma_dO: cute.CopyAtom,
         tma_LSE: cute.CopyAtom, tma_Dl: cute.CopyAtom, tma_dK: cute.CopyAtom,
         tma_dV: cute.CopyAtom, tma_dQ: cute.CopyAtom, mSem: Optional[cute.Tensor],
@@ -328,6 +360,12 @@ class FlashBwdSm90:
         blocks = QueryBlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
                                  window_left, window_right)
         m_min, m_max = blocks.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        mKVBlk = feats[3]
+        if const_expr(self.cfg.has_segments):
+            # Segment block skipping: only query blocks whose ids can meet this key block's
+            # (exact for sorted, document-packed ids; see `jaxflash.kernels.segments`).
+            m_min = cutlass.max(m_min, mKVBlk[batch, n_block, 2])
+            m_max = cutlass.max(cutlass.min(m_max, mKVBlk[batch, n_block, 3]), m_min)
         num_m = m_max - m_min
         num_steps = group * num_m
 
@@ -346,7 +384,7 @@ class FlashBwdSm90:
                          pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                          tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
                          scale_log2, window_left, window_right, n_block, kv_head, batch, group,
-                         m_min, num_m, num_steps, seqlen_k, T, mSem, blocks)
+                         m_min, num_m, num_steps, seqlen_k, T, mSem, blocks, feats)
 
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
@@ -402,7 +440,8 @@ class FlashBwdSm90:
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
-                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
+                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats):
+        mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi = feats
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -437,6 +476,15 @@ class FlashBwdSm90:
         if const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
+        # ALiBi slope in S^T units (the exp2 applies the softmax scale to the whole score).
+        alibi_inv = Float32(1.0) / softmax_scale
+        key_segs = None
+        if const_expr(self.cfg.has_segments):
+            key_segs = SegmentRows.load(
+                coords, cute.size(layouts.acc_as_rows_cols(acc_S), mode=[0]),
+                n_block * self.tile_n, mKVSeg[batch, None], mKVSeg.shape[1],
+                mKVBlk[batch, n_block, 0], mKVBlk[batch, n_block, 1])
+        dslope = Float32(0.0)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -460,6 +508,15 @@ class FlashBwdSm90:
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
                 # Only blocks on a boundary (key tail, diagonal, window edge) pay for the mask.
+                if const_expr(self.cfg.has_alibi):
+                    apply_alibi(acc_S, coords, n_block * self.tile_n, m_block * self.tile_m,
+                                mAlibi[0, head] * alibi_inv)
+                if const_expr(self.cfg.has_segments):
+                    # Most block pairs of packed documents lie inside one document: no compare.
+                    if key_segs.block_needs_compare(mQBlk[batch, m_block, 0],
+                                                    mQBlk[batch, m_block, 1]):
+                        apply_segment_mask(acc_S, coords, key_segs, m_block * self.tile_m,
+                                           mQSeg[batch, None], T)
                 if blocks.needs_mask(n_block, m_block, seqlen_k):
                     apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
                                   seqlen_k, window_left, window_right, self.has_right,
@@ -493,6 +550,13 @@ class FlashBwdSm90:
                 if const_expr(not self.cfg.overlap_dq):
                     layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
                                   tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
+                if const_expr(self.cfg.has_alibi):
+                    # acc_dP still holds dS^T in float32 (under the dK GEMM, which reads rdS).
+                    # Measured with ptxas: here hd <= 96 has no spills; at the end of the step
+                    # hd 96 spilled 20 bytes; hd 128 spills or serializes either way (refused).
+                    dslope = self.alibi_grad_step(acc_dP, coords, n_block, m_block,
+                                                  m_min + num_m - 1, head, batch, warp_idx,
+                                                  mdAlibi, dslope)
                 cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
                 if const_expr(self.dq_tma):
@@ -576,6 +640,22 @@ class FlashBwdSm90:
                     self.pass_turn(sem)
         else:
             self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+
+    @cute.jit
+    def alibi_grad_step(self, acc_dS, coords: TileCoords, n_block: Int32, m_block: Int32,
+                        m_last: Int32, head: Int32, batch: Int32, warp_idx: Int32,
+                        mdAlibi: cute.Tensor, dslope: Float32):
+        """Add this step's sum dS_ij |i - j| to the thread's running d(slope) partial; after
+        the head's last query block, reduce it over the warp, let lane 0 write
+        alibi_parts[batch, head, n_block, consumer warp] and restart from 0."""
+        dslope = alibi_distance_dot(acc_dS, coords, n_block * self.tile_n,
+                                    m_block * self.tile_m, dslope)
+        if m_block == m_last:
+            total = cute.arch.warp_reduction_sum(dslope)
+            if cute.arch.lane_idx() == 0:
+                mdAlibi[batch, head, n_block, warp_idx - 4] = total
+            dslope = Float32(0.0)
+        return dslope
 
     @cute.jit
     def wait_turn(self, sem, turn: Int32):

@@ -64,9 +64,15 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
-               mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
+               mKVSeqlen: Optional[cute.Tensor], mAlibi: Optional[cute.Tensor],
+               mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor],
+               mKVBlk: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor], mdQ: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mdAlibi: Optional[cute.Tensor],
+               mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
                mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
+        # Same signature as `FlashBwdSm90.launch` (its `__call__` is shared); the ALiBi and
+        # segment tensors are always None here: `BwdConfig.check` refuses those features at
+        # the wide head dims.
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -152,7 +158,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         num_n_blocks = (S + self.tile_n - 1) // self.tile_n
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
-            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen, tma_Q, tma_K, tma_V, tma_dO,
+            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen,
+            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi), tma_Q, tma_K, tma_V, tma_dO,
             tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
@@ -166,7 +173,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
-                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
+                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)

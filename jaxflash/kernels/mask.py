@@ -160,6 +160,23 @@ def apply_alibi(acc_s: cute.Tensor, coords: TileCoords, row_start: Int32, col_st
             s[r, j] = s[r, j] - slope * cute.arch.fmax(d, -d)
 
 
+@cute.jit
+def alibi_distance_dot(acc: cute.Tensor, coords: TileCoords, row_start: Int32,
+                       col_start: Int32, total: Float32):
+    """total + sum over the thread's elements of acc[i, j] * |i - j| (same positions as
+    `apply_alibi`): the backward's d(slope) partial, with acc = dS (the sign is the caller's:
+    the logit holds -slope * |i - j|)."""
+    s = acc_as_rows_cols(acc)
+    t0 = coords.t0
+    col0 = col_start + coords.base_col
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        d0 = Float32(row_start + coords.row(r) - col0)
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            d = d0 - Float32(t0[0, j][1])
+            total = total + s[r, j] * cute.arch.fmax(d, -d)
+    return total
+
+
 class SegmentRows(Carried):
     """Segment facts of one query (row) tile for a thread: the ids of its own rows and the
     tile's (min, max) id, the latter to let whole blocks skip the element compare."""
