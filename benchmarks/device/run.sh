@@ -7,6 +7,7 @@
 #   lm      examples.lm.compare: cute vs two xla runs, 400 steps          (~4 min)
 #   grid    the anchor grid, every implementation, fwd and fwd+bwd       (~7 min)
 #   kbench  kernel-level fwd and bwd timings beside cuDNN                (~4 min)
+#   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
 # benchmarks/results/ with the date. Variants not yet checked on a GPU are admitted here
 # (JAXFLASH_CUTE_UNVERIFIED=1): these runs are what checks them.
@@ -18,8 +19,12 @@ D=$(date -u +%F)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in "$@"; do case $stage in
 checks)
+  # the backward cases written 2026-12-01 first (D=192/256, ALiBi, segment ids), then the rest
+  NEW=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if re.search('h192|h256|alibi|segment', n)))")
+  timeout 240 python3 -m jaxflash.kernels.bwd_devrun check --cases "$NEW" --out $OUT/cute-bwd-check-new-$D.json 2>&1 | tail -40
+  OLD=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if not re.search('h192|h256|alibi|segment', n)))")
+  timeout 200 python3 -m jaxflash.kernels.bwd_devrun check --cases "$OLD" --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -30
   timeout 200 python3 -m jaxflash.kernels.devrun check --out $OUT/cute-fwd-check-$D.json 2>&1 | tail -30
-  timeout 240 python3 -m jaxflash.kernels.bwd_devrun check --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -40
   timeout 120 python3 -m jaxflash.kernels.bwd_devrun determinism --out $OUT/cute-bwd-determinism-$D.json 2>&1 | tail -8
   JAXFLASH_KERNEL_DIR=$PWD/artifacts/ffi_selftest/kernels JAXFLASH_FFI_EXPORT_DIR=$PWD/artifacts/ffi_selftest \
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -4 ;;
@@ -34,5 +39,12 @@ grid)
 kbench)
   timeout 200 python3 -m jaxflash.kernels.devrun bench --out $OUT/cute-fwd-bench-$D.json 2>&1 | tail -25
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench --out $OUT/cute-bwd-bench-$D.json 2>&1 | tail -25 ;;
+sanitize)  # compute-sanitizer on small cases of the 2026-12-01 backward kernels
+  SAN="bf16 h256 tiny;bf16 h192 causal T>S;bf16 h64 alibi odd;bf16 h128 segments"
+  for tool in memcheck racecheck; do
+    timeout 280 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
+      check --cases "$SAN" --out $OUT/san-$tool.json > $OUT/cute-bwd-$tool-$D.log 2>&1
+    tail -3 $OUT/cute-bwd-$tool-$D.log
+  done ;;
 *) echo "unknown stage $stage" ;;
 esac; done
