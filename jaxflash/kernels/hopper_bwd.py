@@ -186,35 +186,9 @@ class FlashBwdSm90:
                                           for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV)]
         mLSE, mDelta = [layouts.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (Tp, N, B)
 
-        K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        wgs = self.num_mma_wg
-        # S^T = K Q^T and dP^T = V dO^T: M = keys (one 64-row atom per warpgroup), N = queries.
-        tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_, K_, Float32, atom_layout_mnk=(wgs, 1, 1),
-            tiler_mn=(64, self.tile_m))
-        # dK += dS^T Q, dV += P^T dO: A from registers (the S^T / dP^T accumulators' layout).
-        tiled_mma_dk = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
-            tiler_mn=(64, self.hd), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
-            tiler_mn=(64, self.hdv), a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K: M = the 64 queries, N = hd split over the warpgroups, both operands read
-        # MN-major (dS^T and K as stored).
-        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wgs, 1),
-            tiler_mn=(64, self.hd // wgs))
-
-        sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd, self.num_stages)
-        sdO_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hdv, self.num_stages)
-        # K is read as B of the dQ GEMM in hd/2-column slices: the swizzle atom must fit one.
-        sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd,
-                                        atom_cols=self.hd // wgs)
-        sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
-        sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
-        sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
-        # Written per warpgroup in hd/2-column halves (the dQ GEMM's split): whole atoms each.
-        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=self.hd // wgs)
+        tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self.tiled_mmas()
+        (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+         sdQ_layout) = self.smem_layouts()
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -263,6 +237,46 @@ class FlashBwdSm90:
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
+
+    # The two things the head-dim-split subclass (`hopper_bwd_wide`) changes; everything else
+    # of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing `launch`.
+    def tiled_mmas(self):
+        """(S^T / dP^T, dK, dV, dQ) tiled MMAs of the key-split scheme."""
+        K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        wgs = self.num_mma_wg
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (one 64-row atom per warpgroup), N = queries.
+        tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, K_, Float32, atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.tile_m))
+        # dK += dS^T Q, dV += P^T dO: A from registers (the S^T / dP^T accumulators' layout).
+        tiled_mma_dk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.hd), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_dv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
+            tiler_mn=(64, self.hdv), a_source=warpgroup.OperandSource.RMEM)
+        # dQ = dS K: M = the 64 queries, N = hd split over the warpgroups, both operands read
+        # MN-major (dS^T and K as stored).
+        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wgs, 1),
+            tiler_mn=(64, self.hd // wgs))
+        return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
+
+    def smem_layouts(self):
+        """(Q, dO, K, V, dS^T, LSE / delta rows, dQ) shared-memory layouts."""
+        wgs = self.num_mma_wg
+        sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd, self.num_stages)
+        sdO_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hdv, self.num_stages)
+        # K is read as B of the dQ GEMM in hd/2-column slices: the swizzle atom must fit one.
+        sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd,
+                                        atom_cols=self.hd // wgs)
+        sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
+        sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
+        sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
+        # Written per warpgroup in hd/2-column halves (the dQ GEMM's split): whole atoms each.
+        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=self.hd // wgs)
+        return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+                sdQ_layout)
 
     # ------------------------------------------------------------------------------------
     # device

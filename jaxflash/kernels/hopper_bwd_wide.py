@@ -35,14 +35,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
@@ -61,32 +60,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
         self.pds_bufs = 1 if self.dq_tma else 2
 
-    @cute.jit
-    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-               mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
-               mKVSeqlen: Optional[cute.Tensor], mAlibi: Optional[cute.Tensor],
-               mQSeg: Optional[cute.Tensor], mKVSeg: Optional[cute.Tensor],
-               mKVBlk: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor], mdQ: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, mdAlibi: Optional[cute.Tensor],
-               mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
-        # Same signature as `FlashBwdSm90.launch` (its `__call__` is shared); the ALiBi and
-        # segment tensors are always None here: `BwdConfig.check` refuses those features at
-        # the wide head dims.
-        for t in (mQ, mK, mV, mdO, mdK, mdV):
-            if const_expr(t.element_type != self.dtype):
-                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
-        for t in (mLSE, mDelta, mdQ):
-            if const_expr(t.element_type != Float32):
-                raise TypeError("lse2, delta and dq_acc must be float32")
-        self.zero_fill(mdQ, stream)
-        if const_expr(self.cfg.deterministic):
-            self.zero_fill(mSem, stream)
-            mSem = layouts.select_modes(mSem, [2, 1, 0])
-        mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
-                                          for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV)]
-        mLSE, mDelta = [layouts.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]
-
+    # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
+    # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
+    # refuses those features at the wide head dims.
+    def tiled_mmas(self):
         K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         half, halfv = self.hd // 2, self.hdv // 2
         # S^T, dP^T: 64 keys x tile_m queries, the queries split over the warpgroups.
@@ -104,7 +81,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 2, 1),
             tiler_mn=(self.tile_m, half))
+        return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
+    def smem_layouts(self):
+        half, halfv = self.hd // 2, self.hdv // 2
         # Q, dO and K are MN-major operands in hd/2-column slices: atoms that fit a slice.
         sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd, self.num_stages,
                                         atom_cols=half)
@@ -113,58 +93,13 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=half)
         # V too: the dV epilogue stores each warpgroup's hd/2 columns into it (stmatrix).
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv, atom_cols=halfv)
+        # P^T and dS^T (2 per buffer, see the module docstring)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
                                          2 * self.pds_bufs)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        s2g = cpasync.CopyBulkTensorTileS2GOp()
-        sel = lambda l: cute.select(l, mode=[0, 1])
-        tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
-            g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
-        tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
-            g2s, mdO, sel(sdO_layout), (self.tile_m, self.hdv), 1)
-        tma_K, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, self.hd))
-        tma_V, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (self.tile_n, self.hdv))
-        row1 = cute.select(sRow_layout, mode=[0])
-        tma_LSE, tma_mLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, row1, (self.tile_m,), 1)
-        tma_Dl, tma_mDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, row1, (self.tile_m,), 1)
-        tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
-        tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
-        tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
-        self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
-        self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
-        self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
-                         + cute.size_in_bytes(self.dtype, sV_layout))
-
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[
-                Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
-
-        S = mK.shape[0]
-        num_n_blocks = (S + self.tile_n - 1) // self.tile_n
-        self.kernel(
-            tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
-            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen,
-            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi), tma_Q, tma_K, tma_V, tma_dO,
-            tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
-            sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
-            tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
-        ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
-                 stream=stream, min_blocks_per_mp=1)
+        return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+                sdQ_layout)
 
     @cute.jit
     def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sPdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
