@@ -474,22 +474,9 @@ class FlashBwdSm90:
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sdS)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
-        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hd)))
-        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdv)))
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
-        coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_coords = TileCoords.make(tiled_mma_dq, tidx, (self.tile_m, self.hd))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
-        tdSsdS = thr_st_ds.partition_D(sdS)
-        tdQsdQ = None
-        if const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(sdQ)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
+        (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds, tdSsdS,
+         tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
+                                       thr_dq, tidx, sdS, sdQ)
         # ALiBi slope in S^T units (the exp2 applies the softmax scale to the whole score).
         alibi_inv = Float32(1.0) / softmax_scale
         key_segs = None
@@ -627,6 +614,31 @@ class FlashBwdSm90:
             cute.copy(tma_dV, tdVsdV, tdVgdV)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
+
+    def consumer_tiles(self, tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv, thr_dq,
+                       tidx, sdS, sdQ):
+        """A consumer thread's accumulators (dK / dV zeroed), its coordinates in the S^T and dQ
+        tiles, its stmatrix atom, slice and partition of the dS^T (and P^T) buffer, and its
+        partition of the dQ tile: the same in both backward kernels (only the MMAs that shape
+        them differ). Plain Python, inlined while `consume` is traced."""
+        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
+        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hd)))
+        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdv)))
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
+        dq_coords = TileCoords.make(tiled_mma_dq, tidx, (self.tile_m, self.hd))
+        st_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
+        tdSsdS = thr_st_ds.partition_D(sdS)
+        tdQsdQ = None
+        if const_expr(self.dq_tma):
+            tdQsdQ = thr_dq.partition_C(sdQ)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
+        return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds,
+                tdSsdS, tdQsdQ)
 
     @cute.jit
     def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,

@@ -130,22 +130,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sPdS)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
-        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
-        acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hd)))
-        acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdv)))
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
-        coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_coords = TileCoords.make(tiled_mma_dq, tidx, (self.tile_m, self.hd))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st_pds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
-        tPsPdS = thr_st_pds.partition_D(sPdS)
-        tdQsdQ = None
-        if const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(sdQ)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
+        (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
+         tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
+                                       thr_dq, tidx, sPdS, sdQ)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
