@@ -108,7 +108,9 @@ def test_sharded_equals_unsharded(name, partitioner):
     finally:
         jax.config.update("jax_use_shardy_partitioner", prev)
 
-    assert_close(val, ref_val, FWD_TOL["float32"], "loss")
+    # A scalar sum over the whole output: sharded partial sums add in another order, so its
+    # float32 rounding (seen at 2.1e-5 on fresh inputs) exceeds the per-element tolerance.
+    assert_close(val, ref_val, 1e-4, "loss")
     for what, g, r in zip(("dq", "dk", "dv", "dbias", "dalibi"), grads, ref_grads):
         assert_close(g, r, GRAD_TOL["float32"], what)
     assert grads[0].sharding.spec == qspec, grads[0].sharding
