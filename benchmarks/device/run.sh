@@ -40,9 +40,9 @@ kbench)
   timeout 200 python3 -m jaxflash.kernels.devrun bench --out $OUT/cute-fwd-bench-$D.json 2>&1 | tail -25
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench --out $OUT/cute-bwd-bench-$D.json 2>&1 | tail -25 ;;
 sanitize)  # compute-sanitizer on small cases of the 2026-12-01 backward kernels
-  SAN="bf16 h256 tiny;bf16 h192 causal T>S;bf16 h64 alibi odd;bf16 h128 segments"
+  SAN=${SAN_CASES:-"bf16 h256 tiny;bf16 h192 causal T>S;bf16 h64 alibi odd;bf16 h128 segments"}
   for tool in memcheck racecheck; do
-    timeout 280 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
+    timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
       check --cases "$SAN" --out $OUT/san-$tool.json > $OUT/cute-bwd-$tool-$D.log 2>&1
     tail -3 $OUT/cute-bwd-$tool-$D.log
   done ;;
