@@ -230,13 +230,8 @@ def test_explain_names_the_backward(cuda_env, monkeypatch):
     from jaxflash.kernels import verified
     assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
     assert "_det_causal" in _explain(is_causal=True, deterministic=True)
-    # The wide kernel is not yet checked on a GPU: the Pallas backward runs and explain says why.
+    # The wide kernel (checked on the H200 on 2026-12-01) runs by default, no switch needed.
     monkeypatch.delenv(verified.ENV, raising=False)
-    for H in (192, 256):
-        text = _explain(_shapes(H=H), is_causal=True)
-        assert "backward: Pallas" in text and "not yet checked on a GPU" in text, text
-        assert f"head dim {H} (FlashBwdSm90Wide)" in text and verified.ENV in text, text
-    monkeypatch.setenv(verified.ENV, "1")
     for H in (192, 256):
         text = _explain(_shapes(H=H), is_causal=True)
         assert f"backward: CuTe kernel FlashBwdSm90Wide (bwd_sm90_bfloat16_h{H}" in text, text
@@ -266,9 +261,9 @@ def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
 @pytest.mark.parametrize("H", [192, 256])
 def test_wide_grad_lowers_to_the_cute_backward(cuda_env, H, monkeypatch):
     """jax.grad at D 192 / 256 runs our backward (two custom calls, float32 dQ accumulator),
-    not the Pallas fallback, once admitted (it is not yet GPU-checked: `verified`)."""
+    not the Pallas fallback, by default (GPU-checked on 2026-12-01, so `verified` admits it)."""
     from jaxflash.kernels import verified
-    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.delenv(verified.ENV, raising=False)
     import jax
     import jaxflash
     from jaxflash import ffi
@@ -366,14 +361,8 @@ def test_explain_names_the_backward_for_alibi_and_segments(cuda_env, monkeypatch
     from jaxflash.kernels import verified
     slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
     q_seg, kv_seg = _seg_arrays()
-    # Not yet checked on a GPU: gated (the Pallas backward runs, and explain says why) ...
+    # Checked on the H200 (2026-12-01): dispatched by default, no switch needed.
     monkeypatch.delenv(verified.ENV, raising=False)
-    text = _explain(is_causal=True, alibi_slopes=slopes, q_segment_ids=q_seg,
-                    kv_segment_ids=kv_seg)
-    assert "backward: Pallas" in text and "ALiBi" in text and "segment ids" in text, text
-    assert "not yet checked on a GPU" in text, text
-    # ... and admitted with the switch.
-    monkeypatch.setenv(verified.ENV, "1")
     text = _explain(is_causal=True, alibi_slopes=slopes, q_segment_ids=q_seg,
                     kv_segment_ids=kv_seg)
     assert "backward: CuTe kernel FlashBwdSm90" in text and "causal-alibi-seg" in text
@@ -388,9 +377,9 @@ def test_explain_names_the_backward_for_alibi_and_segments(cuda_env, monkeypatch
 
 def test_grad_with_alibi_and_segments_lowers_to_custom_calls(cuda_env, monkeypatch):
     """jax.grad w.r.t. the slopes goes through the CuTe backward (its partials output
-    [B, N, ceil(S/128), 8] is in the HLO) and no T x S tensor appears (admitted: `verified`)."""
+    [B, N, ceil(S/128), 8] is in the HLO) and no T x S tensor appears, by default."""
     from jaxflash.kernels import verified
-    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.delenv(verified.ENV, raising=False)
     import jax
     import jax.numpy as jnp
     import jaxflash

@@ -36,7 +36,7 @@ import numpy as np
 from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.bwd_launch import bwd_launch
 from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.devrun import (_alibi_and_segments, _gpu_name, _rel, _time, finish_case,
+from jaxflash.kernels.devrun import (_alibi_and_segments, case_mismatch, _gpu_name, _rel, _time, finish_case,
                                      fresh_inputs, ours, start_watchdog)
 from jaxflash.kernels.fwd_launch import fwd_launch
 
@@ -150,7 +150,7 @@ CHECKS = [
                                       [(5, 650), (8, 50)]]})),
     ("fp16 h96 alibi segments random kvlen edv", dict(dtype="float16", head_dim=96,
                                                       has_alibi=True, has_segments=True,
-                                                      early_dv=True),
+                                                      has_kv_seqlen=True, early_dv=True),
      (3, 333, 444, 4, 2, {"random_segs": 3, "alibi": 1, "kv_seqlen": [444, 200, 0]})),
     ("bf16 h96 alibi segments window qlen", dict(head_dim=96, has_alibi=True, has_segments=True,
                                                  is_causal=True, has_window=True,
@@ -315,6 +315,8 @@ def check(out_path: str, cases=None) -> bool:
             continue
         dog = start_watchdog(name)
         fcfg, bcfg = _configs(kw)
+        if case_mismatch(name, bcfg, ex):
+            raise ValueError(case_mismatch(name, bcfg, ex))
         H = bcfg.head_dim
         q, k, v, do, qs, kvs = fresh_inputs(B, T, S, N, K, H, bcfg.dtype, ex, with_do=True)
         scale = 1.0 / np.sqrt(H)

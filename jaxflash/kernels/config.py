@@ -122,10 +122,9 @@ class FwdConfig:
 
     def unverified(self) -> tuple[str, ...]:
         """Features compiled here but not yet checked against the reference on a GPU
-        (`jaxflash.kernels.verified`). ``config_for`` never picks these; the gate only matters
-        if it ever does."""
-        if self.tile_m == 192 and not self.intra_wg_overlap:
-            return ("the 192-row tile without intra-warpgroup overlap",)
+        (`jaxflash.kernels.verified`). None now: the 192-row tile without intra-warpgroup
+        overlap, the last one, passed its checks on the H200 on 2026-12-01 (error / cuDNN's
+        0.995-1.001, `benchmarks/results/cute-fwd-check-h200-2026-12-01.json`)."""
         return ()
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
@@ -225,6 +224,9 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
       0.74 causal; 128/1k causal 0.83 -> 0.91. It lost elsewhere (128/1k dense 0.85 -> 0.67,
       64/4k causal 0.90 -> 0.82, hdim 256 everywhere), so it stays off there.
     - three K/V stages at S >= 16k for hdim 128: 1.11 -> 1.18 causal, 1.06 -> 1.07 dense.
+    - 192 query rows (three consumer warpgroups) without intra-warpgroup overlap at S >= 4k for
+      hdim 64, dense: 16k 0.99 -> 1.08, 4k 0.92 -> 0.97 (measured twice, 2026-11-30 and
+      2026-12-01, `cute-fwd-bench-h200-2026-12-01.json`). Causal it lost (4k 0.87 -> 0.82).
 
     Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
     and segment variants keep the default. Crossing a threshold picks another variant (one more compile), nothing else does.
@@ -235,4 +237,6 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
         return {"persistent": True}
     if kv_len >= 16384 and head_dim == 128:
         return {"num_stages": 3}
+    if kv_len >= 4096 and head_dim == 64 and not causal:
+        return {"tile_m": 192, "intra_wg_overlap": False}
     return {}

@@ -238,6 +238,29 @@ def _runs(runs, length):
     return ids
 
 
+# Which compiled feature each input of a check case needs (input key in `ex` -> config flag).
+_CASE_FEATURES = {"q_seqlen": "has_q_seqlen", "kv_seqlen": "has_kv_seqlen", "alibi": "has_alibi",
+                  "q_segs": "has_segments", "random_segs": "has_segments",
+                  "window": "has_window", "softcap": "has_softcap"}
+
+
+def case_mismatch(name, config, ex) -> str:
+    """"" when the inputs of check case `name` and the features compiled into `config` agree;
+    else what differs. A variant compiled without a feature ignores its input (the kernel has
+    no argument for it), so a mismatched case would test a call dispatch can never make: the
+    2026-12-01 run failed a case whose config lacked ``has_kv_seqlen`` while its inputs had
+    lengths, a bug of the case, not of the kernel."""
+    wrong = []
+    for key, flag in _CASE_FEATURES.items():
+        if key in ex and not getattr(config, flag):
+            wrong.append(f"input {key!r} given but config has {flag}=False")
+    for flag in sorted(set(_CASE_FEATURES.values())):
+        if getattr(config, flag) and not any(k in ex for k, f in _CASE_FEATURES.items()
+                                             if f == flag):
+            wrong.append(f"config has {flag}=True but the case gives no input for it")
+    return f"check case {name!r}: " + "; ".join(wrong) if wrong else ""
+
+
 def _alibi_and_segments(ex, B, T, S, N):
     """(slopes [N] or None, q_seg [B, T] or None, kv_seg [B, S] or None) of a check case, as
     numpy arrays (fresh slopes each run: the usual 2^(-8 h / N) ladder times a random factor
@@ -339,6 +362,8 @@ def check(out_path: str, cases=None) -> bool:
             continue
         dog = start_watchdog(name)
         cfg = FwdConfig(**kw)
+        if case_mismatch(name, cfg, ex):
+            raise ValueError(case_mismatch(name, cfg, ex))
         H = cfg.head_dim
         q, k, v, _, qs, kvs = fresh_inputs(B, T, S, N, K, H, cfg.dtype, ex)
         scale = 1.0 / np.sqrt(H)
