@@ -82,13 +82,13 @@ IMPLS = {
 CHECK_BASELINES = ("cudnn", "jax-xla", "xla")
 
 # Order of measurement. When the run's time budget runs out, later entries are skipped, so the
-# figures that matter most come first: our forward beside cuDNN's, then forward+backward of the
-# Pallas fallback beside cuDNN's, then everything else.
+# figures that matter most come first: our forward beside cuDNN's, then our forward+backward
+# (CuTe and the Pallas fallback) beside cuDNN's, then everything else.
 PRIORITY = (
     ("fwd", ("cudnn", "cute", "pallas")),
-    ("fwdbwd", ("cudnn", "pallas")),
+    ("fwdbwd", ("cudnn", "cute", "pallas")),
     ("fwd", ("pallas-triton", "tokamax", "jax-xla", "xla")),
-    ("fwdbwd", ("cute", "pallas-triton", "tokamax", "jax-xla", "xla")),
+    ("fwdbwd", ("pallas-triton", "tokamax", "jax-xla", "xla")),
 )
 
 

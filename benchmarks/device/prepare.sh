@@ -16,6 +16,6 @@ bash ../shared/device/pack_runtime.sh .device "$PY"
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
 "$PY" -m jaxflash.ffi.gpu_selftest artifacts/ffi_selftest
 # whatever the API-level GPU tests reach through dispatch (recorded by running them once here)
-"$PY" -m tests.collect_variants --out .device/kernels tests/test_backends.py -k cute \
+"$PY" -m tests.collect_variants --out .device/kernels tests/test_backends.py -k "cute or hopper_gpu" \
   tests/test_kernels_hopper_gpu.py | tail -3
 du -sh .device artifacts
