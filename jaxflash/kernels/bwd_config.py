@@ -37,8 +37,9 @@ INT_SCALARS = ("window_left", "window_right")
 # need 16-byte aligned row strides; padding rows carry LSE = +inf so they contribute nothing).
 # A config with a larger tile_m pads to its tile_m (`bwd_launch.padded_len`), a multiple of this.
 LSE_PAD = 64
-# Head dims that may take tile_m 128 (see `BwdConfig`); hd 128 would need 64 + 64 + 64 + 64
-# accumulator registers per thread for S^T, dP^T, dK and dV alone.
+# Head dims that may take tile_m 128 (see `BwdConfig`): hd 96 (64 + 64 + 48 + 48 accumulator
+# registers per thread for S^T, dP^T, dK and dV) spills 388 bytes and serializes the wgmma
+# (ptxas, 2026-12-01, with "tma" and "red" alike); hd 128 would need 256.
 TILE_M128_HEAD_DIMS = (64,)
 
 
@@ -129,6 +130,16 @@ class BwdConfig:
             return False, (f"tile_m 128 at head_dim {self.head_dim}: the 64 x 128 S^T and dP^T "
                            "tiles beside the dK / dV accumulators exceed the 240 registers "
                            f"(head dims {TILE_M128_HEAD_DIMS})")
+        if self.tile_m == 128:
+            # Measured with ptxas at hd 64 (2026-12-01): each of these adds live registers to
+            # the 192 accumulators (tanh kept, bias and d(slope), dQ beside dS^T, P^T early).
+            extra = [n for n, on in (("softcap", self.has_softcap), ("alibi", self.has_alibi),
+                                     ("overlap_dq", self.overlap_dq),
+                                     ("early_dv", self.early_dv)) if on]
+            if extra:
+                return False, (f"tile_m 128 with {', '.join(extra)}: ptxas spills or "
+                               "serializes the wgmma (softcap 68 B, ALiBi 276 B, overlap_dq "
+                               "32 B of spills; early_dv C7512)")
         if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM and self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
         if self.head_dim > KEY_SPLIT_MAX_HEAD_DIM:
