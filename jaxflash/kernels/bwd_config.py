@@ -4,7 +4,7 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop. Per consumer thread the registers hold the
+``tile_m`` = 64 queries per step of the CTA's loop (128 as an unverified opt-in at hd 64). Per consumer thread the registers hold the
 dK and dV accumulators (64 x hd / 128 threads each: hd/2 + hdv/2 floats) plus the 64 x 64 S^T
 and dP^T tiles (32 + 32 floats): 192 at hd 128, inside the 240 that setmaxnreg gives. hd 192
 and 256 do not fit that budget at 64 keys per warpgroup: they run `hopper_bwd_wide` instead

@@ -5,7 +5,8 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
 - One CTA per (key block n, kv head, batch): ``tile_n`` = 128 keys, split over 2 consumer
   warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
   block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
-  its GQA group and, for each, over the query blocks m (``tile_m`` = 64) that can see the key
+  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 opt-in at
+  hd 64) that can see the key
   block (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no
   atomics for them and no K/V copies.
 - Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
@@ -19,11 +20,13 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
     dV  += P^T dO               (A = P^T from registers, B = dO^T: MN-major smem view)
     dK  += dS^T Q               (A = dS^T from registers, B = Q^T: MN-major smem view)
     dQ_m = dS K                 (dS^T written to smem with stmatrix; A = its transposed view,
-                                 B = K^T; the 64 x hd tile is split by columns over the two
-                                 warpgroups) then added to the float32 dQ accumulator in global
+                                 B = K^T; the tile_m x hd tile is split over the two
+                                 warpgroups by columns at tile_m 64, by 64-query rows at
+                                 tile_m 128) then added to the float32 dQ accumulator in global
                                  memory (other CTAs add to the same rows): by default written
-                                 to shared memory and added by one TMA reduce-add per step
-                                 (``dq_accum="tma"``), else one red.global.add.f32 per element
+                                 to shared memory and added by TMA reduce-adds (one per step;
+                                 one per 8-column slab at tile_m 128) (``dq_accum="tma"``),
+                                 else one red.global.add.f32 per element
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
