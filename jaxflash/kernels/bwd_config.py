@@ -4,12 +4,13 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop (128 as an unverified opt-in at hd 64). Per consumer thread the registers hold the
-dK and dV accumulators (64 x hd / 128 threads each: hd/2 + hdv/2 floats) plus the 64 x 64 S^T
-and dP^T tiles (32 + 32 floats): 192 at hd 128, inside the 240 that setmaxnreg gives. hd 192
-and 256 do not fit that budget at 64 keys per warpgroup: they run `hopper_bwd_wide` instead
-(``split == "headdim"``): ``tile_n`` = 64 keys, the two warpgroups split the head dim of dK, dV
-and dQ (hd/4 + hd/4 floats + hd/4 for dQ per thread, P^T / dS^T through shared memory). Its
+``tile_m`` = 64 queries per step of the CTA's loop (128: an unverified opt-in at hd 64). Per
+consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
+hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
+inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
+warpgroup: they run `hopper_bwd_wide` instead (``split == "headdim"``): ``tile_n`` = 64 keys,
+the two warpgroups split the head dim of dK, dV and dQ (hd/4 + hd/4 floats + hd/4 for dQ per
+thread, P^T / dS^T through shared memory). Its
 shared memory: at hd 256 the float32 dQ tile (64 KB, dq_accum="tma") leaves room for one Q / dO
 stage (``num_stages`` defaults to the most, up to 2, that fits); "red" fits 2 stages.
 

@@ -6,9 +6,8 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
   warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
   block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
   its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 opt-in at
-  hd 64) that can see the key
-  block (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no
-  atomics for them and no K/V copies.
+  hd 64) that can see the key block (`mask.QueryBlockRange`), so dK and dV are summed over the
+  group in registers: no atomics for them and no K/V copies.
 - Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
   (``num_stages`` each), in the consumers' order.
 - Consumers, per step, with the keys as the wgmma M dimension ("swapAB", so every operand is in
