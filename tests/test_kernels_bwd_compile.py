@@ -71,6 +71,15 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=64, is_causal=True, has_alibi=True, has_segments=True),
     BwdConfig(dtype="bfloat16", head_dim=96, is_causal=True, has_window=True, has_alibi=True,
               has_segments=True, has_q_seqlen=True),
+    # 128 queries per step (opt-in, hd 64; the dQ GEMM split by query rows, unswizzled dQ slabs)
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=64, tile_m=128, is_causal=True, has_window=True,
+              has_q_seqlen=True, has_kv_seqlen=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, has_window=True,
+              deterministic=True),
+    BwdConfig(dtype="float16", head_dim=64, tile_m=128, has_q_seqlen=True, dq_accum="red"),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, has_segments=True),
 ]
 
 
@@ -99,7 +108,10 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     if cfg.split == "keys":
         assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
         assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
-        assert wg.format(cfg.head_dim // 2) in ptx  # dQ = dS K, head dim split over 2 WGs
+        # dQ = dS K: tile_m 64 splits the head dim over the 2 WGs, tile_m 128 the query rows
+        assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
+        if cfg.tile_m == 128 and cfg.dq_accum == "tma":  # one reduce-add per 8-column slab
+            assert ptx.count("cp.reduce.async.bulk.tensor") == cfg.head_dim // 8
     else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
         assert shapes == {str(cfg.tile_m // 2), str(cfg.head_dim // 2)}, shapes
@@ -137,7 +149,14 @@ def test_refusals_name_the_reason():
                     (dict(dq_accum="smem"), "dq_accum"),
                     (dict(dq_accum="red", deterministic=True), "deterministic"),
                     (dict(head_dim=128, overlap_dq=True), "overlap_dq"),
-                    (dict(head_dim=128, has_softcap=True, early_dv=True), "early_dv")]:
+                    (dict(head_dim=128, has_softcap=True, early_dv=True), "early_dv"),
+                    (dict(head_dim=64, tile_m=96), "tile_m 96"),
+                    (dict(head_dim=96, tile_m=128), "tile_m 128 at head_dim 96"),
+                    (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256"),
+                    (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
+                    (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
+                    (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),
+                    (dict(head_dim=64, tile_m=128, overlap_dq=True), "overlap_dq")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
@@ -186,6 +205,24 @@ def test_wide_head_dims_pick_the_head_dim_split_kernel():
 
 def test_variant_keys_differ():
     assert len({c.key for c in MATRIX}) == len(MATRIX)
+
+
+def test_tile_m_128_is_opt_in_and_unverified():
+    """tile_m 128 is keyed, gated until a GPU checks it, never what dispatch picks, and its
+    LSE / delta padding and semaphore / segment-summary counts follow its 128-query blocks."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
+    from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
+    c, d = BwdConfig(head_dim=64, tile_m=128), BwdConfig(head_dim=64)
+    assert "_t128x128" in c.key and "_t64x128" in d.key
+    assert c.unverified() == ("tile_m 128",) and d.unverified() == ()
+    assert c.num_stages == 2 and c.smem_bytes() <= SMEM_LIMIT_BYTES
+    p = Problem(batch=2, q_len=300, kv_len=300, num_heads=4, num_kv_heads=4, head_dim=64,
+                head_dim_v=64, dtype="bfloat16", statics=AttentionStatics(scale=0.1))
+    assert config_for(p).tile_m == 64
+    assert [padded_len(t, d) for t in (1, 64, 65, 300)] == [64, 64, 128, 320]
+    assert [padded_len(t, c) for t in (1, 64, 65, 300)] == [128, 128, 128, 384]
+    assert (num_q_blocks(300, d), num_q_blocks(300, c)) == (5, 3)
 
 
 # -- wiring through the backend ----------------------------------------------------------------

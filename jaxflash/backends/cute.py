@@ -168,7 +168,8 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
     from jaxflash.kernels.fwd_launch import fwd_scalars
     B, T, N, H = q.shape
-    Tp = padded_len(T)
+    cfg = launch.config
+    Tp = padded_len(T, cfg)
     dout = dout.astype(q.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
     # Rows that saw no key have LSE -inf; rows past q_seqlen get no gradient: +inf makes
@@ -182,7 +183,6 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     lse2 = jnp.pad(lse2.astype(jnp.float32), pad, constant_values=jnp.inf)
     delta = jnp.pad(delta, pad)
     inputs = [q, k, v, dout, lse2, delta]
-    cfg = launch.config
     if cfg.has_q_seqlen:
         inputs.append(arrays.q_seqlen.astype(jnp.int32))
     if cfg.has_kv_seqlen:

@@ -4,12 +4,13 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop. Per consumer thread the registers hold the
-dK and dV accumulators (64 x hd / 128 threads each: hd/2 + hdv/2 floats) plus the 64 x 64 S^T
-and dP^T tiles (32 + 32 floats): 192 at hd 128, inside the 240 that setmaxnreg gives. hd 192
-and 256 do not fit that budget at 64 keys per warpgroup: they run `hopper_bwd_wide` instead
-(``split == "headdim"``): ``tile_n`` = 64 keys, the two warpgroups split the head dim of dK, dV
-and dQ (hd/4 + hd/4 floats + hd/4 for dQ per thread, P^T / dS^T through shared memory). Its
+``tile_m`` = 64 queries per step of the CTA's loop (128: an unverified opt-in at hd 64). Per
+consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
+hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
+inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
+warpgroup: they run `hopper_bwd_wide` instead (``split == "headdim"``): ``tile_n`` = 64 keys,
+the two warpgroups split the head dim of dK, dV and dQ (hd/4 + hd/4 floats + hd/4 for dQ per
+thread, P^T / dS^T through shared memory). Its
 shared memory: at hd 256 the float32 dQ tile (64 KB, dq_accum="tma") leaves room for one Q / dO
 stage (``num_stages`` defaults to the most, up to 2, that fits); "red" fits 2 stages.
 
@@ -35,7 +36,12 @@ FLOAT_SCALARS = ("softmax_scale", "softcap")
 INT_SCALARS = ("window_left", "window_right")
 # LSE and delta are passed padded to a multiple of this many queries (TMA boxes of tile_m rows
 # need 16-byte aligned row strides; padding rows carry LSE = +inf so they contribute nothing).
+# A config with a larger tile_m pads to its tile_m (`bwd_launch.padded_len`), a multiple of this.
 LSE_PAD = 64
+# Head dims that may take tile_m 128 (see `BwdConfig`): hd 96 (64 + 64 + 48 + 48 accumulator
+# registers per thread for S^T, dP^T, dK and dV) spills 388 bytes and serializes the wgmma
+# (ptxas, 2026-12-01, with "tma" and "red" alike); hd 128 would need 256.
+TILE_M128_HEAD_DIMS = (64,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +51,14 @@ class BwdConfig:
     dtype: "bfloat16" or "float16" (q, k, v, do, dk, dv share it; dq accumulates in float32).
     head_dim / head_dim_v: H and Hv (equal).
     is_causal / has_window / has_softcap / has_q_seqlen / has_kv_seqlen: as in `FwdConfig`.
-    tile_m: queries per inner step (64: one wgmma M atom for the dQ GEMM).
+    tile_m: queries per inner step: 64 (one wgmma M atom for the dQ GEMM; the default) or
+      128 (opt-in, ``TILE_M128_HEAD_DIMS`` only): S^T and dP^T are then 64 keys x 128 queries
+      per warpgroup (64 + 64 floats per thread, + hd/2 + hd/2 for dK and dV: 192 at hd 64, as
+      hd 128 at tile_m 64), half as many steps (barriers, LSE / delta reads, dQ reduce-adds
+      per query) and the dQ GEMM splits its 128 query rows over the warpgroups (64 rows x hd
+      each) instead of the head dim. Q / dO stages, TMA boxes, dS^T buffers, the float32 dQ
+      tile, the query-block ranges, the deterministic semaphores ([B, N, ceil(T / tile_m)])
+      and the segment block summaries all follow tile_m.
     tile_n: keys per CTA (64 per consumer warpgroup).
     num_stages: pipeline depth of the Q / dO (+ LSE / delta) loads.
     dq_accum: how a step's 64 x hd dQ partial reaches the float32 accumulator in global memory:
@@ -112,8 +125,22 @@ class BwdConfig:
                            "accumulators of larger head dims do not fit the registers)")
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m != 64:
-            return False, f"tile_m {self.tile_m} must be 64 (one wgmma M atom for dQ)"
+        if self.tile_m not in (64, 128):
+            return False, f"tile_m {self.tile_m} must be 64 or 128 (wgmma M atoms of dQ)"
+        if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS:
+            return False, (f"tile_m 128 at head_dim {self.head_dim}: the 64 x 128 S^T and dP^T "
+                           "tiles beside the dK / dV accumulators exceed the 240 registers "
+                           f"(head dims {TILE_M128_HEAD_DIMS})")
+        if self.tile_m == 128:
+            # Measured with ptxas at hd 64 (2026-12-01): each of these adds live registers to
+            # the 192 accumulators (tanh kept, bias and d(slope), dQ beside dS^T, P^T early).
+            extra = [n for n, on in (("softcap", self.has_softcap), ("alibi", self.has_alibi),
+                                     ("overlap_dq", self.overlap_dq),
+                                     ("early_dv", self.early_dv)) if on]
+            if extra:
+                return False, (f"tile_m 128 with {', '.join(extra)}: ptxas spills or "
+                               "serializes the wgmma (softcap 68 B, ALiBi 276 B, overlap_dq "
+                               "32 B of spills; early_dv C7512)")
         if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM and self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
         if self.head_dim > KEY_SPLIT_MAX_HEAD_DIM:
@@ -169,8 +196,9 @@ class BwdConfig:
         unless asked). None now: the H200 runs of 2026-11-30 (head dims 64-128) and 2026-12-01
         (FlashBwdSm90Wide at 192/256, ALiBi with d(slopes), segment ids; 54 cases,
         `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) checked every feature.
-        A feature written later is listed here until a GPU run checks it."""
-        return ()
+        A feature written later is listed here until a GPU run checks it: tile_m 128
+        (compiled 2026-12-01, no GPU run yet)."""
+        return ("tile_m 128",) if self.tile_m == 128 else ()
 
     @property
     def split(self) -> str:

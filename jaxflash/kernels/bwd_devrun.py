@@ -158,6 +158,42 @@ CHECKS = [
      (2, 513, 513, 4, 1, {"alibi": 1, "window": (200, 0), "q_seqlen": [513, 77],
                           "q_segs": [[(0, 200), (1, 313)], [(2, 513)]],
                           "kv_segs": [[(0, 200), (1, 313)], [(2, 513)]]})),
+    # tile_m 128 (opt-in, hd 64, unverified until these pass): 128 queries per step; odd T / S
+    # (partial last query blocks, LSE / delta padded to 128 rows), T < 128, causal T > S and
+    # T < S, GQA / MQA, windows, lengths with empty rows, fp16, "red", segment skipping.
+    ("bf16 h64 m128 dense odd", dict(head_dim=64, tile_m=128),
+     (2, 300, 333, 4, 4, {"cudnn": True})),
+    ("bf16 h64 m128 tiny", dict(head_dim=64, tile_m=128), (1, 64, 128, 1, 1, {})),
+    ("bf16 h64 m128 causal gqa T<S", dict(head_dim=64, tile_m=128, is_causal=True),
+     (2, 500, 700, 8, 2, {"cudnn": True})),
+    ("bf16 h64 m128 causal T>S", dict(head_dim=64, tile_m=128, is_causal=True),
+     (1, 400, 150, 2, 2, {})),
+    ("bf16 h64 m128 mqa odd", dict(head_dim=64, tile_m=128), (2, 257, 259, 4, 1, {})),
+    ("bf16 h64 m128 window", dict(head_dim=64, tile_m=128, has_window=True),
+     (2, 400, 400, 4, 2, {"window": (100, 37)})),
+    ("bf16 h64 m128 causal window", dict(head_dim=64, tile_m=128, is_causal=True,
+                                         has_window=True),
+     (2, 333, 333, 4, 4, {"window": (129, 0), "cudnn": True})),
+    ("bf16 h64 m128 window T>S", dict(head_dim=64, tile_m=128, is_causal=True,
+                                      has_window=True), (1, 400, 150, 2, 2, {"window": (70, 0)})),
+    ("bf16 h64 m128 seqlens empty rows", dict(head_dim=64, tile_m=128, has_q_seqlen=True,
+                                              has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255],
+                          "cudnn": True})),
+    ("fp16 h64 m128 causal gqa", dict(dtype="float16", head_dim=64, tile_m=128,
+                                      is_causal=True), (2, 384, 384, 6, 3, {"cudnn": True})),
+    ("fp16 h64 m128 window kvlen", dict(dtype="float16", head_dim=64, tile_m=128,
+                                        has_window=True, has_kv_seqlen=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("bf16 h64 m128 dense 2k", dict(head_dim=64, tile_m=128), (1, 2048, 2048, 8, 8, {})),
+    ("fp16 h64 m128 seqlens dq red", dict(dtype="float16", head_dim=64, tile_m=128,
+                                          has_q_seqlen=True, has_kv_seqlen=True,
+                                          dq_accum="red"),
+     (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    ("bf16 h64 m128 segments causal gqa", dict(head_dim=64, tile_m=128, has_segments=True,
+                                               is_causal=True),
+     (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
+                            "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -167,6 +203,11 @@ CHECKS = [
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
     ("bf16 h192 deterministic window", dict(head_dim=192, has_window=True, deterministic=True),
      (2, 700, 600, 4, 1, {"window": (150, 20)})),
+    ("bf16 h64 m128 deterministic window", dict(head_dim=64, tile_m=128, has_window=True,
+                                                deterministic=True),
+     (2, 700, 600, 4, 1, {"window": (150, 20)})),
+    ("bf16 h64 m128 deterministic causal gqa", dict(head_dim=64, tile_m=128, is_causal=True,
+                                                    deterministic=True), (2, 500, 700, 8, 2, {})),
 ]
 # `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
 DETERMINISM = [
@@ -176,6 +217,9 @@ DETERMINISM = [
      (2, 1000, 1000, 4, 1, {"window": (300, 0)})),
     ("default (atomic order) causal gqa", dict(head_dim=128, is_causal=True),
      (2, 1000, 1000, 8, 2, {})),
+    ("deterministic window m128", dict(head_dim=64, tile_m=128, has_window=True,
+                                       deterministic=True),
+     (2, 1000, 1000, 4, 1, {"window": (300, 0)})),
 ]
 # Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
 # At D 256 this compares the two shapes of the wide kernel: "tma" (1 Q / dO stage, the default)
@@ -183,13 +227,15 @@ DETERMINISM = [
 RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True),
               (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)}
 # Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
-# kwargs, per head dim; at VARIANT_POINTS (~26 timed calls, ~40 s of device time).
+# kwargs, per head dim; at VARIANT_POINTS (~34 timed calls, ~50 s of device time).
+# "m128": 128 queries per step (tile_m 128, hd 64 only; unverified until the check passes).
 BENCH_VARIANTS = {
     64: {"edv": dict(early_dv=True), "ovl": dict(overlap_dq=True),
-         "ovl_edv": dict(overlap_dq=True, early_dv=True)},
+         "ovl_edv": dict(overlap_dq=True, early_dv=True), "m128": dict(tile_m=128)},
     128: {"edv": dict(early_dv=True)},
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
+                  (64, 16384, True),
                   (128, 1024, False), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True)}
 
@@ -198,7 +244,8 @@ BENCH_S = (1024, 4096, 16384)
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P and dS gives
 
 
-_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv")
+# Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
+_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m")
 
 
 def _configs(kw):

@@ -1,7 +1,8 @@
 """How the bridge launches the Hopper backward kernel: its `jaxflash.ffi.Launch` (DSL-free).
 
 Inputs (row-major): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], do [B, T, N, Hv] (one
-dtype), lse2 [B, N, Tp] and delta [B, N, Tp] float32 with Tp = T rounded up to `LSE_PAD`
+dtype), lse2 [B, N, Tp] and delta [B, N, Tp] float32 with Tp = `padded_len` (T rounded up
+to `LSE_PAD` and tile_m)
 (lse2 = LSE * log2(e), +inf where a row sees no key, is past q_seqlen or is padding; delta =
 rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them, alibi slopes
 [1, N] float32 (``has_alibi``), and (``has_segments``) q_segment_ids [B, T], kv_segment_ids
@@ -11,7 +12,7 @@ With ``has_alibi`` an output alibi_parts [B, N, ceil(S/tile_n), ALIBI_PARTS] flo
 per-warp partial sums of dS_ij |i - j| (the caller returns d(slopes) = -their sum over all but N).
 Outputs: dq_acc [B, T, N, H] float32 (the kernel zeroes it, then adds dS K into it; the caller
 multiplies by the softmax scale), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv].
-With ``deterministic``, a fourth output dq_sem [B, N, ceil(T / 64)] int32: the kernel's
+With ``deterministic``, a fourth output dq_sem [B, N, ceil(T / tile_m)] int32: the kernel's
 key-block-order semaphores (zeroed by the kernel; the caller drops it).
 Scalars as the forward's: float32 (softmax_scale, softcap), int32 (window_left, window_right)
 only with a window.
@@ -58,8 +59,11 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
                   arch=arch)
 
 
-def padded_len(t: int) -> int:
-    return -(-t // LSE_PAD) * LSE_PAD
+def padded_len(t: int, config: BwdConfig) -> int:
+    """Tp: T rounded up to LSE_PAD and to the config's tile_m, so the last query block's
+    LSE / delta box lies inside the array (its rows past T are +inf padding, not TMA fill)."""
+    pad = max(LSE_PAD, config.tile_m)
+    return -(-t // pad) * pad
 
 
 def num_q_blocks(t: int, config: BwdConfig) -> int:

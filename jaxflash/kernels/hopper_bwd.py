@@ -5,9 +5,9 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
 - One CTA per (key block n, kv head, batch): ``tile_n`` = 128 keys, split over 2 consumer
   warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
   block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
-  its GQA group and, for each, over the query blocks m (``tile_m`` = 64) that can see the key
-  block (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no
-  atomics for them and no K/V copies.
+  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 opt-in at
+  hd 64) that can see the key block (`mask.QueryBlockRange`), so dK and dV are summed over the
+  group in registers: no atomics for them and no K/V copies.
 - Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
   (``num_stages`` each), in the consumers' order.
 - Consumers, per step, with the keys as the wgmma M dimension ("swapAB", so every operand is in
@@ -19,11 +19,13 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
     dV  += P^T dO               (A = P^T from registers, B = dO^T: MN-major smem view)
     dK  += dS^T Q               (A = dS^T from registers, B = Q^T: MN-major smem view)
     dQ_m = dS K                 (dS^T written to smem with stmatrix; A = its transposed view,
-                                 B = K^T; the 64 x hd tile is split by columns over the two
-                                 warpgroups) then added to the float32 dQ accumulator in global
+                                 B = K^T; the tile_m x hd tile is split over the two
+                                 warpgroups by columns at tile_m 64, by 64-query rows at
+                                 tile_m 128) then added to the float32 dQ accumulator in global
                                  memory (other CTAs add to the same rows): by default written
-                                 to shared memory and added by one TMA reduce-add per step
-                                 (``dq_accum="tma"``), else one red.global.add.f32 per element
+                                 to shared memory and added by TMA reduce-adds (one per step;
+                                 one per 8-column slab at tile_m 128) (``dq_accum="tma"``),
+                                 else one red.global.add.f32 per element
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
@@ -112,6 +114,22 @@ class FlashBwdSm90:
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
         self.dq_tma = config.dq_accum == "tma"
+        # How the two warpgroups split the tile_m x hd dQ tile of a step: at tile_m 64 (one
+        # wgmma M atom) by head-dim halves; at tile_m 128 by 64-query row halves, each with the
+        # whole head dim: wgmma N = hd instead of hd/2 (half the instructions) and each
+        # warpgroup reads only its queries' half of dS^T from shared memory.
+        wgs = self.num_mma_wg
+        self.dq_atoms = (1, wgs, 1) if config.tile_m == 64 else (wgs, 1, 1)
+        self.dq_cols = self.hd // self.dq_atoms[1]  # dQ columns per warpgroup
+        # The float32 dQ tile in shared memory: at tile_m 64, swizzled atoms, whole ones per
+        # warpgroup part. At tile_m 128 the swizzle gives each thread 16 store addresses that
+        # differ by its XOR; ptxas keeps them all live across the loop and spills 24-28 bytes
+        # (with 128B or 32B atoms alike). Unswizzled 8-column slabs (8 floats = 32 B: one L2
+        # sector per row for the reduce-add) make them one base + constant offsets and stay
+        # conflict-free (a warp's 8 rows x 32 B of one slab are 256 contiguous bytes); the TMA
+        # reduce-add then takes hd/8 boxes.
+        self.dq_swizzle = config.tile_m == 64
+        self.dq_atom_cols = self.dq_cols if self.dq_swizzle else 8
 
     @classmethod
     def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
@@ -255,26 +273,24 @@ class FlashBwdSm90:
         tiled_mma_dv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(wgs, 1, 1),
             tiler_mn=(64, self.hdv), a_source=warpgroup.OperandSource.RMEM)
-        # dQ = dS K: M = the 64 queries, N = hd split over the warpgroups, both operands read
-        # MN-major (dS^T and K as stored).
+        # dQ = dS K: M = the tile_m queries, split over the warpgroups as `dq_atoms` says, both
+        # operands read MN-major (dS^T and K as stored).
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, wgs, 1),
-            tiler_mn=(64, self.hd // wgs))
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=self.dq_atoms,
+            tiler_mn=(64, self.dq_cols))
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
     def smem_layouts(self):
         """(Q, dO, K, V, dS^T, LSE / delta rows, dQ) shared-memory layouts."""
-        wgs = self.num_mma_wg
         sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd, self.num_stages)
         sdO_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hdv, self.num_stages)
-        # K is read as B of the dQ GEMM in hd/2-column slices: the swizzle atom must fit one.
-        sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd,
-                                        atom_cols=self.hd // wgs)
+        # K is read as B of the dQ GEMM in dq_cols-column slices: the swizzle atom must fit one.
+        sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=self.dq_cols)
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
-        # Written per warpgroup in hd/2-column halves (the dQ GEMM's split): whole atoms each.
-        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=self.hd // wgs)
+        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd,
+                                         atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
 

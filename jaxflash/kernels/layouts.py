@@ -43,19 +43,25 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
-                atom_cols: int | None = None):
+                atom_cols: int | None = None, swizzle: bool = True):
     """Swizzled K-major (row-major) shared-memory layout for a rows x cols tile (x stages).
 
     The swizzle atom width follows the row width in bytes (128B when it allows), so TMA writes
     and wgmma reads are bank-conflict free. ``atom_cols`` (default ``cols``) picks the atom for
     a narrower width instead: a tile read as an MN-major wgmma operand in column slices (e.g.
     half the head dim per warpgroup) needs every slice to be whole swizzle atoms.
+    ``swizzle=False`` keeps the atoms' arrangement (8-row blocks of atom_cols columns, tiled
+    rows first) with an identity swizzle: thread addresses are then affine (base + constants).
     """
     kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols)
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+        layout = cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    else:
+        layout = cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+    if not swizzle:
+        layout = cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout.outer)
+    return layout
 
 
 def tma_tiles(atom, smem: cute.Tensor, gmem: cute.Tensor, rank: int = 2):

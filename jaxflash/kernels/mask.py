@@ -286,7 +286,8 @@ class QueryBlockRange(Carried):
     def n_block_first(self, m_block: Int32):
         """The first key block whose `m_block_min_max` range holds `m_block` (the key blocks
         holding it are contiguous, as both range ends grow with the key block). Only the left
-        bound moves it: query 64m sees keys >= 64m - left, in blocks >= (64m - left) // tile_n."""
+        bound moves it: query tile_m * m sees keys >= tile_m * m - left, in blocks
+        >= (tile_m * m - left) // tile_n."""
         n = Int32(0)
         if cutlass.const_expr(self.has_left):
             n = cutlass.max(m_block * self.tile_m - self.window_left, 0) // self.tile_n
