@@ -604,14 +604,23 @@ class FlashBwdSm90:
                     self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
                                   head, batch, n_block, T, warp_idx, mSem, blocks)
 
-        # ---- epilogue: dK (scaled) and dV through K's and V's shared buffers ----
+        self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
+                        sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)
+
+    @cute.jit
+    def store_dkdv(self, acc_dK, acc_dV, softmax_scale: Float32, st_atom, tiled_mma_dk,
+                   tiled_mma_dv, tidx, sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block,
+                   warp_idx):
+        """Epilogue of both backward kernels: dK (scaled) and dV through K's and V's shared
+        buffers (stmatrix), then one TMA store each from warp 4."""
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * softmax_scale
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdK.store(acc_dK.load().to(self.dtype))
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         rdV.store(acc_dV.load().to(self.dtype))
-        # Both warpgroups' last dQ GEMMs (which read all of sK) must be done before overwriting.
+        # Both warpgroups' last GEMMs that read sK / sV (dQ here, dK / dQ in the wide kernel)
+        # must be done before those buffers are overwritten.
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         thr_st_dk = cute.make_tiled_copy_C(st_atom, tiled_mma_dk).get_slice(tidx)
         thr_st_dv = cute.make_tiled_copy_C(st_atom, tiled_mma_dv).get_slice(tidx)

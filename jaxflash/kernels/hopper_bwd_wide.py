@@ -45,7 +45,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.hopper_bwd import _BAR_DS, _BAR_EPILOGUE, FlashBwdSm90
+from jaxflash.kernels.hopper_bwd import _BAR_DS, FlashBwdSm90
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 
 
@@ -192,29 +192,5 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
                               head, batch, n_block, T, warp_idx, mSem, blocks)
 
-        # ---- epilogue: dK (scaled) and dV through K's and V's shared buffers ----
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            acc_dK[i] = acc_dK[i] * softmax_scale
-        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
-        rdK.store(acc_dK.load().to(self.dtype))
-        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
-        rdV.store(acc_dV.load().to(self.dtype))
-        # Both warpgroups' last GEMMs (which read all of sK and sV) must be done.
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        thr_st_dk = cute.make_tiled_copy_C(st_atom, tiled_mma_dk).get_slice(tidx)
-        thr_st_dv = cute.make_tiled_copy_C(st_atom, tiled_mma_dv).get_slice(tidx)
-        cute.copy(st_atom, thr_st_dk.retile(rdK), thr_st_dk.partition_D(sK))
-        cute.copy(st_atom, thr_st_dv.retile(rdV), thr_st_dv.partition_D(sV))
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        gdK = cute.local_tile(mdK[None, None, kv_head, batch], (self.tile_n, self.hd),
-                              (n_block, 0))
-        gdV = cute.local_tile(mdV[None, None, kv_head, batch], (self.tile_n, self.hdv),
-                              (n_block, 0))
-        tdKsdK, tdKgdK = layouts.tma_tiles(tma_dK, sK, gdK)
-        tdVsdV, tdVgdV = layouts.tma_tiles(tma_dV, sV, gdV)
-        if warp_idx == 4:
-            cute.copy(tma_dK, tdKsdK, tdKgdK)
-            cute.copy(tma_dV, tdVsdV, tdVgdV)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
+                        sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)
