@@ -36,8 +36,8 @@ import numpy as np
 from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.bwd_launch import bwd_launch
 from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.devrun import (_alibi_and_segments, case_mismatch, _gpu_name, _rel, _time, finish_case,
-                                     fresh_inputs, ours, start_watchdog)
+from jaxflash.kernels.devrun import (_alibi_and_segments, _gpu_name, _rel, _time, case_mismatch,
+                                     finish_case, fresh_inputs, ours, start_watchdog)
 from jaxflash.kernels.fwd_launch import fwd_launch
 
 # (name, config kwargs (shared by the forward and backward configs), problem):

@@ -229,7 +229,8 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
       2026-12-01, `cute-fwd-bench-h200-2026-12-01.json`). Causal it lost (4k 0.87 -> 0.82).
 
     Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
-    and segment variants keep the default. Crossing a threshold picks another variant (one more compile), nothing else does.
+    and segment variants keep the default. Crossing a threshold picks another variant (one more
+    compile), nothing else does.
     """
     if not plain:
         return {}
