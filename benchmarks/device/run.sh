@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On the H200 (no DSL; jax 0.11.2): run.sh STAGE... with STAGE in
 #   checks  forward and backward kernels against float64 (+ cuDNN's error), bwd determinism,
-#           the bridge's GPU tests                                        (~4.5 min)
+#           the bridge's GPU tests  (~6 min with the 16 tile_m 128 cases: a call of its own)
 #   api     the shared backend test base (tests/test_backends.py) for "cute" and the forward's
 #           API tests, through jax.grad / custom_vjp on the GPU          (~6 min?, see below)
 #   lm      examples.lm.compare: cute vs two xla runs, 400 steps          (~4 min)
-# Measured 2026-12-01: "checks lm" 510 s in one call; "grid" 443 s; bwd kbench 92 s, fwd 42 s;
+# Measured 2026-12-01: "checks lm" 510 s in one call (53 bwd cases then; 69 now); "grid" 443 s; bwd kbench 92 s, fwd 42 s;
 # sanitize with 3 cases ~40 s.
 #   grid    the anchor grid, every implementation, fwd and fwd+bwd  (~9 min: a call of its own)
 #   kbench  kernel-level fwd and bwd timings beside cuDNN                (~4 min)
@@ -21,11 +21,12 @@ D=$(date -u +%F)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in "$@"; do case $stage in
 checks)
-  # the backward cases written 2026-12-01 first (D=192/256, ALiBi, segment ids), then the rest
-  NEW=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if re.search('h192|h256|alibi|segment', n)))")
-  timeout 240 python3 -m jaxflash.kernels.bwd_devrun check --cases "$NEW" --out $OUT/cute-bwd-check-new-$D.json 2>&1 | tail -40
-  OLD=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if not re.search('h192|h256|alibi|segment', n)))")
-  timeout 200 python3 -m jaxflash.kernels.bwd_devrun check --cases "$OLD" --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -30
+  # backward cases never yet run on a GPU first (NEW_RE: tile_m 128 since 2026-12-01), then the rest
+  NEW_RE=${NEW_RE:-m128}
+  NEW=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if re.search('$NEW_RE', n)))")
+  timeout 180 python3 -m jaxflash.kernels.bwd_devrun check --cases "$NEW" --out $OUT/cute-bwd-check-new-$D.json 2>&1 | tail -40
+  OLD=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if not re.search('$NEW_RE', n)))")
+  timeout 330 python3 -m jaxflash.kernels.bwd_devrun check --cases "$OLD" --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -30
   timeout 200 python3 -m jaxflash.kernels.devrun check --out $OUT/cute-fwd-check-$D.json 2>&1 | tail -30
   timeout 120 python3 -m jaxflash.kernels.bwd_devrun determinism --out $OUT/cute-bwd-determinism-$D.json 2>&1 | tail -8
   JAXFLASH_KERNEL_DIR=$PWD/artifacts/ffi_selftest/kernels JAXFLASH_FFI_EXPORT_DIR=$PWD/artifacts/ffi_selftest \
