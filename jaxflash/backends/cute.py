@@ -158,9 +158,10 @@ class CuteBackend(Backend):
 
 
 def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
-    """(dq, dk, dv, None, dslopes or None) by `FlashBwdSm90`: O(T) preprocessing (delta, log2 LSE with
-    +inf on rows that must get no gradient, padded for the kernel's TMA boxes) and the dQ
-    postprocessing (scale and cast) in XLA, everything O(T x S) in the kernel."""
+    """(dq, dk, dv, None, dslopes or None) by `FlashBwdSm90`: O(T) preprocessing (delta, log2
+    LSE with +inf on rows that must get no gradient, padded for the kernel's TMA boxes; segment
+    block summaries), the dQ postprocessing (scale and cast) and the d(slopes) reduction in
+    XLA, everything O(T x S) in the kernel."""
     import jax
     import jax.numpy as jnp
 

@@ -10,9 +10,9 @@ hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 a
 inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
 warpgroup: they run `hopper_bwd_wide` instead (``split == "headdim"``): ``tile_n`` = 64 keys,
 the two warpgroups split the head dim of dK, dV and dQ (hd/4 + hd/4 floats + hd/4 for dQ per
-thread, P^T / dS^T through shared memory). Its
-shared memory: at hd 256 the float32 dQ tile (64 KB, dq_accum="tma") leaves room for one Q / dO
-stage (``num_stages`` defaults to the most, up to 2, that fits); "red" fits 2 stages.
+thread, P^T / dS^T through shared memory). Its shared memory: at hd 256 the float32 dQ tile
+(64 KB, dq_accum="tma") leaves room for one Q / dO stage (``num_stages`` defaults to the most,
+up to 2, that fits); "red" fits 2 stages.
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
 (tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),

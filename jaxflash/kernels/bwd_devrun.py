@@ -37,7 +37,8 @@ from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.bwd_launch import bwd_launch
 from jaxflash.kernels.config import FwdConfig
 from jaxflash.kernels.devrun import (_alibi_and_segments, _gpu_name, _rel, _time, case_mismatch,
-                                     finish_case, fresh_inputs, ours, start_watchdog)
+                                     finish_case, fresh_inputs, ours, record_row,
+                                     start_watchdog)
 from jaxflash.kernels.fwd_launch import fwd_launch
 
 # (name, config kwargs (shared by the forward and backward configs), problem):
@@ -508,10 +509,7 @@ def bench(out_path: str, only=None) -> None:
                                 row[f"{vn}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                with open(out_path, "w") as fh:
-                    json.dump({"gpu": _gpu_name(), "rows": rows}, fh, indent=1)
+                record_row(row, rows, out_path)
     meta = {"gpu": _gpu_name(), "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
             "python": platform.python_version(),
             "flops": "fwd+bwd = 3.5 * 4*B*N*S^2*D (x0.5 causal), as the anchors", "rows": rows}
@@ -594,10 +592,7 @@ def segbench(out_path: str) -> None:
                 row["fwd_bwd_ms"] = _time(f, (q, k, v, do, slopes, seg)) * 1e3
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            with open(out_path, "w") as fh:
-                json.dump({"gpu": _gpu_name(), "rows": rows}, fh, indent=1)
+            record_row(row, rows, out_path)
 
 
 def main(argv=None):

@@ -337,6 +337,15 @@ def finish_case(dog, row: dict, rows: list, out_path: str) -> bool:
     return bool(row["ok"])
 
 
+def record_row(row: dict, rows: list, out_path: str) -> None:
+    """Print a bench row and rewrite `out_path` with every row so far ({"gpu", "rows"}; the
+    bench's final write adds its metadata), so a later hang or timeout loses nothing."""
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    with open(out_path, "w") as fh:
+        json.dump({"gpu": _gpu_name(), "rows": rows}, fh, indent=1)
+
+
 def fresh_inputs(B, T, S, N, K, H, dtype, ex, with_do=False):
     """A check case's inputs: q [B,T,N,H], k, v [B,S,K,H] (and dO like q) drawn from a fresh
     OS-random key (never zeros, never the same twice), plus the case's lengths as int32."""
@@ -450,8 +459,7 @@ def bench(out_path: str, only=None) -> None:
                             row[f"{vname}_ratio"] = t_c / t_v
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                record_row(row, rows, out_path)
     # the tiny call: B=1, N=1, T=S=128, D=64, wall time including dispatch
     q, k, v = (jax.random.normal(kk, (1, 128, 1, 64), jnp.float32).astype(jnp.bfloat16)
                for kk in jax.random.split(jax.random.key(0), 3))
