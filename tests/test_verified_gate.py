@@ -93,3 +93,12 @@ def test_check_cases_compile_the_features_their_inputs_use():
                                {"alibi": 1, "kv_seqlen": [3, 0]})
     assert "kv_seqlen" in bad and "has_kv_seqlen=False" in bad
     assert "has_alibi=True" in devrun.case_mismatch("y", BwdConfig(head_dim=64, has_alibi=True), {})
+
+
+def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function():
+    """The backward checks compare with cuDNN's gradients only on cases that opt in; jax.nn's
+    cuDNN path has no softcap, ALiBi or segment ids, so such a case's ratio would be noise."""
+    from jaxflash.kernels import bwd_devrun
+    for name, kw, (*_, ex) in bwd_devrun.CHECKS:
+        if ex.get("cudnn"):
+            assert not (kw.get("has_softcap") or kw.get("has_alibi") or kw.get("has_segments")), name
