@@ -9,6 +9,7 @@ Each compile takes 1-3 s on 2 cores (+ under a second of ptxas); the module abou
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
@@ -207,19 +208,25 @@ def test_variant_keys_differ():
     assert len({c.key for c in MATRIX}) == len(MATRIX)
 
 
-def test_tile_m_128_is_opt_in_and_unverified():
-    """tile_m 128 is keyed, gated until a GPU checks it, never what dispatch picks, and its
-    LSE / delta padding and semaphore / segment-summary counts follow its 128-query blocks."""
+def test_tile_m_128_is_keyed_and_picked_at_hd_64():
+    """tile_m 128 is keyed, checked (not gated), what dispatch picks at hd 64 unless softcap or
+    ALiBi (which it refuses), and its LSE / delta padding and semaphore / segment-summary
+    counts follow its 128-query blocks."""
     from jaxflash._types import AttentionStatics, Problem
     from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
     from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
     c, d = BwdConfig(head_dim=64, tile_m=128), BwdConfig(head_dim=64)
     assert "_t128x128" in c.key and "_t64x128" in d.key
-    assert c.unverified() == ("tile_m 128",) and d.unverified() == ()
+    assert c.unverified() == () and d.unverified() == ()
     assert c.num_stages == 2 and c.smem_bytes() <= SMEM_LIMIT_BYTES
     p = Problem(batch=2, q_len=300, kv_len=300, num_heads=4, num_kv_heads=4, head_dim=64,
                 head_dim_v=64, dtype="bfloat16", statics=AttentionStatics(scale=0.1))
-    assert config_for(p).tile_m == 64
+    assert config_for(p).tile_m == 128
+    for kw, tm in ((dict(softcap=30.0), 64), (dict(is_causal=True, deterministic=True), 128)):
+        st = AttentionStatics(scale=0.1, **kw)
+        assert config_for(dataclasses.replace(p, statics=st)).tile_m == tm, kw
+    assert config_for(dataclasses.replace(p, has_alibi=True)).tile_m == 64
+    assert config_for(dataclasses.replace(p, head_dim=128, head_dim_v=128)).tile_m == 64
     assert [padded_len(t, d) for t in (1, 64, 65, 300)] == [64, 64, 128, 320]
     assert [padded_len(t, c) for t in (1, 64, 65, 300)] == [128, 128, 128, 384]
     assert (num_q_blocks(300, d), num_q_blocks(300, c)) == (5, 3)

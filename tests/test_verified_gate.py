@@ -44,12 +44,12 @@ def test_verified_passes(monkeypatch):
 def test_every_variant_dispatch_picks_is_verified():
     """Everything the forward and backward configs can express by default was checked on the
     H200 (2026-11-30 and 2026-12-01 runs); a feature added later lists itself in `unverified()`
-    until a GPU run checks it (the backward's opt-in tile_m 128: see below)."""
+    until a GPU run checks it."""
     fwd = [FwdConfig(head_dim=64, tile_m=192, intra_wg_overlap=False),
            FwdConfig(head_dim=64, tile_m=192), FwdConfig(head_dim=128, is_causal=True),
            FwdConfig(head_dim=256, has_alibi=True, has_segments=True)]
     bwd = [BwdConfig(head_dim=d, is_causal=c) for d in (64, 96, 128, 192, 256)
-           for c in (False, True)]
+           for c in (False, True)] + [BwdConfig(head_dim=64, tile_m=128, deterministic=True)]
     bwd += [BwdConfig(head_dim=64, has_alibi=True), BwdConfig(head_dim=128, has_segments=True),
             BwdConfig(head_dim=96, has_alibi=True, has_segments=True, has_kv_seqlen=True),
             BwdConfig(head_dim=192, deterministic=True, has_window=True)]
@@ -57,18 +57,15 @@ def test_every_variant_dispatch_picks_is_verified():
         assert cfg.unverified() == (), cfg.key
 
 
-def test_backward_tile_m_128_is_gated_until_checked(monkeypatch):
-    """tile_m 128 (compiled 2026-12-01, no GPU run yet) is refused by the gate; the GPU
-    check cases and the bench column run it by direct calls."""
+def test_backward_tile_m_128_checked_and_benched():
+    """tile_m 128 passed its 16 GPU checks (2026-12-01) and is hd 64's default; the bench
+    keeps timing the 64-query step (and the deterministic mode at 128) beside it."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=64, tile_m=128)
-    assert cfg.unverified() == ("tile_m 128",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tile_m 128"):
-        verified.require_verified(cfg, "backward")
+    assert cfg.unverified() == ()
     names = [n for n, kw, _ in bwd_devrun.CHECKS if kw.get("tile_m") == 128]
     assert len(names) >= 10 and any("deterministic" in n for n in names)
-    assert bwd_devrun.BENCH_VARIANTS[64]["m128"] == dict(tile_m=128)
+    assert bwd_devrun.BENCH_VARIANTS[64]["m64"] == dict(tile_m=64)
     fwd, bwd = bwd_devrun._configs(dict(head_dim=64, tile_m=128))
     assert bwd.tile_m == 128 and fwd == FwdConfig(head_dim=64)
 

@@ -4,7 +4,7 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop (128: an unverified opt-in at hd 64). Per
+``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `tile_m_for`). Per
 consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
 hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
 inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
@@ -51,8 +51,8 @@ class BwdConfig:
     dtype: "bfloat16" or "float16" (q, k, v, do, dk, dv share it; dq accumulates in float32).
     head_dim / head_dim_v: H and Hv (equal).
     is_causal / has_window / has_softcap / has_q_seqlen / has_kv_seqlen: as in `FwdConfig`.
-    tile_m: queries per inner step: 64 (one wgmma M atom for the dQ GEMM; the default) or
-      128 (opt-in, ``TILE_M128_HEAD_DIMS`` only): S^T and dP^T are then 64 keys x 128 queries
+    tile_m: queries per inner step: 64 (one wgmma M atom for the dQ GEMM; the field's default) or
+      128 (``TILE_M128_HEAD_DIMS`` only; what `config_for` picks there, see `tile_m_for`): S^T and dP^T are then 64 keys x 128 queries
       per warpgroup (64 + 64 floats per thread, + hd/2 + hd/2 for dK and dV: 192 at hd 64, as
       hd 128 at tile_m 64), half as many steps (barriers, LSE / delta reads, dQ reduce-adds
       per query) and the dQ GEMM splits its 128 query rows over the warpgroups (64 rows x hd
@@ -193,12 +193,13 @@ class BwdConfig:
     def unverified(self) -> tuple[str, ...]:
         """Features this variant uses that were compiled here but not yet checked against the
         float64 reference on a GPU (`jaxflash.kernels.verified`: dispatch skips such variants
-        unless asked). None now: the H200 runs of 2026-11-30 (head dims 64-128) and 2026-12-01
+        unless asked). None now: the H200 runs of 2026-11-30 (head dims 64-128), 2026-12-01
         (FlashBwdSm90Wide at 192/256, ALiBi with d(slopes), segment ids; 54 cases,
-        `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) checked every feature.
-        A feature written later is listed here until a GPU run checks it: tile_m 128
-        (compiled 2026-12-01, no GPU run yet)."""
-        return ("tile_m 128",) if self.tile_m == 128 else ()
+        `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) and 2026-12-01 09:45 UTC
+        (tile_m 128: 16 cases incl. 2 deterministic, bitwise over 10 runs, sanitizer clean;
+        `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature. A feature written
+        later lists itself here until a GPU run checks it."""
+        return ()
 
     @property
     def split(self) -> str:
@@ -259,6 +260,8 @@ def config_for(problem) -> BwdConfig:
                      has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
                      has_alibi=problem.has_alibi, has_segments=problem.has_segments,
                      deterministic=st.deterministic,
+                     tile_m=tile_m_for(problem.head_dim, st.softcap is not None,
+                                       problem.has_alibi),
                      early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
                                            st.deterministic))
 
@@ -271,3 +274,15 @@ def use_early_dv(head_dim: int, softcap: bool, deterministic: bool) -> bool:
     (0.95-0.96x); with softcap at hdim 128 it spills (refused); with deterministic it was not
     run on the GPU, so it stays off there."""
     return head_dim == 128 and not softcap and not deterministic
+
+
+def tile_m_for(head_dim: int, softcap: bool, alibi: bool) -> int:
+    """128 queries per step where it is allowed (hd 64 without softcap / ALiBi: those spill)
+    and measured: H200, 2026-12-01, same process as cuDNN
+    (`benchmarks/results/cute-bwd-bench-m128-h200-2026-12-01.json`): forward+backward
+    1.09-1.15x the 64-query step (backward alone 1.13-1.21x) at S 1k / 4k / 16k dense and
+    4k / 16k causal; checked against float64 on 16 cases (causal, window, lengths with empty
+    rows, GQA / MQA, odd lengths, segment ids, fp16, both dQ modes, deterministic)."""
+    if head_dim in TILE_M128_HEAD_DIMS and not softcap and not alibi:
+        return 128
+    return 64

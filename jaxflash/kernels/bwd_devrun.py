@@ -229,10 +229,12 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
               (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)}
 # Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
 # kwargs, per head dim; at VARIANT_POINTS (~34 timed calls, ~50 s of device time).
-# "m128": 128 queries per step (tile_m 128, hd 64 only; unverified until the check passes).
+# hd 64's default is tile_m 128 since 2026-12-01 (`bwd_config.tile_m_for`): "m64" times the
+# 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
+# column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
+# (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`) and are refused at tile_m 128.
 BENCH_VARIANTS = {
-    64: {"edv": dict(early_dv=True), "ovl": dict(overlap_dq=True),
-         "ovl_edv": dict(overlap_dq=True, early_dv=True), "m128": dict(tile_m=128)},
+    64: {"m64": dict(tile_m=64), "m128_det": dict(tile_m=128, deterministic=True)},
     128: {"edv": dict(early_dv=True)},
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
