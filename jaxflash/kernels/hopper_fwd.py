@@ -638,7 +638,8 @@ class FlashFwdSm90:
                                    mods.S)
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
-                       window_left, window_right, mask_seqlen, mask_right, mask_left)
+                       window_left, window_right, mask_seqlen, mask_right, mask_left,
+                       by_select=self.fresh_s)
 
     @cute.jit
     def segment_compare_needed(self, mods, n_block: Int32):
