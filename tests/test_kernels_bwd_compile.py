@@ -13,15 +13,13 @@ import dataclasses
 import glob
 import os
 import re
-import shutil
-import subprocess
 
 import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
 from jaxflash.kernels.bwd_config import BwdConfig, can_implement, config_for  # noqa: E402
-from tests.common import runtime_only  # noqa: E402
+from tests.common import ptxas_report, runtime_only  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
@@ -84,18 +82,6 @@ MATRIX = [
 ]
 
 
-def _ptxas(ptx: str, tmp_path):
-    """ptxas -v output for the PTX (None if no usable ptxas): the DSL emits a newer PTX ISA
-    than the CUDA 13.0 ptxas reads; the kernel uses nothing newer, so the version is lowered."""
-    if shutil.which("ptxas") is None:
-        return None
-    src = re.sub(r"^\.version .*$", ".version 9.0", ptx, count=1, flags=re.M)
-    (tmp_path / "k.ptx").write_text(src)
-    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
-                        str(tmp_path / "k.cubin")], capture_output=True, text=True)
-    return r.stdout + r.stderr if r.returncode == 0 else None
-
-
 @pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
 def test_compiles_for_sm90a(cfg, tmp_path):
     from jaxflash.kernels.bwd_standalone import compile_bwd
@@ -126,7 +112,7 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert ("tanh.approx" in ptx) == cfg.has_softcap
     ordered = "ld.acquire.gpu.global" in ptx and "red.release.gpu.global.add" in ptx
     assert ordered == cfg.deterministic
-    report = _ptxas(ptx, tmp_path)
+    report = ptxas_report(ptx, tmp_path)
     if report is not None:
         assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
         assert "instructions are serialized" not in report, report  # C7514 and the like

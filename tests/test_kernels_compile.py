@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 
 import pytest
@@ -36,7 +37,7 @@ MATRIX = [
     # the persistent tile loop (optional, off by default), with and without a separate O buffer
     FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, persistent=True),
     FwdConfig(dtype="bfloat16", head_dim=256, persistent=True, tile_order="lpt"),
-    # three consumer warpgroups (192-row tiles), opt-in for hdim 64
+    # three consumer warpgroups (192-row tiles), opt-in for hdim 64 (with overlap: see below)
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
     # ALiBi (runtime slopes) and segment ids (element compare + block skipping)
     FwdConfig(dtype="bfloat16", head_dim=128, has_alibi=True),
@@ -69,6 +70,36 @@ def test_compiles_for_sm90a_with_wgmma(cfg, tmp_path):
     if cfg.has_softcap:
         assert "tanh.approx" in ptx
     print(f"{cfg.key}: {elapsed:.1f} s")
+
+
+# The 192-row tile with intra-warpgroup overlap at 160 registers per consumer thread: S (64) +
+# P (32) + O (32) live together leave ~30 for everything else. It spilled (580 B dense, C7512
+# causal) until each block's QK GEMM got a fresh S fragment and the mask became one select per
+# register (2026-12-01); these keep it clean, and the no-overlap 192 variant beside it.
+PTXAS_CLEAN = [
+    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
+    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, is_causal=True),
+    FwdConfig(dtype="float16", head_dim=64, tile_m=192, is_causal=True, has_q_seqlen=True,
+              has_kv_seqlen=True),
+    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, has_window=True, has_softcap=True),
+    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, intra_wg_overlap=False,
+              is_causal=True),
+]
+
+
+@pytest.mark.parametrize("cfg", PTXAS_CLEAN, ids=lambda c: c.key)
+def test_192_row_tiles_are_ptxas_clean(cfg, tmp_path):
+    from jaxflash.kernels.standalone import compile_fwd
+    from tests.common import ptxas_report
+    compile_fwd(cfg, arch="sm_90a", dump_dir=str(tmp_path))
+    report = ptxas_report(open(glob.glob(str(tmp_path / "*.ptx"))[0]).read(), tmp_path)
+    if report is None:
+        pytest.skip("no usable ptxas")
+    assert "setmaxnreg.inc.sync.aligned.u32 \t160" in open(
+        glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    assert "C7512" not in report and "serialized" not in report, report
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
 
 
 def test_segment_variants_use_the_smaller_tiles():

@@ -122,9 +122,13 @@ class FwdConfig:
 
     def unverified(self) -> tuple[str, ...]:
         """Features compiled here but not yet checked against the reference on a GPU
-        (`jaxflash.kernels.verified`). None now: the 192-row tile without intra-warpgroup
-        overlap, the last one, passed its checks on the H200 on 2026-12-01 (error / cuDNN's
-        0.995-1.001, `benchmarks/results/cute-fwd-check-h200-2026-12-01.json`)."""
+        (`jaxflash.kernels.verified`). The 192-row tile without intra-warpgroup overlap passed
+        its checks on the H200 on 2026-12-01 (error / cuDNN's 0.995-1.001,
+        `benchmarks/results/cute-fwd-check-h200-2026-12-01.json`). The 192-row tile WITH
+        overlap was never checked on a GPU, and its fresh per-block S fragment and select-form
+        mask (ptxas-clean since 2026-12-01) are new code: listed until a GPU run checks it."""
+        if self.tile_m == 192 and self.intra_wg_overlap:
+            return ("tile_m 192 with intra_wg_overlap",)
         return ()
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:

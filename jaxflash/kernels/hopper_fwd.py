@@ -102,6 +102,14 @@ class FlashFwdSm90:
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
         self.overlap = config.intra_wg_overlap
+        # With overlap, each block's QK GEMM gets a fresh S fragment. The wgmma's accumulator
+        # operands are read-write even when it zero-fills them, so a reused fragment keeps the
+        # previous block's 64 fp32 scores live into it, and LLVM then carries those scores
+        # instead of the 16-bit P and converts them only after the QK GEMM is issued: old and new
+        # S (128 registers) + P + O. At 160 registers (tile_m 192) that spilled 580 bytes and
+        # serialized the wgmma; a fresh fragment's inputs are undefined, so only P stays live.
+        # (Only there: the other variants' binaries stay as measured.)
+        self.fresh_s = self.overlap and self.num_mma_wg == 3
         # Ping-pong needs two warpgroups; FA3 finds it pays up to hdim 128 (beyond, the O
         # accumulator leaves too few registers for two softmaxes in flight to matter).
         self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
@@ -630,7 +638,8 @@ class FlashFwdSm90:
                                    mods.S)
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
-                       window_left, window_right, mask_seqlen, mask_right, mask_left)
+                       window_left, window_right, mask_seqlen, mask_right, mask_left,
+                       by_select=self.fresh_s)
 
     @cute.jit
     def segment_compare_needed(self, mods, n_block: Int32):
@@ -652,6 +661,8 @@ class FlashFwdSm90:
         """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight
         together, softmax of S_j under the PV GEMM. Returns the advanced pipeline state."""
         if const_expr(self.overlap):
+            if const_expr(self.fresh_s):
+                acc_S = cute.make_rmem_tensor_like(acc_S)
             v_state = kv_state.clone()
             kv_state.advance()
             seg_cmp = self.segment_compare_needed(mods, n_block)

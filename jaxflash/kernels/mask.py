@@ -107,15 +107,25 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
                tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
                seqlen_k: Int32, window_left: Int32, window_right: Int32,
                mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
-               mask_left: cutlass.Constexpr[bool]):
+               mask_left: cutlass.Constexpr[bool], by_select: cutlass.Constexpr[bool] = False):
     """Set invisible scores of one (tile_m x tile_n) block to -inf.
 
     Columns are compared as compile-time offsets against per-row limits shifted by the thread's
     base column, so the inner loop is one compare + select per register.
+
+    by_select: write every register through one select instead of a conditional store. The
+    conditional stores (one runtime ``if`` each) reach PTX as a cascade of selects that re-pick
+    the row's earlier registers again at every column (about 16x the selects, with their
+    temporaries live at once): at 160 registers per thread (tile_m 192 with intra-warpgroup
+    overlap) that cascade alone spilled.
     """
     s = acc_as_rows_cols(acc_s)
     t0 = coords.t0
     col0 = n_block * tile_n + coords.base_col
+    if cutlass.const_expr(by_select):
+        _mask_by_select(s, t0, m_block * tile_m + coords.base_row - col0, seqlen_k - col0,
+                        window_left, window_right, tile_n, mask_seqlen, mask_right, mask_left)
+        return
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
         row = m_block * tile_m + coords.row(r)
         # Visible offsets (relative to this thread's first column) are [lo, hi).
@@ -135,6 +145,32 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
             else:
                 if off >= hi:
                     s[r, j] = -Float32.inf
+
+
+@cute.jit
+def _mask_by_select(s: cute.Tensor, t0: cute.Tensor, row0: Int32, seq_hi: Int32,
+                    window_left: Int32, window_right: Int32, tile_n: cutlass.Constexpr[int],
+                    mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
+                    mask_left: cutlass.Constexpr[bool]):
+    """`apply_mask`'s by_select form on the (rows, cols) view ``s``; ``row0`` is the thread's
+    first row minus its first column (absolute), ``seq_hi`` the key length minus that column."""
+    neg_inf = Float32(-Float32.inf)
+    for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        row = row0 + t0[r, 0][0]
+        hi = Int32(tile_n)
+        if cutlass.const_expr(mask_seqlen):
+            hi = cutlass.min(hi, seq_hi)
+        if cutlass.const_expr(mask_right):
+            hi = cutlass.min(hi, row + window_right + 1)
+        lo = Int32(0)
+        if cutlass.const_expr(mask_left):
+            lo = row - window_left
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            off = t0[0, j][1]
+            hidden = off >= hi
+            if cutlass.const_expr(mask_left):
+                hidden = hidden | (off < lo)
+            s[r, j] = Float32(cutlass.select_(hidden, neg_inf, s[r, j]))
 
 
 # -- ALiBi and segment ids (runtime data; shared with the backward kernels) ------------------------
