@@ -122,13 +122,12 @@ class FwdConfig:
 
     def unverified(self) -> tuple[str, ...]:
         """Features compiled here but not yet checked against the reference on a GPU
-        (`jaxflash.kernels.verified`). The 192-row tile without intra-warpgroup overlap passed
-        its checks on the H200 on 2026-12-01 (error / cuDNN's 0.995-1.001,
-        `benchmarks/results/cute-fwd-check-h200-2026-12-01.json`). The 192-row tile WITH
-        overlap was never checked on a GPU, and its fresh per-block S fragment and select-form
-        mask (ptxas-clean since 2026-12-01) are new code: listed until a GPU run checks it."""
-        if self.tile_m == 192 and self.intra_wg_overlap:
-            return ("tile_m 192 with intra_wg_overlap",)
+        (`jaxflash.kernels.verified`). None now: the 192-row tile without intra-warpgroup
+        overlap passed its checks on the H200 on 2026-12-01 early, the 192-row tile WITH
+        overlap (fresh per-block S fragment, select-form mask) at 09:50 UTC the same day
+        (6 cases: dense GQA, causal, causal GQA T<S, fp16 lengths with an empty key length,
+        causal lengths, window + softcap; error / cuDNN's 0.998-1.000; sanitizer clean;
+        `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`)."""
         return ()
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
@@ -220,17 +219,18 @@ def config_for(problem) -> FwdConfig:
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -> dict:
-    """Schedule fields that beat the default where measured (H200, 2026-11-30, same process as
-    cuDNN; `benchmarks/results/cute-fwd-variants-h200-2026-11-30.json`, ratios to cuDNN):
+    """Schedule fields that beat the default where measured (H200, same process as cuDNN;
+    kernel bench `benchmarks/results/cute-fwd-bench-m192ov-h200-2026-12-01.json`, ratios to
+    cuDNN, default -> picked):
 
-    - persistent at S <= 1k for hdim <= 128 when causal or hdim 64 (one or two key blocks per
-      tile: the next tile's loads hide this one's epilogue): 64/1k 0.74 -> 0.80 dense, 0.66 ->
-      0.74 causal; 128/1k causal 0.83 -> 0.91. It lost elsewhere (128/1k dense 0.85 -> 0.67,
-      64/4k causal 0.90 -> 0.82, hdim 256 everywhere), so it stays off there.
-    - three K/V stages at S >= 16k for hdim 128: 1.11 -> 1.18 causal, 1.06 -> 1.07 dense.
-    - 192 query rows (three consumer warpgroups) without intra-warpgroup overlap at S >= 4k for
-      hdim 64, dense: 16k 0.99 -> 1.08, 4k 0.92 -> 0.97 (measured twice, 2026-11-30 and
-      2026-12-01, `cute-fwd-bench-h200-2026-12-01.json`). Causal it lost (4k 0.87 -> 0.82).
+    - hdim 64: 192 query rows (three consumer warpgroups) WITH intra-warpgroup overlap, every
+      length, dense and causal: 1k 0.77 -> 0.90 dense, 0.67 -> 0.77 causal; 4k 0.93 -> 1.07,
+      0.90 -> 1.03; 16k 0.99 -> 1.16, 1.02 -> 1.21. It beat the 192-row tile without overlap
+      (0.74 / 0.51 / 1.00 / 0.84 / 1.08 / 1.07) and persistent at 1k (0.84 / 0.74).
+    - hdim 128, causal, S <= 1k: persistent (0.89 -> 0.93; measured 0.83 -> 0.91 on
+      2026-11-30). Dense it loses (0.91 -> 0.71), as it does at hdim 256.
+    Three K/V stages at hdim 128, S = 16k (picked until this run) lost in both 2026-12-01
+    runs (1.11 -> 1.07 dense, 1.21 -> 1.14 causal): dropped.
 
     Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
     and segment variants keep the default. Crossing a threshold picks another variant (one more
@@ -238,10 +238,8 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
     """
     if not plain:
         return {}
-    if kv_len <= 1024 and head_dim <= 128 and (causal or head_dim == 64):
+    if head_dim == 64:
+        return {"tile_m": 192}
+    if head_dim == 128 and causal and kv_len <= 1024:
         return {"persistent": True}
-    if kv_len >= 16384 and head_dim == 128:
-        return {"num_stages": 3}
-    if kv_len >= 4096 and head_dim == 64 and not causal:
-        return {"tile_m": 192, "intra_wg_overlap": False}
     return {}
