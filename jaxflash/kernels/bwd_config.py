@@ -81,6 +81,13 @@ class BwdConfig:
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
+    sdp_per_wg: head dims 192 / 256 only (`hopper_bwd_wide`): warpgroup 0 computes S^T and
+      warpgroup 1 dP^T, each over all tile_m query columns (m64n64), instead of both GEMMs on
+      half the columns each (m64n32). The step is bound by shared-memory bandwidth (see NOTES):
+      m64n32 re-reads K and V once per warpgroup (192 KB of operand reads per step at hd 256);
+      m64n64 reads each once (128 KB). Warpgroup 1 forms dS^T from P^T as stored for the dV GEMM
+      (bf16 / fp16, read back with ldmatrix), so dS carries one more rounding. Not with softcap
+      (1 - tanh^2 lives in warpgroup 0).
     """
 
     dtype: str = "bfloat16"
@@ -100,6 +107,7 @@ class BwdConfig:
     deterministic: bool = False
     overlap_dq: bool = False
     early_dv: bool = False
+    sdp_per_wg: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -150,6 +158,16 @@ class BwdConfig:
             if self.early_dv:
                 return False, (f"early_dv at head_dim {self.head_dim}: a schedule of the "
                                "key-split kernel only (hd <= 128)")
+        if self.sdp_per_wg and self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM:
+            return False, (f"sdp_per_wg at head_dim {self.head_dim}: a schedule of the "
+                           "head-dim-split kernel only (hd 192 / 256)")
+        if self.sdp_per_wg and self.has_softcap:
+            return False, ("sdp_per_wg with softcap: the 1 - tanh^2 factor of dS^T lives in "
+                           "warpgroup 0, dS^T is formed in warpgroup 1")
+        if (self.sdp_per_wg and self.deterministic and self.has_window
+                and self.head_dim == 256):
+            return False, ("sdp_per_wg with deterministic and a window at head_dim 256: ptxas "
+                           "spills 4-8 bytes (the window bounds beside the semaphore; 2026-12-01)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -196,9 +214,10 @@ class BwdConfig:
         unless asked). None now: the H200 runs of 2026-11-30 (head dims 64-128) and 2026-12-01
         (FlashBwdSm90Wide at 192/256, ALiBi with d(slopes), segment ids; 54 cases,
         `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) checked every feature.
-        A feature written later is listed here until a GPU run checks it: tile_m 128
-        (compiled 2026-12-01, no GPU run yet)."""
-        return ("tile_m 128",) if self.tile_m == 128 else ()
+        A feature written later is listed here until a GPU run checks it: tile_m 128 and
+        sdp_per_wg (compiled 2026-12-01, no GPU run yet)."""
+        return tuple(n for n, on in (("tile_m 128", self.tile_m == 128),
+                                     ("sdp_per_wg", self.sdp_per_wg)) if on)
 
     @property
     def split(self) -> str:
@@ -219,7 +238,7 @@ class BwdConfig:
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
-                f"{'_edv' if self.early_dv else ''}"
+                f"{'_edv' if self.early_dv else ''}{'_sdpw' if self.sdp_per_wg else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 
