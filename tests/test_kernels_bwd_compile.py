@@ -60,7 +60,7 @@ MATRIX = [
     BwdConfig(dtype="float16", head_dim=192, has_window=True, has_softcap=True,
               has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=192, has_kv_seqlen=True, dq_accum="red"),
-    # One of S^T / dP^T per warpgroup (opt-in, hd 192 / 256): m64n64, P^T back through ldmatrix
+    # One of S^T / dP^T per warpgroup (opt-in, hd 192 / 256): m64n64, P through the dQ tile
     BwdConfig(dtype="bfloat16", head_dim=256, sdp_per_wg=True),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
               has_q_seqlen=True, has_kv_seqlen=True, sdp_per_wg=True),
@@ -68,7 +68,8 @@ MATRIX = [
               sdp_per_wg=True),
     BwdConfig(dtype="bfloat16", head_dim=192, has_window=True, deterministic=True,
               sdp_per_wg=True),
-    BwdConfig(dtype="float16", head_dim=256, is_causal=True, dq_accum="red", sdp_per_wg=True),
+    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True,
+              deterministic=True, sdp_per_wg=True),
     BwdConfig(dtype="bfloat16", head_dim=192, is_causal=True, has_kv_seqlen=True,
               sdp_per_wg=True),
     # ALiBi (with its d(slopes) partials) and segment ids (block skipping + element compare)
@@ -128,7 +129,8 @@ def test_compiles_for_sm90a(cfg, tmp_path):
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
         sdp_n = cfg.tile_m if cfg.sdp_per_wg else cfg.tile_m // 2
         assert shapes == {str(sdp_n), str(cfg.head_dim // 2)}, shapes
-        assert ("ldmatrix" in ptx) == cfg.sdp_per_wg  # warpgroup 1 reads P^T back
+        # warpgroup 0 -> 1: P in float32 (bar.arrive / bar.sync 4)
+        assert ("bar.arrive 4, 256" in ptx) == cfg.sdp_per_wg
         assert ".shared" in ptx and "wgmma" in ptx
     red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
     tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
@@ -173,8 +175,7 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=64, tile_m=128, overlap_dq=True), "overlap_dq"),
                     (dict(head_dim=128, sdp_per_wg=True), "sdp_per_wg at head_dim 128"),
                     (dict(head_dim=256, has_softcap=True, sdp_per_wg=True), "softcap"),
-                    (dict(head_dim=256, has_window=True, deterministic=True, sdp_per_wg=True),
-                     "deterministic and a window")]:
+                    (dict(head_dim=192, dq_accum="red", sdp_per_wg=True), "sdp_per_wg needs")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,

@@ -85,9 +85,10 @@ class BwdConfig:
       warpgroup 1 dP^T, each over all tile_m query columns (m64n64), instead of both GEMMs on
       half the columns each (m64n32). The step is bound by shared-memory bandwidth (see NOTES):
       m64n32 re-reads K and V once per warpgroup (192 KB of operand reads per step at hd 256);
-      m64n64 reads each once (128 KB). Warpgroup 1 forms dS^T from P^T as stored for the dV GEMM
-      (bf16 / fp16, read back with ldmatrix), so dS carries one more rounding. Not with softcap
-      (1 - tanh^2 lives in warpgroup 0).
+      m64n64 reads each once (128 KB). Warpgroup 0 hands P in float32 to warpgroup 1 through the
+      float32 dQ tile's shared memory (free between the previous step's reduce and this step's
+      flush: no extra shared memory; needs dq_accum="tma"); dS^T is formed as in the default.
+      Not with softcap (1 - tanh^2 lives in warpgroup 0).
     """
 
     dtype: str = "bfloat16"
@@ -161,13 +162,12 @@ class BwdConfig:
         if self.sdp_per_wg and self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM:
             return False, (f"sdp_per_wg at head_dim {self.head_dim}: a schedule of the "
                            "head-dim-split kernel only (hd 192 / 256)")
+        if self.sdp_per_wg and self.dq_accum != "tma":
+            return False, ("sdp_per_wg needs dq_accum='tma' (P crosses between the warpgroups "
+                           "in float32 through the dQ tile's shared memory)")
         if self.sdp_per_wg and self.has_softcap:
             return False, ("sdp_per_wg with softcap: the 1 - tanh^2 factor of dS^T lives in "
                            "warpgroup 0, dS^T is formed in warpgroup 1")
-        if (self.sdp_per_wg and self.deterministic and self.has_window
-                and self.head_dim == 256):
-            return False, ("sdp_per_wg with deterministic and a window at head_dim 256: ptxas "
-                           "spills 4-8 bytes (the window bounds beside the semaphore; 2026-12-01)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":

@@ -85,7 +85,9 @@ LOG2_E = math.log2(math.e)
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
 _BAR_DQ = 3  # the step's dQ tile is in shared memory: the TMA reduce may read it
-_BAR_P = 4  # P^T is in shared memory (wide kernel, sdp_per_wg: warpgroup 0 -> warpgroup 1)
+# Wide kernel with sdp_per_wg only:
+_BAR_P = 4  # float32 P is in shared memory (warpgroup 0 -> warpgroup 1)
+_BAR_XP = 5  # warpgroup 0: the previous dQ reduce has read the shared memory P goes to
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _ZERO_THREADS = 256
@@ -715,19 +717,11 @@ class FlashBwdSm90:
     @cute.jit
     def wait_turn(self, sem, turn: Int32):
         """Warp-wide: return once the semaphore equals `turn` (lane 0 spins on acquire loads),
-        with this warp's later TMA (async proxy) operations ordered after that load.
-        `BwdConfig.sdp_per_wg` elects the lane (elect.sync: no lane-id register, which ptxas
-        found only by spilling 4 bytes there at hd 256)."""
-        if const_expr(self.cfg.sdp_per_wg):
-            with cute.arch.elect_one():
+        with this warp's later TMA (async proxy) operations ordered after that load."""
+        if cute.arch.lane_idx() == 0:
+            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+            while seen != turn:
                 seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-                while seen != turn:
-                    seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-        else:
-            if cute.arch.lane_idx() == 0:
-                seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-                while seen != turn:
-                    seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
         cute.arch.sync_warp()
         cute.arch.fence_proxy("async.global")
 

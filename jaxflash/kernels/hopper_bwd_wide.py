@@ -29,8 +29,9 @@ split the *head dim* instead:
 - Epilogue as the base kernel: dK * scale and dV through K's and V's buffers, TMA stores.
 - `BwdConfig.sdp_per_wg` (opt-in): warpgroup 0 computes S^T and warpgroup 1 dP^T, each over
   all tile_m queries (m64n64: K and V read from shared memory once per step instead of once per
-  warpgroup; the step is bound by shared-memory bandwidth, see NOTES.md). Warpgroup 1 reads P^T
-  back (ldmatrix, after warpgroup 0's arrive on _BAR_P) to form dS^T; the rest is unchanged.
+  warpgroup; the step is bound by shared-memory bandwidth, see NOTES.md). Warpgroup 0 hands P
+  (float32, through the dQ tile's shared memory, free until the flush) to warpgroup 1, which
+  forms dS^T (named barrier _BAR_P: arrive / sync); the rest of the step is unchanged.
 
 Every shared-memory tile read as an MN-major operand in hd/2-column slices (Q, dO, K) is laid
 out with swizzle atoms that fit hd/2 columns (hd 192: 96 = 3 x 32-column 64B atoms).
@@ -49,7 +50,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.hopper_bwd import _BAR_DS, _BAR_P, FlashBwdSm90
+from jaxflash.kernels.hopper_bwd import _BAR_DS, _BAR_P, _BAR_XP, FlashBwdSm90
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 
 
@@ -100,8 +101,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         # V too: the dV epilogue stores each warpgroup's hd/2 columns into it (stmatrix).
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv, atom_cols=halfv)
         # P^T and dS^T (2 per buffer, see the module docstring). With sdp_per_wg a thread
-        # stores (and loads) 64 columns: 64B atoms of 32 columns make its 4 stmatrix addresses
-        # 2 swizzled bases + a constant (ptxas spilled 4-8 bytes at hd 256 with 128B atoms).
+        # stores 64 columns: 64B atoms of 32 columns make its 4 stmatrix addresses 2 swizzled
+        # bases + a constant (with 128B atoms ptxas spilled 4 bytes at hd 256 deterministic
+        # + window).
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
                                          2 * self.pds_bufs,
                                          atom_cols=32 if self.cfg.sdp_per_wg else None)
@@ -143,12 +145,14 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sPdS, sdQ, sdp_tidx=sdp_tidx)
-        ld_p = None
+        sXP = None
         if const_expr(self.cfg.sdp_per_wg):
-            # Warpgroup 1 reads P^T back in its accumulator layout (the inverse of stmatrix).
-            ld_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            ld_p = (ld_atom, cute.make_tiled_copy_C(ld_atom, tiled_mma_sdp).get_slice(sdp_tidx))
+            # float32 P from warpgroup 0 to warpgroup 1, through the dQ tile's shared memory
+            # (free between the previous step's reduce and this step's flush): value i of
+            # thread t at float t + 128 i (a warp's store is 128 contiguous bytes; unswizzled,
+            # so the 32 addresses are one register + immediates).
+            sXP = cute.make_tensor(cute.recast_ptr(sdQ.iterator, swizzle_=None) + sdp_tidx,
+                                   cute.make_layout(cute.size(acc_S), stride=128))
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -166,8 +170,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 if const_expr(self.cfg.sdp_per_wg):
                     self.pds_per_wg(wg, acc_S, tiled_mma_sdp, tSrK, tSrQ, tPrV, tPrdO, pipe_q,
                                     pipe_do, state, coords, sLSE, sDelta, scale_log2, st_atom,
-                                    thr_st_pds, tPsPdS, ld_p, ip, blocks,
-                                    n_block, m_block, seqlen_k, window_left, window_right)
+                                    thr_st_pds, tPsPdS, sXP, blocks, n_block, m_block,
+                                    seqlen_k, window_left, window_right, warp_idx)
                 else:
                     pipe_q.consumer_wait(state)
                     layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
@@ -222,45 +226,48 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     @cute.jit
     def pds_per_wg(self, wg: Int32, acc, tiled_mma_sdp, tSrK, tSrQ, tPrV, tPrdO, pipe_q,
                    pipe_do, state, coords: TileCoords, sLSE, sDelta, scale_log2: Float32,
-                   st_atom, thr_st_pds, tPsPdS, ld_p, ip: Int32,
-                   blocks: QueryBlockRange, n_block: Int32, m_block: Int32, seqlen_k: Int32,
-                   window_left: Int32, window_right: Int32):
+                   st_atom, thr_st_pds, tPsPdS, sXP, blocks: QueryBlockRange, n_block: Int32,
+                   m_block: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32,
+                   warp_idx: Int32):
         """`BwdConfig.sdp_per_wg`: P^T and dS^T of the step (all tile_m queries) into shared
-        memory, warpgroup 0 computing S^T -> P^T and warpgroup 1 dP^T -> dS^T (each GEMM
-        m64n64: K and V are read once per step, not once per warpgroup). Warpgroup 1 takes P
-        from the stored P^T (after _BAR_P), so dS^T = P (dP^T - delta) uses P as rounded for
-        dV. On return both Q and dO of the stage have been waited for (the dV / dK GEMMs read
-        them in both warpgroups)."""
+        memory (buffer 0: P^T, 1: dS^T), warpgroup 0 computing S^T -> P^T and warpgroup 1
+        dP^T -> dS^T (each GEMM m64n64: K and V are read once per step, not once per
+        warpgroup). P reaches warpgroup 1 in float32 through ``sXP`` (in the dQ tile), so dS^T
+        is formed exactly as in the default schedule. On return both Q and dO of the stage
+        have been waited for (the dV / dK GEMMs read them in both warpgroups)."""
         stage = state.index
-        rX = cute.make_rmem_tensor_like(acc, self.dtype)  # P^T (warpgroup 0) or dS^T (1)
         if wg == 0:
             pipe_q.consumer_wait(state)
             layouts.wgmma(tiled_mma_sdp, acc, tSrK, tSrQ[None, None, None, stage],
-                          zero_init=True, wait=0)
+                          zero_init=True, wait=-1)
+            # sXP is in the dQ tile: the previous step's reduce must have read it (warp 4
+            # issued it; the barrier tells the other warps), while S^T runs.
+            if warp_idx == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_BAR_XP, number_of_threads=128)
+            warpgroup.wait_group(0)
             if blocks.needs_mask(n_block, m_block, seqlen_k):
                 apply_mask_kq(acc, coords, n_block, m_block, self.tile_n, self.tile_m,
                               seqlen_k, window_left, window_right, self.has_right,
                               self.has_left)
             self.probs(acc, coords, sLSE, stage, scale_log2)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                sXP[i] = acc[i]
+            # Generic-proxy writes -> warpgroup 1's loads: the named barrier orders them.
+            cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=self.num_mma_threads)
+            pipe_do.consumer_wait(state)
         else:
             pipe_do.consumer_wait(state)
             layouts.wgmma(tiled_mma_sdp, acc, tPrV, tPrdO[None, None, None, stage],
                           zero_init=True, wait=0)
             pipe_q.consumer_wait(state)
             cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=self.num_mma_threads)
-            # ldmatrix reads the rows stmatrix wrote (the same shared-memory side, so the
-            # stmatrix partition serves); buffer ip + wg - 1 (= ip here) shares its swizzled
-            # addresses with the stmatrix below (buffer ip + wg) up to a constant.
-            ld_atom, thr_ld = ld_p
-            cute.copy(ld_atom, tPsPdS[None, None, None, ip + wg - 1], thr_ld.retile(rX))
-            rPf = cute.make_rmem_tensor_like(acc, Float32)
-            rPf.store(rX.load().to(Float32))
-            self.grads(rPf, acc, None, coords, sDelta, stage)  # acc <- P (dP^T - delta)
+            rP = cute.make_rmem_tensor_like(acc, Float32)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                rP[i] = sXP[i]
+            self.grads(rP, acc, None, coords, sDelta, stage)  # acc <- P (dP^T - delta)
+        rX = cute.make_rmem_tensor_like(acc, self.dtype)  # P^T (warpgroup 0) or dS^T (1)
         rX.store(acc.load().to(self.dtype))
-        # One stmatrix sequence for both warpgroups (buffer ip: P^T, ip + 1: dS^T): one set of
-        # swizzled addresses live across the loop instead of one per warpgroup's branch.
-        cute.copy(st_atom, thr_st_pds.retile(rX), tPsPdS[None, None, None, ip + wg])
-        if wg == 0:
-            # Generic-proxy writes -> warpgroup 1's ldmatrix: the named barrier orders them.
-            cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=self.num_mma_threads)
-            pipe_do.consumer_wait(state)
+        # One stmatrix sequence for both warpgroups: one set of swizzled addresses live across
+        # the loop instead of one per warpgroup's branch.
+        cute.copy(st_atom, thr_st_pds.retile(rX), tPsPdS[None, None, None, wg])
