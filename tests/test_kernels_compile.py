@@ -37,6 +37,9 @@ MATRIX = [
     # the persistent tile loop (optional, off by default), with and without a separate O buffer
     FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, persistent=True),
     FwdConfig(dtype="bfloat16", head_dim=256, persistent=True, tile_order="lpt"),
+    # the tile pipe (the producer hands tile coordinates to the consumers through smem)
+    FwdConfig(dtype="float16", head_dim=128, persistent=True, tile_pipe=True, has_q_seqlen=True,
+              has_kv_seqlen=True),
     # three consumer warpgroups (192-row tiles), opt-in for hdim 64 (with overlap: see below)
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
     # ALiBi (runtime slopes) and segment ids (element compare + block skipping)
@@ -142,6 +145,7 @@ def test_compiles_through_the_bridge():
     (dict(head_dim=128, tile_m=192), "tile_m 192"),
     (dict(tile_n=72), "tile_n"),
     (dict(tile_order="random"), "tile_order"),
+    (dict(tile_pipe=True), "tile_pipe needs persistent"),
 ])
 def test_invalid_configs_are_refused(kw, why):
     with pytest.raises(ValueError, match=why):
@@ -233,6 +237,11 @@ BENCH_VARIANTS = [FwdConfig(head_dim=d, is_causal=c) for d in (64, 128, 256) for
 BENCH_VARIANTS += [FwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True),
                    FwdConfig(head_dim=192, is_causal=True, has_alibi=True, has_segments=True),
                    FwdConfig(head_dim=256, has_segments=True)]
+# The persistent loop at the points it lost (every wgmma serialized until 2026-12-01: the stale
+# S of a zero-init GEMM kept live; see layouts.wgmma's ``clear``), with and without the tile pipe.
+BENCH_VARIANTS += [FwdConfig(head_dim=d, persistent=True, tile_pipe=tp) for d in (128, 256)
+                   for tp in (False, True)]
+BENCH_VARIANTS += [FwdConfig(head_dim=64, is_causal=True, persistent=True, tile_pipe=True)]
 # The schedules config_for picks from measurements (persistent at 1k, three stages at 16k).
 BENCH_VARIANTS += sorted({FwdConfig(head_dim=d, is_causal=c, **schedule_for(d, s, c))
                           for d in (64, 128, 256) for s in (1024, 16384) for c in (False, True)

@@ -89,6 +89,23 @@ def test_backward_tile_m_128_checked_and_benched():
     assert bwd.tile_m == 128 and fwd == FwdConfig(head_dim=64)
 
 
+def test_forward_tile_pipe_is_gated_until_checked(monkeypatch):
+    """The persistent forward's tile pipe (compiled 2026-12-01, no GPU run yet) is refused by
+    the gate; the device check cases and the "persist2" bench column run it by direct calls."""
+    from jaxflash.kernels import devrun
+    cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True)
+    assert cfg.unverified() == ("tile_pipe",)
+    assert FwdConfig(head_dim=128, persistent=True).unverified() == ()
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tile_pipe"):
+        verified.require_verified(cfg, "forward")
+    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_pipe")]
+    assert {kw["head_dim"] for kw in cases} == {64, 128, 256}
+    assert any(kw.get("is_causal") for kw in cases)
+    assert any(kw.get("dtype") == "float16" and kw.get("has_q_seqlen") for kw in cases)
+    assert devrun.VARIANTS["persist2"] == dict(persistent=True, tile_pipe=True)
+
+
 def test_wide_backward_refuses_segments():
     ok, why = BwdConfig.check.__get__(BwdConfig(head_dim=256))()
     assert ok

@@ -53,7 +53,12 @@ class FwdConfig:
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
     persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
       epilogue (and causal tiles are dealt longest-first in a balanced order). Off by default:
-      measured slower on the H200 (2026-11-30), see jaxflash/kernels/NOTES.md.
+      measured slower on the H200 (2026-11-30) where ptxas had serialized its wgmma (hdim 128
+      dense, 256; fixed 2026-12-01, not yet re-measured), see jaxflash/kernels/NOTES.md.
+    tile_pipe: persistent only: the producer warp (idle while its loads fly) decodes each tile
+      and hands (m_block, head, batch) to the consumers through a 2-slot shared-memory
+      pipeline, so the consumers' tile loop carries no scheduler state and does no index
+      division per tile (NOTES.md, "Persistent forward").
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     """
@@ -74,6 +79,7 @@ class FwdConfig:
     intra_wg_overlap: bool = True
     pingpong: bool = True
     persistent: bool = False
+    tile_pipe: bool = False
     tile_order: str = "auto"
     l2_section_mb: int = 24
 
@@ -111,6 +117,8 @@ class FwdConfig:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
         if self.tile_order not in ("auto", "lpt", "plain"):
             return False, f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain')"
+        if self.tile_pipe and not self.persistent:
+            return False, "tile_pipe needs persistent=True (it feeds the persistent tile loop)"
         if not 1 <= self.l2_section_mb <= 64:
             return False, f"l2_section_mb {self.l2_section_mb} not in [1, 64]"
         if self.num_stages < 1 or self.num_stages > 4:
@@ -127,7 +135,10 @@ class FwdConfig:
         overlap (fresh per-block S fragment, select-form mask) at 09:50 UTC the same day
         (6 cases: dense GQA, causal, causal GQA T<S, fp16 lengths with an empty key length,
         causal lengths, window + softcap; error / cuDNN's 0.998-1.000; sanitizer clean;
-        `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`)."""
+        `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`). tile_pipe (compiled
+        2026-12-01, no GPU run yet) is listed until its device checks pass."""
+        if self.tile_pipe:
+            return ("tile_pipe",)
         return ()
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
@@ -163,7 +174,7 @@ class FwdConfig:
                                  ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
                                  ("seg", self.has_segments)) if on]
         sched = (("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
-                 + ("ps" if self.persistent else ""))
+                 + ("ps" if self.persistent else "") + ("tp" if self.tile_pipe else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"

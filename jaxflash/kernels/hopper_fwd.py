@@ -114,6 +114,7 @@ class FlashFwdSm90:
         # accumulator leaves too few registers for two softmaxes in flight to matter).
         self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
         self.persistent = config.persistent
+        self.tile_pipe = config.tile_pipe
         self.separate_o = config.separate_o
 
     @classmethod
@@ -204,6 +205,9 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_v: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            # tile_pipe: 2 slots of (m_block, head, batch, unused) and their full/empty barriers
+            mbar_tile: cute.struct.MemRange[cutlass.Int64, 4 if self.tile_pipe else 0]
+            tile_coords: cute.struct.MemRange[Int32, 8 if self.tile_pipe else 0]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, sq_elems], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[
                 self.dtype, cute.cosize(sO_layout) if self.separate_o else 0], 1024]
@@ -260,6 +264,15 @@ class FlashFwdSm90:
         pipe_q = pipes.make(storage.mbar_q.data_ptr(), 1, self.q_bytes)
         pipe_k = pipes.make(storage.mbar_k.data_ptr(), self.num_stages, self.k_bytes)
         pipe_v = pipes.make(storage.mbar_v.data_ptr(), self.num_stages, self.v_bytes)
+        pipe_tile = None
+        if const_expr(self.tile_pipe):
+            # Written by one producer thread, read (then released) by every consumer thread.
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads),
+                defer_sync=True)
         pipes.init_done()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -308,7 +321,27 @@ class FlashFwdSm90:
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                         self.num_stages)
-                if const_expr(self.persistent):
+                if const_expr(self.tile_pipe):
+                    sTile = storage.tile_coords.get_tensor(cute.make_layout((4, 2)))
+                    tile_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, 2)
+                    r = Int32(0)
+                    tile = scheduler.tile_of_round(r, bid, grid)
+                    while tile < num_tiles:
+                        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks,
+                                                                mQ, mK)
+                        tile_state = self.announce_tile(pipe_tile, sTile, tile_state, m_block,
+                                                        head, batch)
+                        q_state, kv_state = self.produce_at(
+                            m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
+                            blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                            q_state, kv_state)
+                        r += 1
+                        tile = scheduler.tile_of_round(r, bid, grid)
+                    # m_block -1: no more tiles (the consumers leave their loop).
+                    self.announce_tile(pipe_tile, sTile, tile_state, Int32(-1), Int32(0),
+                                       Int32(0))
+                elif const_expr(self.persistent):
                     r = Int32(0)
                     tile = scheduler.tile_of_round(r, bid, grid)
                     while tile < num_tiles:
@@ -336,7 +369,18 @@ class FlashFwdSm90:
                                              number_of_threads=2 * 128)
             cargs = (mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v)
             segs = (mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk)
-            if const_expr(self.persistent):
+            if const_expr(self.tile_pipe):
+                sTile = storage.tile_coords.get_tensor(cute.make_layout((4, 2)))
+                tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                m_block, head, batch, tile_state = self.next_tile(pipe_tile, sTile, tile_state)
+                while m_block >= 0:
+                    q_state, kv_state = self.consume_at(
+                        m_block, head, batch, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs, segs,
+                        q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
+                        pre_scale, scale_log2, window_left, window_right, T)
+                    m_block, head, batch, tile_state = self.next_tile(pipe_tile, sTile,
+                                                                      tile_state)
+            elif const_expr(self.persistent):
                 r = Int32(0)
                 # Tiles of later rounds only grow (also in snake order): stop at the first
                 # out-of-range one, so the tile body needs no extra branch around it.
@@ -361,8 +405,17 @@ class FlashFwdSm90:
     def produce_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
                      mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, blocks: BlockRange, sQ, sK, sV,
                      tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state):
-        m_block, head, batch, n_min, n_max, _sq, _sk = self.tile_info(
-            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, blocks)
+        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
+        return self.produce_at(m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
+                               blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                               q_state, kv_state)
+
+    @cute.jit
+    def produce_at(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mV, mQSeqlen,
+                   mKVSeqlen, mQBlk, blocks: BlockRange, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q,
+                   pipe_k, pipe_v, q_state, kv_state):
+        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen, mKVSeqlen,
+                                                  mQBlk, blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         return self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                             q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max)
@@ -373,10 +426,20 @@ class FlashFwdSm90:
                      kv_state, tiled_mma_qk, tiled_mma_pv, tidx: Int32, warp_idx: Int32,
                      pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                      window_right: Int32, T: Int32):
+        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
+        return self.consume_at(m_block, head, batch, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs,
+                               segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx,
+                               warp_idx, pre_scale, scale_log2, window_left, window_right, T)
+
+    @cute.jit
+    def consume_at(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mQSeqlen,
+                   mKVSeqlen, blocks: BlockRange, cargs, segs, q_state, kv_state, tiled_mma_qk,
+                   tiled_mma_pv, tidx: Int32, warp_idx: Int32, pre_scale: Float32,
+                   scale_log2: Float32, window_left: Int32, window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
         mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk = segs
-        m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k = self.tile_info(
-            tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, blocks)
+        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
+                                                            mKVSeqlen, mQBlk, blocks)
         # Fragments are made per tile, inside the tile's own region: accumulators carried
         # through the persistent tile loop would cost register copies around in-flight wgmma.
         ctx = self.consumer_setup(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx, scale_log2)
@@ -400,15 +463,20 @@ class FlashFwdSm90:
                             n_min, n_max, seqlen_q, seqlen_k, T)
 
     @cute.jit
-    def tile_info(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
-                  mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, blocks: BlockRange):
-        """(m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k) of a linear tile index;
-        producer and consumers compute the same values."""
-        T = mQ.shape[0]
+    def tile_coords(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32, mQ,
+                    mK):
+        """(m_block, head, batch) of a linear tile index."""
         S = mK.shape[0]
         kv_bytes_per_head = S * (self.hd + self.hdv) * (self.dtype.width // 8)
-        m_block, head, batch = scheduler.decode(tile, num_m_blocks, mQ.shape[2], mQ.shape[3],
-                                                kv_bytes_per_head)
+        return scheduler.decode(tile, num_m_blocks, mQ.shape[2], mQ.shape[3], kv_bytes_per_head)
+
+    @cute.jit
+    def tile_bounds(self, m_block: Int32, batch: Int32, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk,
+                    blocks: BlockRange):
+        """(n_min, n_max, seqlen_q, seqlen_k) of a tile: its key-block range and its batch's
+        lengths; producer and consumers compute the same values."""
+        T = mQ.shape[0]
+        S = mK.shape[0]
         seqlen_q = T
         if const_expr(mQSeqlen is not None):
             seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
@@ -423,7 +491,33 @@ class FlashFwdSm90:
             n_max = cutlass.min(n_max, mQBlk[batch, m_block, 3])
         if m_block * self.tile_m >= seqlen_q:
             n_max = n_min  # every row of the tile is past the query length: nothing to load
-        return m_block, head, batch, n_min, n_max, seqlen_q, seqlen_k
+        return n_min, n_max, seqlen_q, seqlen_k
+
+    @cute.jit
+    def announce_tile(self, pipe_tile, sTile: cute.Tensor, state, m_block: Int32, head: Int32,
+                      batch: Int32):
+        """Producer (warp 0): publish a tile's coordinates in the next slot once the consumers
+        have read the slot's previous tile. Returns the advanced state."""
+        pipe_tile.producer_acquire(state)
+        with cute.arch.elect_one():
+            sTile[0, state.index] = m_block
+            sTile[1, state.index] = head
+            sTile[2, state.index] = batch
+            pipe_tile.producer_commit(state)  # release: the stores above are visible after it
+        state.advance()
+        return state
+
+    @cute.jit
+    def next_tile(self, pipe_tile, sTile: cute.Tensor, state):
+        """Consumers: (m_block, head, batch, advanced state) of the next tile (m_block -1:
+        none left)."""
+        pipe_tile.consumer_wait(state)
+        m_block = sTile[0, state.index]
+        head = sTile[1, state.index]
+        batch = sTile[2, state.index]
+        pipe_tile.consumer_release(state)
+        state.advance()
+        return m_block, head, batch, state
 
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
@@ -536,7 +630,7 @@ class FlashFwdSm90:
                 seg_cmp = self.segment_compare_needed(mods, n)
                 pipe_k.consumer_wait(kv_state)
                 layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                              zero_init=True, wait=0)
+                              zero_init=True, wait=0, clear=self.persistent)
                 pipe_k.consumer_release(kv_state)
                 self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
                             window_right, mods, seg_cmp, True, self.has_right, self.has_left)
@@ -669,7 +763,7 @@ class FlashFwdSm90:
             pipe_k.consumer_wait(kv_state)
             self.sched_sync(wg)
             layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                          zero_init=True, wait=-1)
+                          zero_init=True, wait=-1, clear=self.persistent)
             pipe_v.consumer_wait(v_state)
             layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
                           zero_init=False, wait=-1)
@@ -689,7 +783,7 @@ class FlashFwdSm90:
             pipe_k.consumer_wait(kv_state)
             self.sched_sync(wg)
             layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                          zero_init=True, wait=-1)
+                          zero_init=True, wait=-1, clear=self.persistent)
             self.sched_arrive(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)

@@ -85,9 +85,18 @@ def select_modes(t: cute.Tensor, modes: list[int]) -> cute.Tensor:
 
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
+          zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int],
+          clear: cutlass.Constexpr[bool] = False):
     """Issue acc (+)= a @ b over all k-blocks as one wgmma group; wait for <= `wait` groups
-    in flight afterwards (-1: do not wait)."""
+    in flight afterwards (-1: do not wait).
+
+    clear (with zero_init): write zeros into acc first. The wgmma reads its accumulator
+    operand even when told not to accumulate, so without this the stale value the tensor held
+    stays live up to the GEMM; inside a loop that can be a whole other accumulator (measured: the
+    persistent forward kept the first block's S, 64 registers, live across its mainloop and
+    ptxas serialized every wgmma, C7512). ptxas drops the zeros (the GEMM ignores them)."""
+    if cutlass.const_expr(zero_init and clear):
+        acc.fill(0.0)
     warpgroup.fence()
     # The accumulate flag is state of the MMA atom's IR value; setting it on the caller's
     # tiled MMA inside runtime control flow would leak a region-local value. Use a fresh atom.
