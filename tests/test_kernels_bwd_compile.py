@@ -59,18 +59,6 @@ MATRIX = [
     BwdConfig(dtype="float16", head_dim=192, has_window=True, has_softcap=True,
               has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=192, has_kv_seqlen=True, dq_accum="red"),
-    # One of S^T / dP^T per warpgroup (opt-in, hd 192 / 256): m64n64, P through the dQ tile
-    BwdConfig(dtype="bfloat16", head_dim=256, sdp_per_wg=True),
-    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
-              has_q_seqlen=True, has_kv_seqlen=True, sdp_per_wg=True),
-    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, deterministic=True,
-              sdp_per_wg=True),
-    BwdConfig(dtype="bfloat16", head_dim=192, has_window=True, deterministic=True,
-              sdp_per_wg=True),
-    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True,
-              deterministic=True, sdp_per_wg=True),
-    BwdConfig(dtype="bfloat16", head_dim=192, is_causal=True, has_kv_seqlen=True,
-              sdp_per_wg=True),
     # ALiBi (with its d(slopes) partials) and segment ids (block skipping + element compare)
     BwdConfig(dtype="bfloat16", head_dim=64, has_alibi=True),
     BwdConfig(dtype="float16", head_dim=96, has_segments=True, has_kv_seqlen=True),
@@ -111,13 +99,9 @@ def test_compiles_for_sm90a(cfg, tmp_path):
         assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
         if cfg.tile_m == 128 and cfg.dq_accum == "tma":  # one reduce-add per 8-column slab
             assert ptx.count("cp.reduce.async.bulk.tensor") == cfg.head_dim // 8
-    else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves (or one per warpgroup with
-        # sdp_per_wg: all the queries), every other GEMM by hd halves
+    else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
-        sdp_n = cfg.tile_m if cfg.sdp_per_wg else cfg.tile_m // 2
-        assert shapes == {str(sdp_n), str(cfg.head_dim // 2)}, shapes
-        # warpgroup 0 -> 1: P in float32 (bar.arrive / bar.sync 4)
-        assert ("bar.arrive 4, 256" in ptx) == cfg.sdp_per_wg
+        assert shapes == {str(cfg.tile_m // 2), str(cfg.head_dim // 2)}, shapes
         assert ".shared" in ptx and "wgmma" in ptx
     red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
     tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
@@ -159,10 +143,7 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),
-                    (dict(head_dim=64, tile_m=128, overlap_dq=True), "overlap_dq"),
-                    (dict(head_dim=128, sdp_per_wg=True), "sdp_per_wg at head_dim 128"),
-                    (dict(head_dim=256, has_softcap=True, sdp_per_wg=True), "softcap"),
-                    (dict(head_dim=192, dq_accum="red", sdp_per_wg=True), "sdp_per_wg needs")]:
+                    (dict(head_dim=64, tile_m=128, overlap_dq=True), "overlap_dq")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
@@ -235,20 +216,6 @@ def test_tile_m_128_is_keyed_and_picked_at_hd_64():
     assert [padded_len(t, d) for t in (1, 64, 65, 300)] == [64, 64, 128, 320]
     assert [padded_len(t, c) for t in (1, 64, 65, 300)] == [128, 128, 128, 384]
     assert (num_q_blocks(300, d), num_q_blocks(300, c)) == (5, 3)
-
-
-def test_sdp_per_wg_is_opt_in_and_unverified():
-    """sdp_per_wg (hd 192 / 256) is keyed, gated until a GPU checks it, never what dispatch
-    picks, and needs no more shared memory (hd 256 keeps 1 stage, hd 192 2)."""
-    from jaxflash._types import AttentionStatics, Problem
-    for hd, stages in [(256, 1), (192, 2)]:
-        c, d = BwdConfig(head_dim=hd, sdp_per_wg=True), BwdConfig(head_dim=hd)
-        assert c.key == d.key.replace("_dqtma_", "_dqtma_sdpw_")
-        assert c.unverified() == ("sdp_per_wg",) and d.unverified() == ()
-        assert c.num_stages == d.num_stages == stages and c.smem_bytes() == d.smem_bytes()
-        p = Problem(batch=1, q_len=300, kv_len=300, num_heads=4, num_kv_heads=4, head_dim=hd,
-                    head_dim_v=hd, dtype="bfloat16", statics=AttentionStatics(scale=0.1))
-        assert not config_for(p).sdp_per_wg
 
 
 # -- wiring through the backend ----------------------------------------------------------------

@@ -135,25 +135,3 @@ def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function(
     for name, kw, (*_, ex) in bwd_devrun.CHECKS:
         if ex.get("cudnn"):
             assert not (kw.get("has_softcap") or kw.get("has_alibi") or kw.get("has_segments")), name
-
-
-def test_backward_sdp_per_wg_is_gated_until_checked(monkeypatch):
-    """sdp_per_wg (hd 192 / 256, compiled 2026-12-01, no GPU run yet) is refused by the gate;
-    the GPU check cases (both head dims, deterministic among them) and the hd 256 bench column
-    run it by direct calls."""
-    from jaxflash.kernels import bwd_devrun
-    cfg = BwdConfig(head_dim=256, sdp_per_wg=True)
-    assert cfg.unverified() == ("sdp_per_wg",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="sdp_per_wg"):
-        verified.require_verified(cfg, "backward")
-    cases = [(n, kw) for n, kw, _ in bwd_devrun.CHECKS if kw.get("sdp_per_wg")]
-    assert {kw["head_dim"] for _, kw in cases} == {192, 256}
-    assert any(kw.get("deterministic") for _, kw in cases)
-    assert any(kw.get("dtype") == "float16" for _, kw in cases)
-    assert bwd_devrun.BENCH_VARIANTS[256]["sdpw"] == dict(sdp_per_wg=True)
-    for s in (1024, 4096, 16384):
-        for causal in (False, True):
-            assert (256, s, causal) in bwd_devrun.VARIANT_POINTS
-    fwd, bwd = bwd_devrun._configs(dict(head_dim=256, sdp_per_wg=True))
-    assert bwd.sdp_per_wg and fwd == FwdConfig(head_dim=256)

@@ -81,14 +81,6 @@ class BwdConfig:
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
-    sdp_per_wg: head dims 192 / 256 only (`hopper_bwd_wide`): warpgroup 0 computes S^T and
-      warpgroup 1 dP^T, each over all tile_m query columns (m64n64), instead of both GEMMs on
-      half the columns each (m64n32). The step is bound by shared-memory bandwidth (see NOTES):
-      m64n32 re-reads K and V once per warpgroup (192 KB of operand reads per step at hd 256);
-      m64n64 reads each once (128 KB). Warpgroup 0 hands P in float32 to warpgroup 1 through the
-      float32 dQ tile's shared memory (free between the previous step's reduce and this step's
-      flush: no extra shared memory; needs dq_accum="tma"); dS^T is formed as in the default.
-      Not with softcap (1 - tanh^2 lives in warpgroup 0).
     """
 
     dtype: str = "bfloat16"
@@ -108,7 +100,6 @@ class BwdConfig:
     deterministic: bool = False
     overlap_dq: bool = False
     early_dv: bool = False
-    sdp_per_wg: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -159,15 +150,6 @@ class BwdConfig:
             if self.early_dv:
                 return False, (f"early_dv at head_dim {self.head_dim}: a schedule of the "
                                "key-split kernel only (hd <= 128)")
-        if self.sdp_per_wg and self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM:
-            return False, (f"sdp_per_wg at head_dim {self.head_dim}: a schedule of the "
-                           "head-dim-split kernel only (hd 192 / 256)")
-        if self.sdp_per_wg and self.dq_accum != "tma":
-            return False, ("sdp_per_wg needs dq_accum='tma' (P crosses between the warpgroups "
-                           "in float32 through the dQ tile's shared memory)")
-        if self.sdp_per_wg and self.has_softcap:
-            return False, ("sdp_per_wg with softcap: the 1 - tanh^2 factor of dS^T lives in "
-                           "warpgroup 0, dS^T is formed in warpgroup 1")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -215,9 +197,9 @@ class BwdConfig:
         (FlashBwdSm90Wide at 192/256, ALiBi with d(slopes), segment ids; 54 cases,
         `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) and 2026-12-01 09:45 UTC
         (tile_m 128: 16 cases incl. 2 deterministic, bitwise over 10 runs, sanitizer clean;
-        `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature but sdp_per_wg
-        (compiled 2026-12-01, no GPU run yet), listed until a GPU run checks it."""
-        return ("sdp_per_wg",) if self.sdp_per_wg else ()
+        `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature. A feature written
+        later lists itself here until a GPU run checks it."""
+        return ()
 
     @property
     def split(self) -> str:
@@ -238,7 +220,7 @@ class BwdConfig:
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
-                f"{'_edv' if self.early_dv else ''}{'_sdpw' if self.sdp_per_wg else ''}"
+                f"{'_edv' if self.early_dv else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -195,37 +195,6 @@ CHECKS = [
                                                is_causal=True),
      (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
                             "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
-    # sdp_per_wg (opt-in, hd 192 / 256, unverified until these pass): warpgroup 0 S^T -> P
-    # (float32 to warpgroup 1 through the dQ tile's smem), warpgroup 1 dP^T -> dS^T; odd T / S,
-    # GQA / MQA, causal T < S and T > S, windows, lengths with empty rows and kv_seqlen 0,
-    # fp16, 2k (many steps per CTA: the dQ tile's reuse between reduce and P).
-    ("bf16 h256 sdpw dense odd gqa", dict(head_dim=256, sdp_per_wg=True),
-     (2, 300, 333, 4, 2, {"cudnn": True})),
-    ("bf16 h256 sdpw tiny", dict(head_dim=256, sdp_per_wg=True), (1, 64, 64, 1, 1, {})),
-    ("bf16 h256 sdpw causal gqa T<S", dict(head_dim=256, is_causal=True, sdp_per_wg=True),
-     (2, 500, 700, 8, 2, {"cudnn": True})),
-    ("bf16 h192 sdpw causal T>S", dict(head_dim=192, is_causal=True, sdp_per_wg=True),
-     (1, 400, 150, 2, 2, {})),
-    ("bf16 h192 sdpw mqa odd", dict(head_dim=192, sdp_per_wg=True), (2, 257, 259, 4, 1, {})),
-    ("bf16 h256 sdpw window", dict(head_dim=256, has_window=True, sdp_per_wg=True),
-     (2, 400, 400, 4, 2, {"window": (100, 37)})),
-    ("bf16 h192 sdpw causal window", dict(head_dim=192, is_causal=True, has_window=True,
-                                          sdp_per_wg=True),
-     (2, 333, 333, 4, 4, {"window": (129, 0)})),
-    ("bf16 h256 sdpw seqlens empty rows", dict(head_dim=256, has_q_seqlen=True,
-                                               has_kv_seqlen=True, sdp_per_wg=True),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255],
-                          "cudnn": True})),
-    ("bf16 h192 sdpw seqlens empty rows", dict(head_dim=192, has_q_seqlen=True,
-                                               has_kv_seqlen=True, sdp_per_wg=True),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
-    ("fp16 h256 sdpw causal gqa", dict(dtype="float16", head_dim=256, is_causal=True,
-                                       sdp_per_wg=True), (2, 384, 384, 6, 3, {"cudnn": True})),
-    ("fp16 h192 sdpw window kvlen", dict(dtype="float16", head_dim=192, has_window=True,
-                                         has_kv_seqlen=True, sdp_per_wg=True),
-     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
-    ("bf16 h256 sdpw dense 2k", dict(head_dim=256, sdp_per_wg=True),
-     (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -240,12 +209,6 @@ CHECKS = [
      (2, 700, 600, 4, 1, {"window": (150, 20)})),
     ("bf16 h64 m128 deterministic causal gqa", dict(head_dim=64, tile_m=128, is_causal=True,
                                                     deterministic=True), (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 sdpw deterministic causal gqa", dict(head_dim=256, is_causal=True,
-                                                     deterministic=True, sdp_per_wg=True),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h192 sdpw deterministic window", dict(head_dim=192, has_window=True,
-                                                 deterministic=True, sdp_per_wg=True),
-     (2, 700, 600, 4, 1, {"window": (150, 20)})),
 ]
 # `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
 DETERMINISM = [
@@ -270,19 +233,14 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 # 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
 # column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
 # (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`) and are refused at tile_m 128.
-# "sdpw": one of S^T / dP^T per warpgroup (sdp_per_wg, hd 192 / 256; unverified until its
-# checks pass; hd 192 is not on the bench grid: BENCH_DIMS).
 BENCH_VARIANTS = {
     64: {"m64": dict(tile_m=64), "m128_det": dict(tile_m=128, deterministic=True)},
     128: {"edv": dict(early_dv=True)},
-    256: {"sdpw": dict(sdp_per_wg=True)},
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
                   (64, 16384, True),
                   (128, 1024, False), (128, 4096, False), (128, 4096, True),
-                  (128, 16384, False), (128, 16384, True),
-                  (256, 1024, False), (256, 1024, True), (256, 4096, False), (256, 4096, True),
-                  (256, 16384, False), (256, 16384, True)}
+                  (128, 16384, False), (128, 16384, True)}
 
 BENCH_DIMS = (64, 128, 256)
 BENCH_S = (1024, 4096, 16384)
@@ -290,8 +248,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
-_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "sdp_per_wg")
+_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m")
 
 
 def _configs(kw):

@@ -85,9 +85,6 @@ LOG2_E = math.log2(math.e)
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
 _BAR_DQ = 3  # the step's dQ tile is in shared memory: the TMA reduce may read it
-# Wide kernel with sdp_per_wg only:
-_BAR_P = 4  # float32 P is in shared memory (warpgroup 0 -> warpgroup 1)
-_BAR_XP = 5  # warpgroup 0: the previous dQ reduce has read the shared memory P goes to
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _ZERO_THREADS = 256
@@ -644,25 +641,22 @@ class FlashBwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
 
     def consumer_tiles(self, tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv, thr_dq,
-                       tidx, sdS, sdQ, sdp_tidx=None):
+                       tidx, sdS, sdQ):
         """A consumer thread's accumulators (dK / dV zeroed), its coordinates in the S^T and dQ
         tiles, its stmatrix atom, slice and partition of the dS^T (and P^T) buffer, and its
         partition of the dQ tile: the same in both backward kernels (only the MMAs that shape
-        them differ). ``sdp_tidx``: the thread's index in ``tiled_mma_sdp`` where that MMA
-        spans one warpgroup (`BwdConfig.sdp_per_wg`); else ``tidx``. Plain Python, inlined
-        while `consume` is traced."""
-        sdp_tidx = tidx if sdp_tidx is None else sdp_tidx
+        them differ). Plain Python, inlined while `consume` is traced."""
         acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
         acc_dK = thr_dk.make_fragment_C(thr_dk.partition_shape_C((self.tile_n, self.hd)))
         acc_dV = thr_dv.make_fragment_C(thr_dv.partition_shape_C((self.tile_n, self.hdv)))
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
-        coords = TileCoords.make(tiled_mma_sdp, sdp_tidx, (self.tile_n, self.tile_m))
+        coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
         dq_coords = TileCoords.make(tiled_mma_dq, tidx, (self.tile_m, self.hd))
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(sdp_tidx)
+        thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
         tdQsdQ = None
         if const_expr(self.dq_tma):

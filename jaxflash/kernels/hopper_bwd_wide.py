@@ -27,11 +27,6 @@ split the *head dim* instead:
   so they have two buffers (a warpgroup can be at most one step ahead: _BAR_DS of step i+1
   needs the other warpgroup to have finished step i).
 - Epilogue as the base kernel: dK * scale and dV through K's and V's buffers, TMA stores.
-- `BwdConfig.sdp_per_wg` (opt-in): warpgroup 0 computes S^T and warpgroup 1 dP^T, each over
-  all tile_m queries (m64n64: K and V read from shared memory once per step instead of once per
-  warpgroup; the step is bound by shared-memory bandwidth, see NOTES.md). Warpgroup 0 hands P
-  (float32, through the dQ tile's shared memory, free until the flush) to warpgroup 1, which
-  forms dS^T (named barrier _BAR_P: arrive / sync); the rest of the step is unchanged.
 
 Every shared-memory tile read as an MN-major operand in hd/2-column slices (Q, dO, K) is laid
 out with swizzle atoms that fit hd/2 columns (hd 192: 96 = 3 x 32-column 64B atoms).
@@ -50,7 +45,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.hopper_bwd import _BAR_DS, _BAR_P, _BAR_XP, FlashBwdSm90
+from jaxflash.kernels.hopper_bwd import _BAR_DS, FlashBwdSm90
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 
 
@@ -71,12 +66,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     def tiled_mmas(self):
         K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         half, halfv = self.hd // 2, self.hdv // 2
-        # S^T, dP^T: 64 keys x tile_m queries, the queries split over the warpgroups; with
-        # sdp_per_wg one warpgroup's MMA over all the queries (warpgroup 0: S^T, 1: dP^T).
-        sdp_wgs = 1 if self.cfg.sdp_per_wg else 2
+        # S^T, dP^T: 64 keys x tile_m queries, the queries split over the warpgroups.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_, K_, Float32, atom_layout_mnk=(1, sdp_wgs, 1),
-            tiler_mn=(self.tile_n, self.tile_m // sdp_wgs))
+            self.dtype, self.dtype, K_, K_, Float32, atom_layout_mnk=(1, 2, 1),
+            tiler_mn=(self.tile_n, self.tile_m // 2))
         # dK += dS^T Q, dV += P^T dO: both operands in smem, the head dim split.
         tiled_mma_dk = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(1, 2, 1),
@@ -100,13 +93,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=half)
         # V too: the dV epilogue stores each warpgroup's hd/2 columns into it (stmatrix).
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv, atom_cols=halfv)
-        # P^T and dS^T (2 per buffer, see the module docstring). With sdp_per_wg a thread
-        # stores 64 columns: 64B atoms of 32 columns make its 4 stmatrix addresses 2 swizzled
-        # bases + a constant (with 128B atoms ptxas spilled 4 bytes at hd 256 deterministic
-        # + window).
+        # P^T and dS^T (2 per buffer, see the module docstring)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
-                                         2 * self.pds_bufs,
-                                         atom_cols=32 if self.cfg.sdp_per_wg else None)
+                                         2 * self.pds_bufs)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
@@ -121,9 +110,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
                 T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats):
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        sdp_tidx = tidx % 128 if const_expr(self.cfg.sdp_per_wg) else tidx
-        thr_sdp = tiled_mma_sdp.get_slice(sdp_tidx)
-        wg_sdp = tiled_mma_sdp.get_slice(0 if const_expr(self.cfg.sdp_per_wg) else wg * 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
         wg_dk = tiled_mma_dk.get_slice(wg * 128)
         wg_dv = tiled_mma_dv.get_slice(wg * 128)
         wg_dq = tiled_mma_dq.get_slice(wg * 128)
@@ -144,15 +132,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
         (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
-                                       thr_dq, tidx, sPdS, sdQ, sdp_tidx=sdp_tidx)
-        sXP = None
-        if const_expr(self.cfg.sdp_per_wg):
-            # float32 P from warpgroup 0 to warpgroup 1, through the dQ tile's shared memory
-            # (free between the previous step's reduce and this step's flush): value i of
-            # thread t at float t + 128 i (a warp's store is 128 contiguous bytes; unswizzled,
-            # so the 32 addresses are one register + immediates).
-            sXP = cute.make_tensor(cute.recast_ptr(sdQ.iterator, swizzle_=None) + sdp_tidx,
-                                   cute.make_layout(cute.size(acc_S), stride=128))
+                                       thr_dq, tidx, sPdS, sdQ)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -167,38 +147,30 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 ip = 0  # P^T of this step's buffer; ip + 1: dS^T
                 if const_expr(self.pds_bufs == 2):
                     ip = (step % 2) * 2
-                if const_expr(self.cfg.sdp_per_wg):
-                    self.pds_per_wg(wg, acc_S, tiled_mma_sdp, tSrK, tSrQ, tPrV, tPrdO, pipe_q,
-                                    pipe_do, state, coords, sLSE, sDelta, scale_log2, st_atom,
-                                    thr_st_pds, tPsPdS, sXP, blocks, n_block, m_block,
-                                    seqlen_k, window_left, window_right, warp_idx)
-                else:
-                    pipe_q.consumer_wait(state)
-                    layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
-                                  zero_init=True, wait=-1)
-                    pipe_do.consumer_wait(state)
-                    layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
-                                  zero_init=True, wait=-1)
-                    warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
-                    if const_expr(self.cfg.has_softcap):
-                        for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
-                    if blocks.needs_mask(n_block, m_block, seqlen_k):
-                        apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n,
-                                      self.tile_m, seqlen_k, window_left, window_right,
-                                      self.has_right, self.has_left)
-                    warpgroup.wait_group(0)
-                    self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage,
-                                         scale_log2)
-                    rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-                    rP.store(acc_S.load().to(self.dtype))
-                    rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-                    rdS.store(acc_dP.load().to(self.dtype))
-                    # This warpgroup's query columns of P^T and dS^T (the buffer is free: see
-                    # the module docstring).
-                    cute.copy(st_atom, thr_st_pds.retile(rP), tPsPdS[None, None, None, ip])
-                    cute.copy(st_atom, thr_st_pds.retile(rdS),
-                              tPsPdS[None, None, None, ip + 1])
+                pipe_q.consumer_wait(state)
+                layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
+                              zero_init=True, wait=-1)
+                pipe_do.consumer_wait(state)
+                layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
+                              zero_init=True, wait=-1)
+                warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+                if const_expr(self.cfg.has_softcap):
+                    for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
+                if blocks.needs_mask(n_block, m_block, seqlen_k):
+                    apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
+                                  seqlen_k, window_left, window_right, self.has_right,
+                                  self.has_left)
+                warpgroup.wait_group(0)
+                self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
+                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                # This warpgroup's query columns of P^T and dS^T (the buffer is free: see the
+                # module docstring).
+                cute.copy(st_atom, thr_st_pds.retile(rP), tPsPdS[None, None, None, ip])
+                cute.copy(st_atom, thr_st_pds.retile(rdS), tPsPdS[None, None, None, ip + 1])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
                 if const_expr(self.dq_tma):
                     if warp_idx == 4:
@@ -222,52 +194,3 @@ class FlashBwdSm90Wide(FlashBwdSm90):
 
         self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
                         sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)
-
-    @cute.jit
-    def pds_per_wg(self, wg: Int32, acc, tiled_mma_sdp, tSrK, tSrQ, tPrV, tPrdO, pipe_q,
-                   pipe_do, state, coords: TileCoords, sLSE, sDelta, scale_log2: Float32,
-                   st_atom, thr_st_pds, tPsPdS, sXP, blocks: QueryBlockRange, n_block: Int32,
-                   m_block: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32,
-                   warp_idx: Int32):
-        """`BwdConfig.sdp_per_wg`: P^T and dS^T of the step (all tile_m queries) into shared
-        memory (buffer 0: P^T, 1: dS^T), warpgroup 0 computing S^T -> P^T and warpgroup 1
-        dP^T -> dS^T (each GEMM m64n64: K and V are read once per step, not once per
-        warpgroup). P reaches warpgroup 1 in float32 through ``sXP`` (in the dQ tile), so dS^T
-        is formed exactly as in the default schedule. On return both Q and dO of the stage
-        have been waited for (the dV / dK GEMMs read them in both warpgroups)."""
-        stage = state.index
-        if wg == 0:
-            pipe_q.consumer_wait(state)
-            layouts.wgmma(tiled_mma_sdp, acc, tSrK, tSrQ[None, None, None, stage],
-                          zero_init=True, wait=-1)
-            # sXP is in the dQ tile: the previous step's reduce must have read it (warp 4
-            # issued it; the barrier tells the other warps), while S^T runs.
-            if warp_idx == 4:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_BAR_XP, number_of_threads=128)
-            warpgroup.wait_group(0)
-            if blocks.needs_mask(n_block, m_block, seqlen_k):
-                apply_mask_kq(acc, coords, n_block, m_block, self.tile_n, self.tile_m,
-                              seqlen_k, window_left, window_right, self.has_right,
-                              self.has_left)
-            self.probs(acc, coords, sLSE, stage, scale_log2)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                sXP[i] = acc[i]
-            # Generic-proxy writes -> warpgroup 1's loads: the named barrier orders them.
-            cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=self.num_mma_threads)
-            pipe_do.consumer_wait(state)
-        else:
-            pipe_do.consumer_wait(state)
-            layouts.wgmma(tiled_mma_sdp, acc, tPrV, tPrdO[None, None, None, stage],
-                          zero_init=True, wait=0)
-            pipe_q.consumer_wait(state)
-            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=self.num_mma_threads)
-            rP = cute.make_rmem_tensor_like(acc, Float32)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                rP[i] = sXP[i]
-            self.grads(rP, acc, None, coords, sDelta, stage)  # acc <- P (dP^T - delta)
-        rX = cute.make_rmem_tensor_like(acc, self.dtype)  # P^T (warpgroup 0) or dS^T (1)
-        rX.store(acc.load().to(self.dtype))
-        # One stmatrix sequence for both warpgroups: one set of swizzled addresses live across
-        # the loop instead of one per warpgroup's branch.
-        cute.copy(st_atom, thr_st_pds.retile(rX), tPsPdS[None, None, None, wg])
