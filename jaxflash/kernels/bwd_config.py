@@ -72,7 +72,9 @@ class BwdConfig:
       and wait for dV + dQ only: the dQ tile's store to shared memory, barrier and reduce-add
       (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
       of the step has finished. hd 64 and 96 only: at hd 128 the dQ accumulator live beside
-      dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes).
+      dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes; 4 B with early_dv,
+      still 4-16 B with the accumulator zeroing that cleans tile_m 128). With tile_m 128 (hd 64)
+      the kernel zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified.
     has_alibi / has_segments: as in `FwdConfig` (slopes [1, N], ids and block summaries with
       rows = keys, columns = queries); ALiBi also writes per-warp partial sums of
       sum_ij dS_ij |i - j| (``ALIBI_PARTS`` per (batch, head, key block)) that the caller
@@ -142,14 +144,14 @@ class BwdConfig:
                            f"(head dims {TILE_M128_HEAD_DIMS})")
         if self.tile_m == 128:
             # Measured with ptxas at hd 64 (2026-12-01): each of these adds live registers to
-            # the 192 accumulators (tanh kept, bias and d(slope), dQ beside dS^T, P^T early).
+            # the 192 accumulators (tanh kept, bias and d(slope), P^T early). overlap_dq (dQ
+            # beside dS^T) spilled 32 B until the kernel zeroed S^T / dQ before their GEMMs.
             extra = [n for n, on in (("softcap", self.has_softcap), ("alibi", self.has_alibi),
-                                     ("overlap_dq", self.overlap_dq),
                                      ("early_dv", self.early_dv)) if on]
             if extra:
                 return False, (f"tile_m 128 with {', '.join(extra)}: ptxas spills or "
-                               "serializes the wgmma (softcap 68 B, ALiBi 276 B, overlap_dq "
-                               "32 B of spills; early_dv C7512)")
+                               "serializes the wgmma (softcap 68 B, ALiBi 276 B of spills; "
+                               "early_dv C7512)")
         if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM and self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
         if self.head_dim > KEY_SPLIT_MAX_HEAD_DIM:
@@ -216,8 +218,14 @@ class BwdConfig:
         `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) and 2026-12-01 09:45 UTC
         (tile_m 128: 16 cases incl. 2 deterministic, bitwise over 10 runs, sanitizer clean;
         `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature but sdp_per_wg
-        (compiled 2026-12-01, no GPU run yet), listed until a GPU run checks it."""
-        return ("sdp_per_wg",) if self.sdp_per_wg else ()
+        and overlap_dq at tile_m 128 (compiled 2026-12-01, no GPU run yet), listed until a GPU
+        run checks them."""
+        pending = []
+        if self.sdp_per_wg:
+            pending.append("sdp_per_wg")
+        if self.overlap_dq and self.tile_m == 128:
+            pending.append("overlap_dq with tile_m 128")
+        return tuple(pending)
 
     @property
     def split(self) -> str:

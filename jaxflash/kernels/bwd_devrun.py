@@ -195,6 +195,34 @@ CHECKS = [
                                                is_causal=True),
      (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
                             "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
+    # overlap_dq at tile_m 128 (opt-in, hd 64, unverified until these pass): dQ issued before
+    # dK, its flush behind the dK GEMM; S^T / dQ zeroed before their GEMMs (the registers that
+    # made it spill). Odd T / S, causal T < S and T > S, GQA / MQA, windows, lengths with empty
+    # rows, fp16, "red"; the deterministic cases are with the others at the end.
+    ("bf16 h64 m128 ovl dense odd", dict(head_dim=64, tile_m=128, overlap_dq=True),
+     (2, 300, 333, 4, 4, {"cudnn": True})),
+    ("bf16 h64 m128 ovl causal gqa T<S", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                              is_causal=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 ovl causal T>S", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                          is_causal=True), (1, 400, 150, 2, 2, {})),
+    ("bf16 h64 m128 ovl mqa odd", dict(head_dim=64, tile_m=128, overlap_dq=True),
+     (2, 257, 259, 4, 1, {})),
+    ("bf16 h64 m128 ovl causal window", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                             is_causal=True, has_window=True),
+     (2, 333, 333, 4, 4, {"window": (129, 0)})),
+    ("bf16 h64 m128 ovl seqlens empty rows", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                                  has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("fp16 h64 m128 ovl window kvlen", dict(dtype="float16", head_dim=64, tile_m=128,
+                                            overlap_dq=True, has_window=True,
+                                            has_kv_seqlen=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("fp16 h64 m128 ovl seqlens dq red", dict(dtype="float16", head_dim=64, tile_m=128,
+                                              overlap_dq=True, has_q_seqlen=True,
+                                              has_kv_seqlen=True, dq_accum="red"),
+     (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    ("bf16 h64 m128 ovl dense 2k", dict(head_dim=64, tile_m=128, overlap_dq=True),
+     (1, 2048, 2048, 8, 8, {})),
     # sdp_per_wg (opt-in, hd 192 / 256, unverified until these pass): warpgroup 0 S^T -> P
     # (float32 to warpgroup 1 through the dQ tile's smem), warpgroup 1 dP^T -> dS^T; odd T / S,
     # GQA / MQA, causal T < S and T > S, windows, lengths with empty rows and kv_seqlen 0,
@@ -240,6 +268,10 @@ CHECKS = [
      (2, 700, 600, 4, 1, {"window": (150, 20)})),
     ("bf16 h64 m128 deterministic causal gqa", dict(head_dim=64, tile_m=128, is_causal=True,
                                                     deterministic=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 ovl deterministic causal gqa", dict(head_dim=64, tile_m=128,
+                                                        overlap_dq=True, is_causal=True,
+                                                        deterministic=True),
+     (2, 500, 700, 8, 2, {})),
     ("bf16 h256 sdpw deterministic causal gqa", dict(head_dim=256, is_causal=True,
                                                      deterministic=True, sdp_per_wg=True),
      (2, 500, 700, 8, 2, {})),
@@ -269,11 +301,13 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 # hd 64's default is tile_m 128 since 2026-12-01 (`bwd_config.tile_m_for`): "m64" times the
 # 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
 # column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
-# (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`) and are refused at tile_m 128.
+# (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`); early_dv is refused at tile_m 128,
+# "m128_ovl" times overlap_dq there (ptxas-clean since 2026-12-01; unverified until checked).
 # "sdpw": one of S^T / dP^T per warpgroup (sdp_per_wg, hd 192 / 256; unverified until its
 # checks pass; hd 192 is not on the bench grid: BENCH_DIMS).
 BENCH_VARIANTS = {
-    64: {"m64": dict(tile_m=64), "m128_det": dict(tile_m=128, deterministic=True)},
+    64: {"m64": dict(tile_m=64), "m128_det": dict(tile_m=128, deterministic=True),
+         "m128_ovl": dict(tile_m=128, overlap_dq=True)},
     128: {"edv": dict(early_dv=True)},
     256: {"sdpw": dict(sdp_per_wg=True)},
 }
