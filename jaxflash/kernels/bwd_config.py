@@ -75,6 +75,12 @@ class BwdConfig:
       dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes; 4 B with early_dv,
       still 4-16 B with the accumulator zeroing that cleans tile_m 128). With tile_m 128 (hd 64)
       the kernel zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified.
+    dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (_BAR_DQ) becomes arrive for
+      every consumer warp but warp 4 (which issues the reduce-add and still waits): a
+      warpgroup goes on to its next step as soon as its own dQ half is stored, instead of both
+      warpgroups meeting twice per step. Safe because the next writes of what the barrier
+      guards come after the next step's _BAR_DS, which warp 4 (after the reduce has read sdQ)
+      and the other warpgroup (after its dQ GEMM read dS^T) must reach first. Unverified.
     has_alibi / has_segments: as in `FwdConfig` (slopes [1, N], ids and block summaries with
       rows = keys, columns = queries); ALiBi also writes per-warp partial sums of
       sum_ij dS_ij |i - j| (``ALIBI_PARTS`` per (batch, head, key block)) that the caller
@@ -111,6 +117,7 @@ class BwdConfig:
     overlap_dq: bool = False
     early_dv: bool = False
     sdp_per_wg: bool = False
+    dq_arrive: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -170,6 +177,13 @@ class BwdConfig:
         if self.sdp_per_wg and self.has_softcap:
             return False, ("sdp_per_wg with softcap: the 1 - tanh^2 factor of dS^T lives in "
                            "warpgroup 0, dS^T is formed in warpgroup 1")
+        if self.dq_arrive and (self.dq_accum != "tma" or self.split != "keys"):
+            return False, ("dq_arrive needs dq_accum='tma' and the key-split kernel (hd <= 128; "
+                           "the wide kernel's single P^T / dS^T buffer relies on _BAR_DQ "
+                           "being a full sync)")
+        if self.dq_arrive and self.deterministic and self.head_dim > 96:
+            return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
+                           "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -225,6 +239,8 @@ class BwdConfig:
             pending.append("sdp_per_wg")
         if self.overlap_dq and self.tile_m == 128:
             pending.append("overlap_dq with tile_m 128")
+        if self.dq_arrive:
+            pending.append("dq_arrive")
         return tuple(pending)
 
     @property
@@ -247,6 +263,7 @@ class BwdConfig:
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_sdpw' if self.sdp_per_wg else ''}"
+                f"{'_dqa' if self.dq_arrive else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -223,6 +223,32 @@ CHECKS = [
      (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
     ("bf16 h64 m128 ovl dense 2k", dict(head_dim=64, tile_m=128, overlap_dq=True),
      (1, 2048, 2048, 8, 8, {})),
+    # dq_arrive (opt-in, hd <= 128, unverified until these pass): _BAR_DQ arrive-only except
+    # for warp 4, so the warpgroups drift apart by up to a step. Many query blocks per key
+    # block (long T) and GQA let them drift; odd T / S, causal T < S and T > S, windows,
+    # lengths with empty rows, fp16, hd 64 at tile_m 128 and with overlap_dq.
+    ("bf16 h128 edv dqa causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                              dq_arrive=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h128 edv dqa dense 2k", dict(head_dim=128, early_dv=True, dq_arrive=True),
+     (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h128 edv dqa window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                          has_window=True, dq_arrive=True),
+     (1, 400, 150, 2, 2, {"window": (70, 0)})),
+    ("fp16 h128 edv dqa seqlens empty rows", dict(dtype="float16", head_dim=128,
+                                                  early_dv=True, has_q_seqlen=True,
+                                                  has_kv_seqlen=True, dq_arrive=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h64 m128 dqa dense odd", dict(head_dim=64, tile_m=128, dq_arrive=True),
+     (2, 300, 333, 4, 4, {})),
+    ("bf16 h64 m128 dqa causal gqa T<S", dict(head_dim=64, tile_m=128, is_causal=True,
+                                              dq_arrive=True), (2, 500, 700, 8, 2, {})),
+    ("fp16 h64 m128 dqa window kvlen", dict(dtype="float16", head_dim=64, tile_m=128,
+                                            has_window=True, has_kv_seqlen=True,
+                                            dq_arrive=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("bf16 h64 m128 ovl dqa causal 2k", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                             is_causal=True, dq_arrive=True),
+     (1, 2048, 2048, 8, 2, {})),
     # sdp_per_wg (opt-in, hd 192 / 256, unverified until these pass): warpgroup 0 S^T -> P
     # (float32 to warpgroup 1 through the dQ tile's smem), warpgroup 1 dP^T -> dS^T; odd T / S,
     # GQA / MQA, causal T < S and T > S, windows, lengths with empty rows and kv_seqlen 0,
@@ -272,6 +298,10 @@ CHECKS = [
                                                         overlap_dq=True, is_causal=True,
                                                         deterministic=True),
      (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 dqa deterministic causal gqa", dict(head_dim=64, tile_m=128,
+                                                        is_causal=True, deterministic=True,
+                                                        dq_arrive=True),
+     (2, 500, 700, 8, 2, {})),
     ("bf16 h256 sdpw deterministic causal gqa", dict(head_dim=256, is_causal=True,
                                                      deterministic=True, sdp_per_wg=True),
      (2, 500, 700, 8, 2, {})),
@@ -303,12 +333,17 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 # column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
 # (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`); early_dv is refused at tile_m 128,
 # "m128_ovl" times overlap_dq there (ptxas-clean since 2026-12-01; unverified until checked).
+# "m128" is hd 64's default (the direct default path builds tile_m 64); "*_dqa": dq_arrive
+# beside the schedule it modifies ("edv" is hd 128's default); unverified until checked.
 # "sdpw": one of S^T / dP^T per warpgroup (sdp_per_wg, hd 192 / 256; unverified until its
 # checks pass; hd 192 is not on the bench grid: BENCH_DIMS).
 BENCH_VARIANTS = {
-    64: {"m64": dict(tile_m=64), "m128_det": dict(tile_m=128, deterministic=True),
-         "m128_ovl": dict(tile_m=128, overlap_dq=True)},
-    128: {"edv": dict(early_dv=True)},
+    64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
+         "m128_det": dict(tile_m=128, deterministic=True),
+         "m128_ovl": dict(tile_m=128, overlap_dq=True),
+         "m128_dqa": dict(tile_m=128, dq_arrive=True),
+         "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
+    128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True)},
     256: {"sdpw": dict(sdp_per_wg=True)},
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
@@ -325,7 +360,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "sdp_per_wg")
+             "sdp_per_wg", "dq_arrive")
 
 
 def _configs(kw):

@@ -688,7 +688,15 @@ class FlashBwdSm90:
         if const_expr(self.dq_tma):
             tdQsdQ.store(acc_dQ.load())
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
-            cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+            if const_expr(self.cfg.dq_arrive):
+                # Only warp 4 (the reduce's issuer) waits for the whole tile; see `BwdConfig`.
+                if warp_idx == 4:
+                    cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ,
+                                             number_of_threads=self.num_mma_threads)
+            else:
+                cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
             if warp_idx == 4:
                 gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
                                       (m_block, 0))
