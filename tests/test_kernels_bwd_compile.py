@@ -79,6 +79,19 @@ MATRIX = [
               deterministic=True),
     BwdConfig(dtype="float16", head_dim=64, tile_m=128, has_q_seqlen=True, dq_accum="red"),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, has_segments=True),
+    # tile_m 128 with overlap_dq (opt-in, unverified): clean only with S^T / dQ zeroed first
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, overlap_dq=True),
+    BwdConfig(dtype="float16", head_dim=64, tile_m=128, overlap_dq=True, is_causal=True,
+              has_window=True, has_q_seqlen=True, has_kv_seqlen=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, overlap_dq=True, is_causal=True,
+              deterministic=True),
+    # dq_arrive (opt-in, unverified): _BAR_DQ arrive-only for all but warp 4
+    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, dq_arrive=True),
+    BwdConfig(dtype="float16", head_dim=128, early_dv=True, is_causal=True, has_window=True,
+              has_q_seqlen=True, has_kv_seqlen=True, dq_arrive=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_arrive=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, deterministic=True,
+              dq_arrive=True),
 ]
 
 
@@ -108,6 +121,7 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
     assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
     assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
+    assert ("bar.arrive 3, 256" in ptx) == cfg.dq_arrive  # _BAR_DQ arrive-only
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ("tanh.approx" in ptx) == cfg.has_softcap
     ordered = "ld.acquire.gpu.global" in ptx and "red.release.gpu.global.add" in ptx
@@ -116,6 +130,9 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     if report is not None:
         assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
         assert "instructions are serialized" not in report, report  # C7514 and the like
+        # C7517: a wgmma wait ptxas inserted on its own (an extra WARPGROUP.DEPBAR in the
+        # loop): what zeroing the dP^T accumulator while S^T is in flight caused (2026-12-01).
+        assert "C7517" not in report, report
         # Every function (the zero-fill kernel too): no spills. (Until 2026-11-30 this only
         # looked for one " 0 bytes spill stores" line, which the zero-fill kernel always has.)
         # Known: deterministic hd 128 causal + window spills 4 bytes (already in 8adcba1).
@@ -139,11 +156,14 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=128, has_softcap=True, early_dv=True), "early_dv"),
                     (dict(head_dim=64, tile_m=96), "tile_m 96"),
                     (dict(head_dim=96, tile_m=128), "tile_m 128 at head_dim 96"),
+                    (dict(head_dim=128, dq_arrive=True, dq_accum="red"), "dq_arrive"),
+                    (dict(head_dim=256, dq_arrive=True), "dq_arrive"),
+                    (dict(head_dim=128, dq_arrive=True, deterministic=True), "dq_arrive"),
                     (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256"),
                     (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),
-                    (dict(head_dim=64, tile_m=128, overlap_dq=True), "overlap_dq")]:
+                    (dict(head_dim=96, dq_arrive=True, dq_accum="red"), "dq_arrive needs")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
@@ -310,7 +330,8 @@ def test_deterministic_grad_carries_the_semaphores(cuda_env):
     with jaxflash.target_platform("cuda"):
         txt = jax.jit(_grad_fn(is_causal=True, deterministic=True)).trace(
             *_shapes(2, 100, 130)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "tensor<2x4x2xi32>" in txt  # [B, N, ceil(T / 64)] ordering semaphores
+    # [B, N, ceil(T / tile_m)] ordering semaphores; hd 64 takes tile_m 128 since 2026-12-01
+    assert "tensor<2x4x1xi32>" in txt
 
 
 def test_grad_export_round_trip(cuda_env):

@@ -89,6 +89,39 @@ def test_backward_tile_m_128_checked_and_benched():
     assert bwd.tile_m == 128 and fwd == FwdConfig(head_dim=64)
 
 
+def test_backward_tile_m_128_overlap_dq_gated_checked_and_benched(monkeypatch):
+    """overlap_dq at tile_m 128 (ptxas-clean since 2026-12-01 with S^T / dQ zeroed before
+    their GEMMs, no GPU run yet) is refused by the gate; check cases and the "m128_ovl" bench
+    column run it by direct calls."""
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=64, tile_m=128, overlap_dq=True)
+    assert cfg.check()[0] and cfg.unverified() == ("overlap_dq with tile_m 128",)
+    assert BwdConfig(head_dim=64, overlap_dq=True).unverified() == ()
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="overlap_dq"):
+        verified.require_verified(cfg, "backward")
+    names = [n for n, kw, _ in bwd_devrun.CHECKS
+             if kw.get("tile_m") == 128 and kw.get("overlap_dq")]
+    assert len(names) >= 6 and any("deterministic" in n for n in names)
+    assert bwd_devrun.BENCH_VARIANTS[64]["m128_ovl"] == dict(tile_m=128, overlap_dq=True)
+
+
+def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
+    """dq_arrive (compiled 2026-12-01, no GPU run yet) is refused by the gate; check cases
+    and the "*_dqa" bench columns run it by direct calls."""
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=128, early_dv=True, dq_arrive=True)
+    assert cfg.check()[0] and cfg.unverified() == ("dq_arrive",)
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="dq_arrive"):
+        verified.require_verified(cfg, "backward")
+    cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_arrive")]
+    assert {kw["head_dim"] for kw in cases} == {64, 128} and len(cases) >= 8
+    assert any(kw.get("deterministic") for kw in cases)
+    assert bwd_devrun.BENCH_VARIANTS[128]["edv_dqa"] == dict(early_dv=True, dq_arrive=True)
+    assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
+
+
 def test_forward_tile_pipe_is_gated_until_checked(monkeypatch):
     """The persistent forward's tile pipe (compiled 2026-12-01, no GPU run yet) is refused by
     the gate; the device check cases and the "persist2" bench column run it by direct calls."""

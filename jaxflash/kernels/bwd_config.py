@@ -72,7 +72,15 @@ class BwdConfig:
       and wait for dV + dQ only: the dQ tile's store to shared memory, barrier and reduce-add
       (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
       of the step has finished. hd 64 and 96 only: at hd 128 the dQ accumulator live beside
-      dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes).
+      dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes; 4 B with early_dv,
+      still 4-16 B with the accumulator zeroing that cleans tile_m 128). With tile_m 128 (hd 64)
+      the kernel zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified.
+    dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (_BAR_DQ) becomes arrive for
+      every consumer warp but warp 4 (which issues the reduce-add and still waits): a
+      warpgroup goes on to its next step as soon as its own dQ half is stored, instead of both
+      warpgroups meeting twice per step. Safe because the next writes of what the barrier
+      guards come after the next step's _BAR_DS, which warp 4 (after the reduce has read sdQ)
+      and the other warpgroup (after its dQ GEMM read dS^T) must reach first. Unverified.
     has_alibi / has_segments: as in `FwdConfig` (slopes [1, N], ids and block summaries with
       rows = keys, columns = queries); ALiBi also writes per-warp partial sums of
       sum_ij dS_ij |i - j| (``ALIBI_PARTS`` per (batch, head, key block)) that the caller
@@ -100,6 +108,7 @@ class BwdConfig:
     deterministic: bool = False
     overlap_dq: bool = False
     early_dv: bool = False
+    dq_arrive: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -133,14 +142,14 @@ class BwdConfig:
                            f"(head dims {TILE_M128_HEAD_DIMS})")
         if self.tile_m == 128:
             # Measured with ptxas at hd 64 (2026-12-01): each of these adds live registers to
-            # the 192 accumulators (tanh kept, bias and d(slope), dQ beside dS^T, P^T early).
+            # the 192 accumulators (tanh kept, bias and d(slope), P^T early). overlap_dq (dQ
+            # beside dS^T) spilled 32 B until the kernel zeroed S^T / dQ before their GEMMs.
             extra = [n for n, on in (("softcap", self.has_softcap), ("alibi", self.has_alibi),
-                                     ("overlap_dq", self.overlap_dq),
                                      ("early_dv", self.early_dv)) if on]
             if extra:
                 return False, (f"tile_m 128 with {', '.join(extra)}: ptxas spills or "
-                               "serializes the wgmma (softcap 68 B, ALiBi 276 B, overlap_dq "
-                               "32 B of spills; early_dv C7512)")
+                               "serializes the wgmma (softcap 68 B, ALiBi 276 B of spills; "
+                               "early_dv C7512)")
         if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM and self.tile_n != 128:
             return False, f"tile_n {self.tile_n} must be 128 (two 64-key consumer warpgroups)"
         if self.head_dim > KEY_SPLIT_MAX_HEAD_DIM:
@@ -150,6 +159,13 @@ class BwdConfig:
             if self.early_dv:
                 return False, (f"early_dv at head_dim {self.head_dim}: a schedule of the "
                                "key-split kernel only (hd <= 128)")
+        if self.dq_arrive and (self.dq_accum != "tma" or self.split != "keys"):
+            return False, ("dq_arrive needs dq_accum='tma' and the key-split kernel (hd <= 128; "
+                           "the wide kernel's single P^T / dS^T buffer relies on _BAR_DQ "
+                           "being a full sync)")
+        if self.dq_arrive and self.deterministic and self.head_dim > 96:
+            return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
+                           "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -197,9 +213,15 @@ class BwdConfig:
         (FlashBwdSm90Wide at 192/256, ALiBi with d(slopes), segment ids; 54 cases,
         `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) and 2026-12-01 09:45 UTC
         (tile_m 128: 16 cases incl. 2 deterministic, bitwise over 10 runs, sanitizer clean;
-        `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature. A feature written
-        later lists itself here until a GPU run checks it."""
-        return ()
+        `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature but overlap_dq at
+        tile_m 128 and dq_arrive (compiled 2026-12-01, no GPU run yet), listed until a GPU
+        run checks them."""
+        pending = []
+        if self.overlap_dq and self.tile_m == 128:
+            pending.append("overlap_dq with tile_m 128")
+        if self.dq_arrive:
+            pending.append("dq_arrive")
+        return tuple(pending)
 
     @property
     def split(self) -> str:
@@ -220,7 +242,7 @@ class BwdConfig:
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
-                f"{'_edv' if self.early_dv else ''}"
+                f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

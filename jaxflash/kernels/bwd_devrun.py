@@ -195,6 +195,60 @@ CHECKS = [
                                                is_causal=True),
      (2, 1000, 1000, 8, 2, {"q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
                             "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]})),
+    # overlap_dq at tile_m 128 (opt-in, hd 64, unverified until these pass): dQ issued before
+    # dK, its flush behind the dK GEMM; S^T / dQ zeroed before their GEMMs (the registers that
+    # made it spill). Odd T / S, causal T < S and T > S, GQA / MQA, windows, lengths with empty
+    # rows, fp16, "red"; the deterministic cases are with the others at the end.
+    ("bf16 h64 m128 ovl dense odd", dict(head_dim=64, tile_m=128, overlap_dq=True),
+     (2, 300, 333, 4, 4, {"cudnn": True})),
+    ("bf16 h64 m128 ovl causal gqa T<S", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                              is_causal=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 ovl causal T>S", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                          is_causal=True), (1, 400, 150, 2, 2, {})),
+    ("bf16 h64 m128 ovl mqa odd", dict(head_dim=64, tile_m=128, overlap_dq=True),
+     (2, 257, 259, 4, 1, {})),
+    ("bf16 h64 m128 ovl causal window", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                             is_causal=True, has_window=True),
+     (2, 333, 333, 4, 4, {"window": (129, 0)})),
+    ("bf16 h64 m128 ovl seqlens empty rows", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                                  has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("fp16 h64 m128 ovl window kvlen", dict(dtype="float16", head_dim=64, tile_m=128,
+                                            overlap_dq=True, has_window=True,
+                                            has_kv_seqlen=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("fp16 h64 m128 ovl seqlens dq red", dict(dtype="float16", head_dim=64, tile_m=128,
+                                              overlap_dq=True, has_q_seqlen=True,
+                                              has_kv_seqlen=True, dq_accum="red"),
+     (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
+    ("bf16 h64 m128 ovl dense 2k", dict(head_dim=64, tile_m=128, overlap_dq=True),
+     (1, 2048, 2048, 8, 8, {})),
+    # dq_arrive (opt-in, hd <= 128, unverified until these pass): _BAR_DQ arrive-only except
+    # for warp 4, so the warpgroups drift apart by up to a step. Many query blocks per key
+    # block (long T) and GQA let them drift; odd T / S, causal T < S and T > S, windows,
+    # lengths with empty rows, fp16, hd 64 at tile_m 128 and with overlap_dq.
+    ("bf16 h128 edv dqa causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                              dq_arrive=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h128 edv dqa dense 2k", dict(head_dim=128, early_dv=True, dq_arrive=True),
+     (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h128 edv dqa window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                          has_window=True, dq_arrive=True),
+     (1, 400, 150, 2, 2, {"window": (70, 0)})),
+    ("fp16 h128 edv dqa seqlens empty rows", dict(dtype="float16", head_dim=128,
+                                                  early_dv=True, has_q_seqlen=True,
+                                                  has_kv_seqlen=True, dq_arrive=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h64 m128 dqa dense odd", dict(head_dim=64, tile_m=128, dq_arrive=True),
+     (2, 300, 333, 4, 4, {})),
+    ("bf16 h64 m128 dqa causal gqa T<S", dict(head_dim=64, tile_m=128, is_causal=True,
+                                              dq_arrive=True), (2, 500, 700, 8, 2, {})),
+    ("fp16 h64 m128 dqa window kvlen", dict(dtype="float16", head_dim=64, tile_m=128,
+                                            has_window=True, has_kv_seqlen=True,
+                                            dq_arrive=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("bf16 h64 m128 ovl dqa causal 2k", dict(head_dim=64, tile_m=128, overlap_dq=True,
+                                             is_causal=True, dq_arrive=True),
+     (1, 2048, 2048, 8, 2, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -209,6 +263,14 @@ CHECKS = [
      (2, 700, 600, 4, 1, {"window": (150, 20)})),
     ("bf16 h64 m128 deterministic causal gqa", dict(head_dim=64, tile_m=128, is_causal=True,
                                                     deterministic=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 ovl deterministic causal gqa", dict(head_dim=64, tile_m=128,
+                                                        overlap_dq=True, is_causal=True,
+                                                        deterministic=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 dqa deterministic causal gqa", dict(head_dim=64, tile_m=128,
+                                                        is_causal=True, deterministic=True,
+                                                        dq_arrive=True),
+     (2, 500, 700, 8, 2, {})),
 ]
 # `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
 DETERMINISM = [
@@ -232,10 +294,17 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 # hd 64's default is tile_m 128 since 2026-12-01 (`bwd_config.tile_m_for`): "m64" times the
 # 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
 # column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
-# (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`) and are refused at tile_m 128.
+# (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`); early_dv is refused at tile_m 128,
+# "m128_ovl" times overlap_dq there (ptxas-clean since 2026-12-01; unverified until checked).
+# "m128" is hd 64's default (the direct default path builds tile_m 64); "*_dqa": dq_arrive
+# beside the schedule it modifies ("edv" is hd 128's default); unverified until checked.
 BENCH_VARIANTS = {
-    64: {"m64": dict(tile_m=64), "m128_det": dict(tile_m=128, deterministic=True)},
-    128: {"edv": dict(early_dv=True)},
+    64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
+         "m128_det": dict(tile_m=128, deterministic=True),
+         "m128_ovl": dict(tile_m=128, overlap_dq=True),
+         "m128_dqa": dict(tile_m=128, dq_arrive=True),
+         "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
+    128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True)},
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
                   (64, 16384, True),
@@ -248,7 +317,8 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
-_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m")
+_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
+             "dq_arrive")
 
 
 def _configs(kw):

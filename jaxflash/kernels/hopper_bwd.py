@@ -130,6 +130,12 @@ class FlashBwdSm90:
         # reduce-add then takes hd/8 boxes.
         self.dq_swizzle = config.tile_m == 64
         self.dq_atom_cols = self.dq_cols if self.dq_swizzle else 8
+        # Zero the S^T and dQ accumulators before their zero-init GEMMs (`layouts.wgmma` clear)
+        # where the stale value they would feed in costs registers: tile_m 128 with overlap_dq
+        # spilled 32 B without it and is clean with it (ptxas, 2026-12-01). Not on dP^T: zeroing
+        # it while S^T is in flight makes ptxas inject a wait for S^T (C7517). Off elsewhere, so
+        # the other variants' PTX stays as measured.
+        self.clear_acc = config.tile_m == 128 and config.overlap_dq
 
     @classmethod
     def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
@@ -516,7 +522,7 @@ class FlashBwdSm90:
                 buf = step % 2
                 pipe_q.consumer_wait(state)
                 layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
-                              zero_init=True, wait=-1)
+                              zero_init=True, wait=-1, clear=self.clear_acc)
                 pipe_do.consumer_wait(state)
                 layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
                               zero_init=True, wait=-1)
@@ -586,7 +592,7 @@ class FlashBwdSm90:
                     # the tensor cores compute dK (groups complete in order: <= 1 pending
                     # means dV and dQ are done).
                     layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
-                                  zero_init=True, wait=-1)
+                                  zero_init=True, wait=-1, clear=self.clear_acc)
                     layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
                                   tdKrQt[None, None, None, stage], zero_init=False, wait=1)
                     self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
@@ -676,7 +682,15 @@ class FlashBwdSm90:
         if const_expr(self.dq_tma):
             tdQsdQ.store(acc_dQ.load())
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
-            cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+            if const_expr(self.cfg.dq_arrive):
+                # Only warp 4 (the reduce's issuer) waits for the whole tile; see `BwdConfig`.
+                if warp_idx == 4:
+                    cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ,
+                                             number_of_threads=self.num_mma_threads)
+            else:
+                cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
             if warp_idx == 4:
                 gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
                                       (m_block, 0))
