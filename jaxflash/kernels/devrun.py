@@ -96,7 +96,7 @@ CHECKS = [
     ("fp16 h256 n80 causal seqlens", dict(dtype="float16", head_dim=256, tile_n=80,
                                           fresh_s=True, is_causal=True, has_q_seqlen=True,
                                           has_kv_seqlen=True),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
+     (3, 300, 410, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [410, 0, 255]})),
     ("bf16 h64 persistent causal", dict(head_dim=64, is_causal=True, persistent=True),
      (3, 1000, 1000, 4, 2, {})),
     ("bf16 h256 causal tile_n 64", dict(head_dim=256, is_causal=True), (2, 700, 700, 2, 1, {})),
