@@ -90,19 +90,48 @@ PTXAS_CLEAN = [
 ]
 
 
-@pytest.mark.parametrize("cfg", PTXAS_CLEAN, ids=lambda c: c.key)
-def test_192_row_tiles_are_ptxas_clean(cfg, tmp_path):
+# Wider key tiles at 128 rows that fit 240 registers only with a fresh S fragment per block
+# (`fresh_s`, 2026-12-01; without it 368 / 460 B spilled dense, C7512 at hd 256 causal). They
+# need all 240 (at 232 they spill): these guard it.
+PTXAS_CLEAN_WIDE = [
+    FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
+    FwdConfig(head_dim=128, tile_n=160, fresh_s=True, is_causal=True),
+    FwdConfig(head_dim=64, tile_n=192, fresh_s=True, is_causal=True),
+    FwdConfig(dtype="float16", head_dim=256, tile_n=80, fresh_s=True, is_causal=True,
+              has_q_seqlen=True, has_kv_seqlen=True),
+]
+
+
+def _ptxas_clean(cfg, tmp_path, maxnreg):
     from jaxflash.kernels.standalone import compile_fwd
     from tests.common import ptxas_report
     compile_fwd(cfg, arch="sm_90a", dump_dir=str(tmp_path))
-    report = ptxas_report(open(glob.glob(str(tmp_path / "*.ptx"))[0]).read(), tmp_path)
+    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    report = ptxas_report(ptx, tmp_path)
     if report is None:
         pytest.skip("no usable ptxas")
-    assert "setmaxnreg.inc.sync.aligned.u32 \t160" in open(
-        glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{maxnreg}" in ptx
     assert "C7512" not in report and "serialized" not in report, report
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) == 0, report
+
+
+@pytest.mark.parametrize("cfg", PTXAS_CLEAN, ids=lambda c: c.key)
+def test_192_row_tiles_are_ptxas_clean(cfg, tmp_path):
+    _ptxas_clean(cfg, tmp_path, 160)
+
+
+@pytest.mark.parametrize("cfg", PTXAS_CLEAN_WIDE, ids=lambda c: c.key)
+def test_wide_key_tiles_with_fresh_s_are_ptxas_clean(cfg, tmp_path):
+    _ptxas_clean(cfg, tmp_path, 240)
+
+
+def test_fresh_s_is_a_128_row_overlap_opt_in():
+    assert "ovfspp" in FwdConfig(head_dim=128, tile_n=160, fresh_s=True).key
+    assert "fs" not in FwdConfig(head_dim=64, tile_m=192).key  # always on there, as before
+    for bad in (dict(tile_m=192), dict(intra_wg_overlap=False)):
+        with pytest.raises(ValueError, match="fresh_s"):
+            FwdConfig(head_dim=64, fresh_s=True, **bad)
 
 
 def test_segment_variants_use_the_smaller_tiles():

@@ -168,3 +168,21 @@ def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function(
     for name, kw, (*_, ex) in bwd_devrun.CHECKS:
         if ex.get("cudnn"):
             assert not (kw.get("has_softcap") or kw.get("has_alibi") or kw.get("has_segments")), name
+
+
+def test_forward_fresh_s_wide_tiles_are_gated_until_checked(monkeypatch):
+    """The 128-row `fresh_s` opt-in and the wider key tiles it fits (2026-12-01, compiled
+    only) are refused by the gate; dispatch never sets it; devrun has check cases for each."""
+    from jaxflash.kernels import devrun
+    monkeypatch.delenv(verified.ENV, raising=False)
+    for cfg in (FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
+                FwdConfig(head_dim=256, tile_n=80, fresh_s=True, is_causal=True)):
+        assert cfg.unverified() == ("fresh_s (fresh S fragment per key block at tile_m 128)",)
+        with pytest.raises(NotImplementedError, match="fresh_s"):
+            verified.require_verified(cfg, "forward")
+    assert FwdConfig(head_dim=128, tile_n=160).unverified() == ()
+    checked = {(kw["head_dim"], kw["tile_n"], kw.get("is_causal", False))
+               for _, kw, _ in devrun.CHECKS if kw.get("fresh_s")}
+    for name, kw in devrun.VARIANTS.items():
+        if kw.get("fresh_s"):
+            assert (kw["head_dim"], kw["tile_n"], kw.get("is_causal", False)) in checked, name

@@ -50,6 +50,11 @@ class FwdConfig:
       `jaxflash.kernels.segments`).
     tile_m, tile_n, num_stages: CTA tile and K/V pipeline depth (None: the per-head-dim default).
     intra_wg_overlap: overlap softmax of block j with the PV GEMM of block j-1 (FA3 Alg. 2).
+    fresh_s: (tile_m 128 with overlap) give each key block's QK GEMM a fresh S fragment
+      (`FlashFwdSm90.fresh_s`), so the previous block's fp32 S is not kept live into it: frees
+      the registers that let wider key tiles fit (hd 128 x 160, hd 64 x 192, hd 256 causal x 80).
+      tile_m 192 with overlap always does this (it spills otherwise), so the field is only the
+      128-row opt-in.
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
     persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
       epilogue (and causal tiles are dealt longest-first in a balanced order). Off by default:
@@ -77,6 +82,7 @@ class FwdConfig:
     tile_n: Optional[int] = None
     num_stages: int = 2
     intra_wg_overlap: bool = True
+    fresh_s: bool = False
     pingpong: bool = True
     persistent: bool = False
     tile_pipe: bool = False
@@ -115,6 +121,9 @@ class FwdConfig:
             return False, f"tile_m 192 (160 registers per thread) only for head_dim <= 64"
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
+        if self.fresh_s and (self.tile_m != 128 or not self.intra_wg_overlap):
+            return False, ("fresh_s is the 128-row opt-in with intra_wg_overlap (192 rows with "
+                           "overlap always use it; without overlap S is not live across P)")
         if self.tile_order not in ("auto", "lpt", "plain"):
             return False, f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain')"
         if self.tile_pipe and not self.persistent:
@@ -136,10 +145,14 @@ class FwdConfig:
         (6 cases: dense GQA, causal, causal GQA T<S, fp16 lengths with an empty key length,
         causal lengths, window + softcap; error / cuDNN's 0.998-1.000; sanitizer clean;
         `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`). tile_pipe (compiled
-        2026-12-01, no GPU run yet) is listed until its device checks pass."""
+        2026-12-01, no GPU run yet) and the 128-row ``fresh_s`` (and the wider key tiles it
+        fits) are listed until their device checks pass."""
+        pending = []
         if self.tile_pipe:
-            return ("tile_pipe",)
-        return ()
+            pending.append("tile_pipe")
+        if self.fresh_s:
+            pending.append("fresh_s (fresh S fragment per key block at tile_m 128)")
+        return tuple(pending)
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
         elt = 2
@@ -173,8 +186,10 @@ class FwdConfig:
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
                                  ("seg", self.has_segments)) if on]
-        sched = (("ov" if self.intra_wg_overlap else "") + ("pp" if self.pingpong else "")
-                 + ("ps" if self.persistent else "") + ("tp" if self.tile_pipe else ""))
+        sched = (("ov" if self.intra_wg_overlap else "")
+                 + ("fs" if self.fresh_s else "")
+                 + ("pp" if self.pingpong else "") + ("ps" if self.persistent else "")
+                 + ("tp" if self.tile_pipe else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"

@@ -74,6 +74,29 @@ CHECKS = [
                                               intra_wg_overlap=False, has_q_seqlen=True,
                                               has_kv_seqlen=True),
      (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
+    # Wider key tiles at 128 rows with a fresh S fragment per block (`fresh_s`, gated as
+    # unverified; ptxas-clean since 2026-12-01): hd 128 x 160, hd 64 x 192, hd 256 causal x 80.
+    # Key lengths are never a multiple of the tile; GQA; causal T < S; an empty key length.
+    ("bf16 h128 n160 dense gqa odd", dict(head_dim=128, tile_n=160, fresh_s=True),
+     (2, 1000, 1100, 8, 2, {})),
+    ("bf16 h128 n160 causal gqa T<S", dict(head_dim=128, tile_n=160, fresh_s=True,
+                                           is_causal=True), (2, 900, 1000, 6, 2, {})),
+    ("fp16 h128 n160 seqlens", dict(dtype="float16", head_dim=128, tile_n=160, fresh_s=True,
+                                    has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h64 n192 dense gqa odd", dict(head_dim=64, tile_n=192, fresh_s=True),
+     (2, 500, 700, 6, 2, {})),
+    ("bf16 h64 n192 causal gqa T<S", dict(head_dim=64, tile_n=192, fresh_s=True, is_causal=True),
+     (2, 900, 1100, 6, 2, {})),
+    ("fp16 h64 n192 seqlens", dict(dtype="float16", head_dim=64, tile_n=192, fresh_s=True,
+                                   has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h256 n80 causal gqa T<S", dict(head_dim=256, tile_n=80, fresh_s=True, is_causal=True),
+     (2, 650, 730, 4, 2, {})),
+    ("fp16 h256 n80 causal seqlens", dict(dtype="float16", head_dim=256, tile_n=80,
+                                          fresh_s=True, is_causal=True, has_q_seqlen=True,
+                                          has_kv_seqlen=True),
+     (3, 300, 410, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [410, 0, 255]})),
     ("bf16 h64 persistent causal", dict(head_dim=64, is_causal=True, persistent=True),
      (3, 1000, 1000, 4, 2, {})),
     ("bf16 h256 causal tile_n 64", dict(head_dim=256, is_causal=True), (2, 700, 700, 2, 1, {})),
@@ -145,12 +168,18 @@ BENCH_S = (1024, 4096, 16384)
 # (ptxas: C7512 and spills). 2026-12-01: it is ptxas-clean now (0 spills at 160 registers,
 # dense and causal), timed as "m192_ov"; it replaces "m192_n96" (tile_n 96 with overlap,
 # 0.87-1.0x), whose only reason was to fit the registers the 128-wide tile now fits.)
+# 2026-12-01: wider key tiles with a fresh S fragment per block (`fresh_s`), each timed only at
+# its own head dim (a "head_dim" / "is_causal" entry restricts a column): "n160" hd 128 x 160,
+# "n192" hd 64 x 192, "n80c" hd 256 causal at the dense tile 80 (default 64).
 # "persistent" before 2026-12-01 ran with every wgmma serialized at hdim 128 dense and hdim 256
 # (ptxas C7512; NOTES.md "Persistent forward"): its earlier numbers there are not comparable.
+# "stages3" (3 K/V stages) and "m192_no_overlap" lost in two 2026-12-01 runs: no longer timed.
 VARIANTS = {"persistent": dict(persistent=True),
-            "persist2": dict(persistent=True, tile_pipe=True), "stages3": dict(num_stages=3),
-            "m192_no_overlap": dict(tile_m=192, intra_wg_overlap=False),
-            "m192_ov": dict(tile_m=192, intra_wg_overlap=True)}
+            "persist2": dict(persistent=True, tile_pipe=True),
+            "m192_ov": dict(tile_m=192, intra_wg_overlap=True),
+            "n160": dict(head_dim=128, tile_n=160, fresh_s=True),
+            "n192": dict(head_dim=64, tile_n=192, fresh_s=True),
+            "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True)}
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 16384, False),
                   (128, 16384, True), (64, 1024, True), (64, 1024, False), (64, 4096, False),
                   (64, 4096, True), (64, 16384, False), (64, 16384, True), (256, 1024, False),
@@ -158,6 +187,9 @@ VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 16384, False),
 
 
 def _variant(D, causal, kw):
+    kw = dict(kw)
+    if kw.pop("head_dim", D) != D or kw.pop("is_causal", causal) != causal:
+        return None
     try:
         return FwdConfig(head_dim=D, is_causal=causal, **kw)
     except ValueError:

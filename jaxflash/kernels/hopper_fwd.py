@@ -108,8 +108,13 @@ class FlashFwdSm90:
         # instead of the 16-bit P and converts them only after the QK GEMM is issued: old and new
         # S (128 registers) + P + O. At 160 registers (tile_m 192) that spilled 580 bytes and
         # serialized the wgmma; a fresh fragment's inputs are undefined, so only P stays live.
-        # (Only there: the other variants' binaries stay as measured.)
-        self.fresh_s = self.overlap and self.num_mma_wg == 3
+        # On by default only there; 128-row tiles opt in (`FwdConfig.fresh_s`: wider key tiles
+        # fit), so the default variants' binaries stay as measured.
+        self.fresh_s = self.overlap and (self.num_mma_wg == 3 or config.fresh_s)
+        # The select-form mask saved the last registers at 160 (tile_m 192 with overlap); at 128
+        # rows ptxas did better with the conditional stores (hd 128 x 160 causal: 0 B spilled
+        # vs 224, hd 64 x 192: 0 vs 188; NOTES.md), so only the 192-row tile uses it.
+        self.mask_by_select = self.overlap and self.num_mma_wg == 3
         # Ping-pong needs two warpgroups; FA3 finds it pays up to hdim 128 (beyond, the O
         # accumulator leaves too few registers for two softmaxes in flight to matter).
         self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
@@ -733,7 +738,7 @@ class FlashFwdSm90:
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left,
-                       by_select=self.fresh_s)
+                       by_select=self.mask_by_select)
 
     @cute.jit
     def segment_compare_needed(self, mods, n_block: Int32):
