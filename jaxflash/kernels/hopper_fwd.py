@@ -14,7 +14,8 @@ Shape of the kernel (FlashAttention-3's design, written here from the paper and 
   the softmax of block j runs (FA3 Alg. 2); with ``pingpong`` the two warpgroups take turns
   issuing GEMMs (named barriers), so one's softmax hides under the other's GEMMs.
 - Epilogue: O scaled by 1/rowsum, converted, written to shared memory (Q's buffer) with stmatrix
-  and stored by TMA (which clips rows past T); LSE (natural log, float32) written per row.
+  and stored by TMA (which clips rows past T, and before 0 for end-aligned tiles); LSE (natural
+  log, float32) written per row.
 
 GQA/MQA: query head n reads K/V head n // (N // K); K/V are never copied. Batch, T, S, heads,
 scale, softcap, window bounds, ALiBi slopes and segment ids are runtime values: only `FwdConfig`
