@@ -76,6 +76,19 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     assert devrun.VARIANTS["m192_ov"] == dict(tile_m=192, intra_wg_overlap=True)
 
 
+def test_forward_end_aligned_tiles_gated_checked_and_benched():
+    """End-aligned query tiles (m_align="end", 2026-12-01) are unverified until their GPU
+    checks pass; default keys do not name the field; check cases and a bench column exist."""
+    from jaxflash.kernels import devrun
+    cfg = FwdConfig(head_dim=64, tile_m=192, is_causal=True, m_align="end")
+    assert cfg.unverified() == ("m_align end",)
+    assert "mend" in cfg.key and "mend" not in FwdConfig(head_dim=64, is_causal=True).key
+    names = [n for n, kw, _ in devrun.CHECKS if kw.get("m_align") == "end"]
+    assert len(names) >= 7
+    assert devrun.VARIANTS["m192_ov_end"] == dict(tile_m=192, m_align="end")
+    assert {(64, s, True) for s in (1024, 4096, 16384)} <= devrun.VARIANT_POINTS
+
+
 def test_backward_tile_m_128_checked_and_benched():
     """tile_m 128 passed its 16 GPU checks (2026-12-01) and is hd 64's default; the bench
     keeps timing the 64-query step (and the deterministic mode at 128) beside it."""
