@@ -18,7 +18,8 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
-from jaxflash.kernels.bwd_config import BwdConfig, can_implement, config_for  # noqa: E402
+from jaxflash.kernels.bwd_config import BwdConfig, can_implement  # noqa: E402
+from jaxflash.kernels.choose import backward_config as config_for  # noqa: E402
 from tests.common import ptxas_report, runtime_only  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")

@@ -62,7 +62,7 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     """tile_m 192 WITH intra-warpgroup overlap passed its GPU checks (2026-12-01) and is what
     hdim 64 dense / causal calls get; the check cases and the bench column stay."""
     from jaxflash.kernels import devrun
-    from jaxflash.kernels.config import schedule_for
+    from jaxflash.kernels.choose import schedule_for
     for cfg in (FwdConfig(head_dim=64, tile_m=192), FwdConfig(head_dim=64, tile_m=192,
                                                               is_causal=True, dtype="float16")):
         assert cfg.intra_wg_overlap and cfg.unverified() == ()
@@ -135,16 +135,13 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
 
 
-def test_forward_tile_pipe_is_gated_until_checked(monkeypatch):
-    """The persistent forward's tile pipe (compiled 2026-12-01, no GPU run yet) is refused by
-    the gate; the device check cases and the "persist2" bench column run it by direct calls."""
+def test_forward_tile_pipe_checked():
+    """The persistent forward's tile pipe passed its device checks (2026-12-01): not gated;
+    its check cases (every head dim, causal, fp16 lengths) and bench column stay."""
     from jaxflash.kernels import devrun
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True)
-    assert cfg.unverified() == ("tile_pipe",)
+    assert cfg.unverified() == ()
     assert FwdConfig(head_dim=128, persistent=True).unverified() == ()
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tile_pipe"):
-        verified.require_verified(cfg, "forward")
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_pipe")]
     assert {kw["head_dim"] for kw in cases} == {64, 128, 256}
     assert any(kw.get("is_causal") for kw in cases)

@@ -53,9 +53,9 @@ def fwd_launch_for(problem, arch: str | None = None):
         if not _module_present(mod):
             raise NotImplementedError(f"the CuTe forward kernel is not in this checkout "
                                       f"(module {mod} missing)")
-    cfg_mod = importlib.import_module(cfg_ref.partition(":")[0])
+    from jaxflash.kernels import choose
     try:
-        config = cfg_mod.config_for(problem)  # runs the kernel's can_implement
+        config = choose.forward_config(problem)  # runs the kernel's can_implement
     except ValueError as e:
         raise NotImplementedError(f"the CuTe forward kernel cannot serve this call: {e}") from e
     from jaxflash.kernels.verified import require_verified
@@ -75,9 +75,9 @@ def bwd_launch_for(problem, arch: str | None = None):
         if not _module_present(mod):
             raise NotImplementedError(f"the CuTe backward kernel is not in this checkout "
                                       f"(module {mod} missing)")
-    cfg_mod = importlib.import_module(cfg_ref.partition(":")[0])
+    from jaxflash.kernels import choose
     try:
-        config = cfg_mod.config_for(problem)
+        config = choose.backward_config(problem)
     except ValueError as e:
         raise NotImplementedError(str(e)) from e
     from jaxflash.kernels.verified import require_verified

@@ -4,7 +4,7 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `tile_m_for`). Per
+``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`). Per
 consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
 hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
 inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
@@ -52,8 +52,9 @@ class BwdConfig:
     head_dim / head_dim_v: H and Hv (equal).
     is_causal / has_window / has_softcap / has_q_seqlen / has_kv_seqlen: as in `FwdConfig`.
     tile_m: queries per inner step: 64 (one wgmma M atom for the dQ GEMM; the field's default) or
-      128 (``TILE_M128_HEAD_DIMS`` only; what `config_for` picks there, see `tile_m_for`): S^T and dP^T are then 64 keys x 128 queries
-      per warpgroup (64 + 64 floats per thread, + hd/2 + hd/2 for dK and dV: 192 at hd 64, as
+      128 (``TILE_M128_HEAD_DIMS`` only; what `choose.backward_config` picks there): S^T
+      and dP^T are then 64 keys x 128 queries per warpgroup (64 + 64 floats per thread,
+      + hd/2 + hd/2 for dK and dV: 192 at hd 64, as
       hd 128 at tile_m 64), half as many steps (barriers, LSE / delta reads, dQ reduce-adds
       per query) and the dQ GEMM splits its 128 query rows over the warpgroups (64 rows x hd
       each) instead of the head dim. Q / dO stages, TMA boxes, dS^T buffers, the float32 dQ
@@ -264,47 +265,3 @@ def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper backward kernel yet"
     return True, ""
-
-
-def config_for(problem) -> BwdConfig:
-    """The backward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
-    if min(problem.batch, problem.q_len, problem.kv_len, problem.num_heads) == 0:
-        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
-                         f"kv_len {problem.kv_len}, heads {problem.num_heads})")
-    st = problem.statics
-    ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                            head_dim_v=problem.head_dim_v, features=problem.features())
-    if not ok:
-        raise ValueError(why)
-    return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
-                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                     has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                     has_alibi=problem.has_alibi, has_segments=problem.has_segments,
-                     deterministic=st.deterministic,
-                     tile_m=tile_m_for(problem.head_dim, st.softcap is not None,
-                                       problem.has_alibi),
-                     early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
-                                           st.deterministic))
-
-
-def use_early_dv(head_dim: int, softcap: bool, deterministic: bool) -> bool:
-    """early_dv where it was measured correct and faster (H200, 2026-11-30,
-    `benchmarks/results/cute-bwd-variants-h200-2026-11-30.json`): hdim 128 forward+backward
-    1.00-1.04x the default (dense 4k 1.04, causal 16k 1.03), checked against float64 on causal
-    GQA T<S, dense 2k, lengths with empty rows and window T>S. At hdim 64 it was slower
-    (0.95-0.96x); with softcap at hdim 128 it spills (refused); with deterministic it was not
-    run on the GPU, so it stays off there."""
-    return head_dim == 128 and not softcap and not deterministic
-
-
-def tile_m_for(head_dim: int, softcap: bool, alibi: bool) -> int:
-    """128 queries per step where it is allowed (hd 64 without softcap / ALiBi: those spill)
-    and measured: H200, 2026-12-01, same process as cuDNN
-    (`benchmarks/results/cute-bwd-bench-m128-h200-2026-12-01.json`): forward+backward
-    1.09-1.15x the 64-query step (backward alone 1.13-1.21x) at S 1k / 4k / 16k dense and
-    4k / 16k causal; checked against float64 on 16 cases (causal, window, lengths with empty
-    rows, GQA / MQA, odd lengths, segment ids, fp16, both dQ modes, deterministic)."""
-    if head_dim in TILE_M128_HEAD_DIMS and not softcap and not alibi:
-        return 128
-    return 64

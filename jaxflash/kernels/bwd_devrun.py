@@ -291,7 +291,7 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
               (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)}
 # Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
 # kwargs, per head dim; at VARIANT_POINTS (~34 timed calls, ~50 s of device time).
-# hd 64's default is tile_m 128 since 2026-12-01 (`bwd_config.tile_m_for`): "m64" times the
+# hd 64's default is tile_m 128 since 2026-12-01 (`choose.tile_m_for`): "m64" times the
 # 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
 # column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
 # (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`); early_dv is refused at tile_m 128,
@@ -341,6 +341,11 @@ def all_launches(cases=None):
                                                              dq_accum=acc)))
                     except ValueError:
                         pass  # a variant the config refuses (none at the bench dims now)
+        from jaxflash.kernels.choose import backward_config
+        from jaxflash.kernels.devrun import GRID_S, grid_choices, grid_problem
+        launches += [fwd_launch(f) for f in grid_choices()]  # the forward the grad runs first
+        launches += [bwd_launch(backward_config(grid_problem(d, s, c)))
+                     for d in BENCH_DIMS for s in GRID_S for c in (False, True)]
         for d, _, c in RED_POINTS:
             launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, deterministic=True)))
         for d, _, c in VARIANT_POINTS:

@@ -160,13 +160,13 @@ class FwdConfig:
         overlap (fresh per-block S fragment, select-form mask) at 09:50 UTC the same day
         (6 cases: dense GQA, causal, causal GQA T<S, fp16 lengths with an empty key length,
         causal lengths, window + softcap; error / cuDNN's 0.998-1.000; sanitizer clean;
-        `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`). tile_pipe (compiled
-        2026-12-01, no GPU run yet) and the 128-row ``fresh_s`` (and the wider key tiles it
-        fits) and end-aligned query tiles (``m_align="end"``) are listed until their device
-        checks pass."""
+        `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`), tile_pipe and the
+        fixed persistent loop at ~10:05 UTC (11 cases with more tiles than CTAs, hdim 64 / 128 /
+        256, dense / causal, GQA, fp16 lengths with an empty batch; error / cuDNN's
+        0.994-1.000; memcheck clean; `cute-fwd-check-persist-h200-2026-12-01.json`). The
+        128-row ``fresh_s`` (and the wider key tiles it fits) and end-aligned query tiles
+        (``m_align="end"``) are listed until their device checks pass."""
         pending = []
-        if self.tile_pipe:
-            pending.append("tile_pipe")
         if self.fresh_s:
             pending.append("fresh_s (fresh S fragment per key block at tile_m 128)")
         if self.m_align == "end":
@@ -240,53 +240,3 @@ def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper forward kernel yet"
     return True, ""
-
-
-def config_for(problem) -> FwdConfig:
-    """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
-    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
-        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
-                         f"heads {problem.num_heads}): nothing to launch")
-    ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                            head_dim_v=problem.head_dim_v, features=problem.features())
-    if not ok:
-        raise ValueError(why)
-    st = problem.statics
-    features = dict(dtype=problem.dtype, head_dim=problem.head_dim,
-                    head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                    has_window=st.window is not None, has_softcap=st.softcap is not None,
-                    has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                    has_alibi=problem.has_alibi, has_segments=problem.has_segments)
-    return FwdConfig(**features, **schedule_for(problem.head_dim, problem.kv_len, st.is_causal,
-                                                plain=not (problem.has_alibi
-                                                           or problem.has_segments
-                                                           or problem.has_q_seqlen
-                                                           or problem.has_kv_seqlen
-                                                           or st.window is not None)))
-
-
-def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -> dict:
-    """Schedule fields that beat the default where measured (H200, same process as cuDNN;
-    kernel bench `benchmarks/results/cute-fwd-bench-m192ov-h200-2026-12-01.json`, ratios to
-    cuDNN, default -> picked):
-
-    - hdim 64: 192 query rows (three consumer warpgroups) WITH intra-warpgroup overlap, every
-      length, dense and causal: 1k 0.77 -> 0.90 dense, 0.67 -> 0.77 causal; 4k 0.93 -> 1.07,
-      0.90 -> 1.03; 16k 0.99 -> 1.16, 1.02 -> 1.21. It beat the 192-row tile without overlap
-      (0.74 / 0.51 / 1.00 / 0.84 / 1.08 / 1.07) and persistent at 1k (0.84 / 0.74).
-    - hdim 128, causal, S <= 1k: persistent (0.89 -> 0.93; measured 0.83 -> 0.91 on
-      2026-11-30). Dense it loses (0.91 -> 0.71), as it does at hdim 256.
-    Three K/V stages at hdim 128, S = 16k (picked until this run) lost in both 2026-12-01
-    runs (1.11 -> 1.07 dense, 1.21 -> 1.14 causal): dropped.
-
-    Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
-    and segment variants keep the default. Crossing a threshold picks another variant (one more
-    compile), nothing else does.
-    """
-    if not plain:
-        return {}
-    if head_dim == 64:
-        return {"tile_m": 192}
-    if head_dim == 128 and causal and kv_len <= 1024:
-        return {"persistent": True}
-    return {}

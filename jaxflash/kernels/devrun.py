@@ -242,8 +242,31 @@ SEG_BENCH = [("dense", {}, None), ("alibi", dict(has_alibi=True), None),
               "docs")]
 
 
+def grid_problem(head_dim: int, seq: int, causal: bool, backward: bool = False):
+    """A bf16 call of the anchor grid (`benchmarks.bench`: B*S = 16384, N*D = 2048) as a
+    `Problem`, for asking `choose` which variants it runs."""
+    from jaxflash._types import AttentionStatics, Problem
+    b, n = max(1, 16384 // seq), 2048 // head_dim
+    return Problem(batch=b, q_len=seq, kv_len=seq, num_heads=n, num_kv_heads=n,
+                   head_dim=head_dim, head_dim_v=head_dim, dtype="bfloat16",
+                   statics=AttentionStatics(scale=head_dim ** -0.5, is_causal=causal))
+
+
+# The grid's sequence lengths and the small call's (B=1, N=1, S=128, D=64).
+GRID_S = BENCH_S + (128,)
+
+
+def grid_choices():
+    """The forward variants dispatch picks on the anchor grid and the small call: built with
+    the rest, so a device run of the grid finds every artifact it needs."""
+    from jaxflash.kernels.choose import forward_config
+    return [forward_config(grid_problem(d, s, c)) for d in BENCH_DIMS for s in GRID_S
+            for c in (False, True)]
+
+
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
+    cfgs += grid_choices()
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:
         cfgs += [v for v in (_variant(d, c, kw) for kw in VARIANTS.values()) if v is not None]

@@ -1,0 +1,109 @@
+"""Which compiled variant serves a call: the one place that turns a `jaxflash._types.Problem`
+into a forward `FwdConfig` and a backward `BwdConfig` (DSL-free).
+
+Kept apart from `config.py` / `bwd_config.py` on purpose: those define what a binary *is* and
+are hashed into every variant key (`jaxflash.ffi.variant.source_hash`); this module only picks
+among binaries, from measurements, so changing a pick (after a benchmark) invalidates no
+precompiled artifact. Nothing a kernel imports may import this module.
+"""
+from __future__ import annotations
+
+from jaxflash.kernels.bwd_config import TILE_M128_HEAD_DIMS, BwdConfig
+from jaxflash.kernels.bwd_config import can_implement as bwd_can_implement
+from jaxflash.kernels.config import FwdConfig
+from jaxflash.kernels.config import can_implement as fwd_can_implement
+
+
+def forward_config(problem) -> FwdConfig:
+    """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
+    ok, why = fwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                            head_dim_v=problem.head_dim_v, features=problem.features())
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    features = dict(dtype=problem.dtype, head_dim=problem.head_dim,
+                    head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                    has_window=st.window is not None, has_softcap=st.softcap is not None,
+                    has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                    has_alibi=problem.has_alibi, has_segments=problem.has_segments)
+    return FwdConfig(**features, **schedule_for(problem.head_dim, problem.kv_len, st.is_causal,
+                                                plain=not (problem.has_alibi
+                                                           or problem.has_segments
+                                                           or problem.has_q_seqlen
+                                                           or problem.has_kv_seqlen
+                                                           or st.window is not None)))
+
+
+def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -> dict:
+    """Schedule fields that beat the default where measured (H200, same process as cuDNN;
+    kernel benches `benchmarks/results/cute-fwd-bench-m192ov-h200-2026-12-01.json` and
+    `cute-fwd-bench-persist-h200-2026-12-01.json`, ratios to cuDNN, default -> picked):
+
+    - hdim 64: 192 query rows (three consumer warpgroups) WITH intra-warpgroup overlap, every
+      length, dense and causal: 1k 0.77 -> 0.90 dense, 0.67 -> 0.77 causal; 4k 0.93 -> 1.07,
+      0.90 -> 1.03; 16k 0.99 -> 1.16, 1.02 -> 1.21 (second run: 0.88 / 0.76 / 1.09 / 1.05 /
+      1.21 / 1.19). It beat the 192-row tile without overlap and persistent at 1k.
+    - hdim 128, S <= 1k: persistent, now that its wgmma are no longer serialized (the fix of
+      2026-12-01, NOTES.md "Persistent forward"): dense 0.95 -> 1.04, causal 0.85 -> 0.91.
+      At 16k it was +4% dense and -6% causal, at hdim 256 within noise: not picked there.
+    Three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs of that
+    day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal): dropped.
+
+    Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
+    and segment variants keep the default. Crossing a threshold picks another variant (one more
+    compile), nothing else does.
+    """
+    if not plain:
+        return {}
+    if head_dim == 64:
+        return {"tile_m": 192}
+    if head_dim == 128 and kv_len <= 1024:
+        return {"persistent": True}
+    return {}
+
+
+def backward_config(problem) -> BwdConfig:
+    """The backward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
+    if min(problem.batch, problem.q_len, problem.kv_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"kv_len {problem.kv_len}, heads {problem.num_heads})")
+    st = problem.statics
+    ok, why = bwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                            head_dim_v=problem.head_dim_v, features=problem.features())
+    if not ok:
+        raise ValueError(why)
+    return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                     has_window=st.window is not None, has_softcap=st.softcap is not None,
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                     has_alibi=problem.has_alibi, has_segments=problem.has_segments,
+                     deterministic=st.deterministic,
+                     tile_m=tile_m_for(problem.head_dim, st.softcap is not None,
+                                       problem.has_alibi),
+                     early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
+                                           st.deterministic))
+
+
+def use_early_dv(head_dim: int, softcap: bool, deterministic: bool) -> bool:
+    """early_dv where it was measured correct and faster (H200, 2026-11-30,
+    `benchmarks/results/cute-bwd-variants-h200-2026-11-30.json`): hdim 128 forward+backward
+    1.00-1.04x the default (dense 4k 1.04, causal 16k 1.03), checked against float64 on causal
+    GQA T<S, dense 2k, lengths with empty rows and window T>S. At hdim 64 it was slower
+    (0.95-0.96x); with softcap at hdim 128 it spills (refused); with deterministic it was not
+    run on the GPU, so it stays off there."""
+    return head_dim == 128 and not softcap and not deterministic
+
+
+def tile_m_for(head_dim: int, softcap: bool, alibi: bool) -> int:
+    """128 queries per step where it is allowed (hd 64 without softcap / ALiBi: those spill)
+    and measured: H200, 2026-12-01, same process as cuDNN
+    (`benchmarks/results/cute-bwd-bench-m128-h200-2026-12-01.json`): forward+backward
+    1.09-1.15x the 64-query step (backward alone 1.13-1.21x) at S 1k / 4k / 16k dense and
+    4k / 16k causal; checked against float64 on 16 cases (causal, window, lengths with empty
+    rows, GQA / MQA, odd lengths, segment ids, fp16, both dQ modes, deterministic)."""
+    if head_dim in TILE_M128_HEAD_DIMS and not softcap and not alibi:
+        return 128
+    return 64
