@@ -88,11 +88,6 @@ PTXAS_CLEAN = [
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, has_window=True, has_softcap=True),
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, intra_wg_overlap=False,
               is_causal=True),
-    # End-aligned tiles (m_align="end"): one subtract per tile more (2026-12-01: 0 spills).
-    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, is_causal=True, m_align="end"),
-    FwdConfig(dtype="float16", head_dim=64, tile_m=192, is_causal=True, has_kv_seqlen=True,
-              m_align="end"),
-    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, has_window=True, m_align="end"),
 ]
 
 
@@ -181,11 +176,6 @@ def test_compiles_through_the_bridge():
     (dict(tile_n=72), "tile_n"),
     (dict(tile_order="random"), "tile_order"),
     (dict(tile_pipe=True), "tile_pipe needs persistent"),
-    (dict(is_causal=True, m_align="middle"), "m_align"),
-    (dict(m_align="end"), "causal or window"),
-    (dict(is_causal=True, has_q_seqlen=True, m_align="end"), "has_q_seqlen"),
-    (dict(is_causal=True, has_alibi=True, m_align="end"), "has_alibi"),
-    (dict(is_causal=True, has_segments=True, m_align="end"), "has_segments"),
 ])
 def test_invalid_configs_are_refused(kw, why):
     with pytest.raises(ValueError, match=why):

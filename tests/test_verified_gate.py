@@ -76,19 +76,6 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     assert devrun.VARIANTS["m192_ov"] == dict(tile_m=192, intra_wg_overlap=True)
 
 
-def test_forward_end_aligned_tiles_gated_checked_and_benched():
-    """End-aligned query tiles (m_align="end", 2026-12-01) are unverified until their GPU
-    checks pass; default keys do not name the field; check cases and a bench column exist."""
-    from jaxflash.kernels import devrun
-    cfg = FwdConfig(head_dim=64, tile_m=192, is_causal=True, m_align="end")
-    assert cfg.unverified() == ("m_align end",)
-    assert "mend" in cfg.key and "mend" not in FwdConfig(head_dim=64, is_causal=True).key
-    names = [n for n, kw, _ in devrun.CHECKS if kw.get("m_align") == "end"]
-    assert len(names) >= 7
-    assert devrun.VARIANTS["m192_ov_end"] == dict(tile_m=192, m_align="end")
-    assert {(64, s, True) for s in (1024, 4096, 16384)} <= devrun.VARIANT_POINTS
-
-
 def test_backward_tile_m_128_checked_and_benched():
     """tile_m 128 passed its 16 GPU checks (2026-12-01) and is hd 64's default; the bench
     keeps timing the 64-query step (and the deterministic mode at 128) beside it."""
@@ -180,16 +167,13 @@ def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function(
             assert not (kw.get("has_softcap") or kw.get("has_alibi") or kw.get("has_segments")), name
 
 
-def test_forward_fresh_s_wide_tiles_are_gated_until_checked(monkeypatch):
-    """The 128-row `fresh_s` opt-in and the wider key tiles it fits (2026-12-01, compiled
-    only) are refused by the gate; dispatch never sets it; devrun has check cases for each."""
+def test_forward_fresh_s_wide_tiles_checked():
+    """The 128-row `fresh_s` opt-in and the wider key tiles it fits passed their device checks
+    (2026-12-01): not gated; devrun keeps a check case for every benched wide tile."""
     from jaxflash.kernels import devrun
-    monkeypatch.delenv(verified.ENV, raising=False)
     for cfg in (FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
                 FwdConfig(head_dim=256, tile_n=80, fresh_s=True, is_causal=True)):
-        assert cfg.unverified() == ("fresh_s (fresh S fragment per key block at tile_m 128)",)
-        with pytest.raises(NotImplementedError, match="fresh_s"):
-            verified.require_verified(cfg, "forward")
+        assert cfg.unverified() == ()
     assert FwdConfig(head_dim=128, tile_n=160).unverified() == ()
     checked = {(kw["head_dim"], kw["tile_n"], kw.get("is_causal", False))
                for _, kw, _ in devrun.CHECKS if kw.get("fresh_s")}

@@ -66,11 +66,6 @@ class FwdConfig:
       division per tile (NOTES.md, "Persistent forward").
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
-    m_align: "start" (query tile m covers rows m * tile_m ..) or "end" (tiles aligned to the
-      last row: tile m starts at row m * tile_m - (ceil(T / tile_m) * tile_m - T), so the
-      partial tile is the first one, whose causal key range is the shortest, instead of the
-      last, which runs every key block). Causal / window only (elsewhere every tile costs the
-      same); not with per-batch query lengths, ALiBi or segment ids.
     """
 
     dtype: str = "bfloat16"
@@ -93,7 +88,6 @@ class FwdConfig:
     tile_pipe: bool = False
     tile_order: str = "auto"
     l2_section_mb: int = 24
-    m_align: str = "start"
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -136,16 +130,6 @@ class FwdConfig:
             return False, "tile_pipe needs persistent=True (it feeds the persistent tile loop)"
         if not 1 <= self.l2_section_mb <= 64:
             return False, f"l2_section_mb {self.l2_section_mb} not in [1, 64]"
-        if self.m_align not in ("start", "end"):
-            return False, f"m_align {self.m_align!r} not in ('start', 'end')"
-        if self.m_align == "end":
-            if not (self.is_causal or self.has_window):
-                return False, "m_align 'end' only pays with a causal or window mask"
-            # Per-batch query lengths would want per-batch alignment; ALiBi / segment ids read
-            # row positions and 'start'-aligned block summaries: not done, refused.
-            for flag in ("has_q_seqlen", "has_alibi", "has_segments"):
-                if getattr(self, flag):
-                    return False, f"m_align 'end' not supported with {flag}"
         if self.num_stages < 1 or self.num_stages > 4:
             return False, f"num_stages {self.num_stages} must be in [1, 4]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -163,15 +147,11 @@ class FwdConfig:
         `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`), tile_pipe and the
         fixed persistent loop at ~10:05 UTC (11 cases with more tiles than CTAs, hdim 64 / 128 /
         256, dense / causal, GQA, fp16 lengths with an empty batch; error / cuDNN's
-        0.994-1.000; memcheck clean; `cute-fwd-check-persist-h200-2026-12-01.json`). The
-        128-row ``fresh_s`` (and the wider key tiles it fits) and end-aligned query tiles
-        (``m_align="end"``) are listed until their device checks pass."""
-        pending = []
-        if self.fresh_s:
-            pending.append("fresh_s (fresh S fragment per key block at tile_m 128)")
-        if self.m_align == "end":
-            pending.append("m_align end")
-        return tuple(pending)
+        0.994-1.000; memcheck clean; `cute-fwd-check-persist-h200-2026-12-01.json`) and the
+        128-row ``fresh_s`` wide key tiles at ~10:25 UTC (hd 128 x 160, hd 64 x 192, hd 256
+        causal x 80: 8 cases, error / cuDNN's 0.996-1.005;
+        `cute-fwd-check-freshs-mend-h200-2026-12-01.json`)."""
+        return ()
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
         elt = 2
@@ -211,8 +191,6 @@ class FwdConfig:
                  + ("tp" if self.tile_pipe else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
-        if self.m_align != "start":
-            sched += f"_m{self.m_align}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
                 f"_{'-'.join(feats) or 'dense'}")

@@ -74,8 +74,8 @@ CHECKS = [
                                               intra_wg_overlap=False, has_q_seqlen=True,
                                               has_kv_seqlen=True),
      (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
-    # Wider key tiles at 128 rows with a fresh S fragment per block (`fresh_s`, gated as
-    # unverified; ptxas-clean since 2026-12-01): hd 128 x 160, hd 64 x 192, hd 256 causal x 80.
+    # Wider key tiles at 128 rows with a fresh S fragment per block (`fresh_s`; all 8 passed
+    # on the H200 on 2026-12-01): hd 128 x 160, hd 64 x 192, hd 256 causal x 80.
     # Key lengths are never a multiple of the tile; GQA; causal T < S; an empty key length.
     ("bf16 h128 n160 dense gqa odd", dict(head_dim=128, tile_n=160, fresh_s=True),
      (2, 1000, 1100, 8, 2, {})),
@@ -97,36 +97,6 @@ CHECKS = [
                                           fresh_s=True, is_causal=True, has_q_seqlen=True,
                                           has_kv_seqlen=True),
      (3, 300, 410, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [410, 0, 255]})),
-    # End-aligned query tiles (m_align="end", 2026-12-01, gated as unverified): the first tile
-    # starts at a negative row (TMA zero-fills those Q rows, skips those O rows; LSE guarded).
-    # T not a multiple of the tile (the point): 700, 1000, 900, 1100 leave 68-152 rows before 0,
-    # 1024 leaves 128; every mask it compiles, GQA, T < S and T > S, an empty key length,
-    # a window whose right bound lets rows < 0 see keys, and the persistent tile loop.
-    ("bf16 h64 m192 end causal 700", dict(head_dim=64, tile_m=192, is_causal=True,
-                                          m_align="end"), (2, 700, 700, 4, 4, {})),
-    ("bf16 h64 m192 end causal 1024", dict(head_dim=64, tile_m=192, is_causal=True,
-                                           m_align="end"), (2, 1024, 1024, 4, 2, {})),
-    ("bf16 h64 m192 end causal 1000", dict(head_dim=64, tile_m=192, is_causal=True,
-                                           m_align="end"), (2, 1000, 1000, 4, 4, {})),
-    ("bf16 h64 m192 end causal gqa T<S", dict(head_dim=64, tile_m=192, is_causal=True,
-                                              m_align="end"), (2, 900, 1100, 6, 2, {})),
-    ("bf16 h64 m192 end causal T>S", dict(head_dim=64, tile_m=192, is_causal=True,
-                                          m_align="end"), (2, 1100, 700, 4, 2, {})),
-    ("fp16 h64 m192 end causal kvlens", dict(dtype="float16", head_dim=64, tile_m=192,
-                                             is_causal=True, has_kv_seqlen=True, m_align="end"),
-     (3, 1000, 1000, 4, 2, {"kv_seqlen": [1000, 0, 333]})),
-    ("bf16 h64 m192 end causal window", dict(head_dim=64, tile_m=192, is_causal=True,
-                                             has_window=True, m_align="end"),
-     (2, 700, 700, 4, 4, {"window": (129, 0)})),
-    ("fp16 h64 m192 end window softcap", dict(dtype="float16", head_dim=64, tile_m=192,
-                                              has_window=True, has_softcap=True,
-                                              m_align="end"),
-     (2, 800, 900, 4, 2, {"window": (100, 37), "softcap": 30.0})),
-    ("bf16 h64 m192 end causal persistent", dict(head_dim=64, tile_m=192, is_causal=True,
-                                                 persistent=True, m_align="end"),
-     (3, 1000, 1000, 4, 2, {})),
-    ("bf16 h128 m128 end causal gqa", dict(head_dim=128, is_causal=True, m_align="end"),
-     (2, 999, 999, 8, 2, {})),
     ("bf16 h64 persistent causal", dict(head_dim=64, is_causal=True, persistent=True),
      (3, 1000, 1000, 4, 2, {})),
     ("bf16 h256 causal tile_n 64", dict(head_dim=256, is_causal=True), (2, 700, 700, 2, 1, {})),
@@ -209,11 +179,7 @@ VARIANTS = {"persistent": dict(persistent=True),
             "m192_ov": dict(tile_m=192, intra_wg_overlap=True),
             "n160": dict(head_dim=128, tile_n=160, fresh_s=True),
             "n192": dict(head_dim=64, tile_n=192, fresh_s=True),
-            "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True),
-            # End-aligned 192-row tiles (causal/window only: skipped at the dense points):
-            # the partial tile is the first, cheapest one (1k causal: 27 block iterations
-            # instead of 32).
-            "m192_ov_end": dict(tile_m=192, m_align="end")}
+            "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True)}
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 16384, False),
                   (128, 16384, True), (64, 1024, True), (64, 1024, False), (64, 4096, False),
                   (64, 4096, True), (64, 16384, False), (64, 16384, True), (256, 1024, False),

@@ -14,8 +14,7 @@ Shape of the kernel (FlashAttention-3's design, written here from the paper and 
   the softmax of block j runs (FA3 Alg. 2); with ``pingpong`` the two warpgroups take turns
   issuing GEMMs (named barriers), so one's softmax hides under the other's GEMMs.
 - Epilogue: O scaled by 1/rowsum, converted, written to shared memory (Q's buffer) with stmatrix
-  and stored by TMA (which clips rows past T, and before 0 for end-aligned tiles); LSE (natural
-  log, float32) written per row.
+  and stored by TMA (which clips rows past T); LSE (natural log, float32) written per row.
 
 GQA/MQA: query head n reads K/V head n // (N // K); K/V are never copied. Batch, T, S, heads,
 scale, softcap, window bounds, ALiBi slopes and segment ids are runtime values: only `FwdConfig`
@@ -122,7 +121,6 @@ class FlashFwdSm90:
         self.persistent = config.persistent
         self.tile_pipe = config.tile_pipe
         self.separate_o = config.separate_o
-        self.m_end = config.m_align == "end"
 
     @classmethod
     def can_implement(cls, config: FwdConfig) -> tuple[bool, str]:
@@ -314,12 +312,8 @@ class FlashFwdSm90:
                 window_right = cutlass.min(window_right, Int32(0))
 
         T = mQ.shape[0]
-        # End-aligned tiles: every tile moves up by the rows the last one would leave empty.
-        row_shift = None
-        if const_expr(self.m_end):
-            row_shift = num_m_blocks * self.tile_m - T
         blocks = BlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
-                            window_left, window_right, row_shift)
+                            window_left, window_right)
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
@@ -428,7 +422,7 @@ class FlashFwdSm90:
         n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen, mKVSeqlen,
                                                   mQBlk, blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
-        return self.produce(self.shift_rows(mQ, blocks), mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+        return self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                             q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max)
 
     @cute.jit
@@ -448,7 +442,6 @@ class FlashFwdSm90:
                    tiled_mma_pv, tidx: Int32, warp_idx: Int32, pre_scale: Float32,
                    scale_log2: Float32, window_left: Int32, window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
-        mO = self.shift_rows(mO, blocks)
         mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk = segs
         n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
                                                             mKVSeqlen, mQBlk, blocks)
@@ -501,7 +494,7 @@ class FlashFwdSm90:
             # sorted, document-packed ids; see `jaxflash.kernels.segments`).
             n_min = cutlass.max(n_min, mQBlk[batch, m_block, 2])
             n_max = cutlass.min(n_max, mQBlk[batch, m_block, 3])
-        if blocks.first_row(m_block) >= seqlen_q:
+        if m_block * self.tile_m >= seqlen_q:
             n_max = n_min  # every row of the tile is past the query length: nothing to load
         return n_min, n_max, seqlen_q, seqlen_k
 
@@ -530,16 +523,6 @@ class FlashFwdSm90:
         pipe_tile.consumer_release(state)
         state.advance()
         return m_block, head, batch, state
-
-    @cute.jit
-    def shift_rows(self, t: cute.Tensor, blocks: BlockRange):
-        """Q's or O's (T, H, N, B) TMA coordinate tensor, moved so that `local_tile`'s tile m
-        starts at `blocks.first_row(m)`: for end-aligned tiles the first box starts at a
-        negative row, which the TMA unit handles as out of bounds (loads fill zeros, stores
-        skip those rows)."""
-        if const_expr(blocks.row_shift is not None):
-            t = cute.domain_offset((-blocks.row_shift, 0, 0, 0), t)
-        return t
 
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
@@ -635,7 +618,6 @@ class FlashFwdSm90:
         softmax = c.softmax
         num_rows = c.num_rows
         tOcO = c.tOcO
-        row0 = blocks.first_row(m_block)
         acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
@@ -644,7 +626,7 @@ class FlashFwdSm90:
         if n_max > n_min:
             step = lambda st, n, ms, mr, ml: self.one_block(
                 st, n, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S,
-                acc_O, tOrP, tScS, softmax, wg, row0, seqlen_k, pre_scale, window_left,
+                acc_O, tOrP, tScS, softmax, wg, m_block, seqlen_k, pre_scale, window_left,
                 window_right, mods, ms, mr, ml)
 
             n = n_max - 1
@@ -655,7 +637,7 @@ class FlashFwdSm90:
                 layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
                               zero_init=True, wait=0, clear=self.persistent)
                 pipe_k.consumer_release(kv_state)
-                self.scores(acc_S, tScS, row0, n, seqlen_k, pre_scale, window_left,
+                self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
                             window_right, mods, seg_cmp, True, self.has_right, self.has_left)
                 softmax.step(acc_S, is_first=True)
                 tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
@@ -704,13 +686,8 @@ class FlashFwdSm90:
 
         if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
             for r in cutlass.range_constexpr(num_rows):
-                row = row0 + tOcO.row(r)
-                # End-aligned tiles end at T (no query lengths there) but may start before 0.
-                if const_expr(self.m_end):
-                    keep = row >= 0
-                else:
-                    keep = row < T
-                if keep:
+                row = m_block * self.tile_m + tOcO.row(r)
+                if row < T:
                     mLSE[row, head, batch] = lse[r]
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
@@ -742,24 +719,24 @@ class FlashFwdSm90:
         return q_state, kv_state
 
     @cute.jit
-    def scores(self, acc_S, tScS, row0: Int32, n_block: Int32, seqlen_k: Int32,
+    def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
                pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
                mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
                mask_left: cutlass.Constexpr):
         """Logit transforms (softcap, ALiBi) then masks (segments, bounds), in place on the S
-        accumulator; ``row0`` is the tile's first row."""
+        accumulator."""
         if const_expr(self.cfg.has_softcap):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
         if const_expr(self.cfg.has_alibi):
-            apply_alibi(acc_S, tScS, row0, n_block * self.tile_n, mods.alibi)
+            apply_alibi(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, mods.alibi)
         if const_expr(self.cfg.has_segments):
             # Most blocks of packed documents lie inside one document: no compare there.
             if seg_cmp:
                 apply_segment_mask(acc_S, tScS, mods.rows, n_block * self.tile_n, mods.kv_seg,
                                    mods.S)
         if const_expr(mask_seqlen or mask_right or mask_left):
-            apply_mask(acc_S, tScS, row0, n_block, self.tile_n, seqlen_k,
+            apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left,
                        by_select=self.mask_by_select)
 
@@ -777,7 +754,7 @@ class FlashFwdSm90:
     @cute.jit
     def one_block(self, kv_state, n_block: Int32, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                   tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, tScS, softmax: cutlass.Constexpr,
-                  wg: Int32, row0: Int32, seqlen_k: Int32, pre_scale: Float32,
+                  wg: Int32, m_block: Int32, seqlen_k: Int32, pre_scale: Float32,
                   window_left: Int32, window_right: Int32, mods, mask_seqlen: cutlass.Constexpr,
                   mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
         """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight
@@ -798,7 +775,7 @@ class FlashFwdSm90:
             self.sched_arrive(wg)
             warpgroup.wait_group(1)
             pipe_k.consumer_release(kv_state)
-            self.scores(acc_S, tScS, row0, n_block, seqlen_k, pre_scale, window_left,
+            self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
                         window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
             row_scale = softmax.step(acc_S, is_first=False)
             warpgroup.wait_group(0)
@@ -815,7 +792,7 @@ class FlashFwdSm90:
             self.sched_arrive(wg)
             warpgroup.wait_group(0)
             pipe_k.consumer_release(kv_state)
-            self.scores(acc_S, tScS, row0, n_block, seqlen_k, pre_scale, window_left,
+            self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
                         window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
             row_scale = softmax.step(acc_S, is_first=False)
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))

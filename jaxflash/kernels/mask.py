@@ -23,49 +23,31 @@ class BlockRange(Carried):
 
     has_right: a right bound exists (causal or window); has_left: a left bound exists (window).
     window_right must already be min(right, 0) when causal.
-    row_shift: None (tile m starts at row m * tile_m) or how many rows every tile is moved up
-    (end-aligned tiles: the first tile starts at row -row_shift; its rows < 0 exist only in
-    registers and see no key under a right bound <= 0).
     """
 
     _dynamic = ("window_left", "window_right")
 
     def __init__(self, tile_m: int, tile_n: int, has_right: bool, has_left: bool,
-                 window_left: Int32, window_right: Int32, row_shift: Int32 = None):
+                 window_left: Int32, window_right: Int32):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.has_right = has_right
         self.has_left = has_left
         self.window_left = window_left
         self.window_right = window_right
-        self.row_shift = row_shift
-        if row_shift is not None:
-            self._dynamic = BlockRange._dynamic + ("row_shift",)
-
-    def first_row(self, m_block: Int32):
-        """The tile's first row (negative for an end-aligned partial first tile)."""
-        if cutlass.const_expr(self.row_shift is None):
-            return m_block * self.tile_m
-        return m_block * self.tile_m - self.row_shift
-
-    def end_row(self, m_block: Int32):
-        """One past the tile's last row."""
-        if cutlass.const_expr(self.row_shift is None):
-            return (m_block + 1) * self.tile_m
-        return self.first_row(m_block) + self.tile_m
 
     @cute.jit
     def n_block_min_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         """[n_min, n_max) of key blocks holding any key visible to some row of the tile."""
         n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
         if cutlass.const_expr(self.has_right):
-            last_row = cutlass.min(self.end_row(m_block), seqlen_q) - 1
+            last_row = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
             # columns <= last_row + right are visible; a negative bound means no block.
             lim = cutlass.max(last_row + self.window_right + 1, 0)
             n_max = cutlass.min(n_max, (lim + self.tile_n - 1) // self.tile_n)
         n_min = Int32(0)
         if cutlass.const_expr(self.has_left):
-            first_col = cutlass.max(self.first_row(m_block) - self.window_left, 0)
+            first_col = cutlass.max(m_block * self.tile_m - self.window_left, 0)
             n_min = first_col // self.tile_n
         return n_min, n_max
 
@@ -75,7 +57,7 @@ class BlockRange(Carried):
         of every row's right bound."""
         r = n_min
         if cutlass.const_expr(self.has_right):
-            first_row = self.first_row(m_block)
+            first_row = m_block * self.tile_m
             lim = cutlass.max(first_row + self.window_right + 1, 0)
             r = cutlass.max(n_min, lim // self.tile_n)
         return r
@@ -85,7 +67,7 @@ class BlockRange(Carried):
         """Blocks >= this are fully right of every row's left bound (no left mask needed)."""
         r = n_min
         if cutlass.const_expr(self.has_left):
-            last_row = self.end_row(m_block) - 1
+            last_row = (m_block + 1) * self.tile_m - 1
             need = cutlass.max(last_row - self.window_left, 0)
             r = cutlass.max(n_min, (need + self.tile_n - 1) // self.tile_n)
         return r
@@ -121,16 +103,15 @@ class TileCoords(Carried):
 
 
 @cute.jit
-def apply_mask(acc_s: cute.Tensor, coords: TileCoords, row_start: Int32, n_block: Int32,
-               tile_n: cutlass.Constexpr[int],
+def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: Int32,
+               tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
                seqlen_k: Int32, window_left: Int32, window_right: Int32,
                mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                mask_left: cutlass.Constexpr[bool], by_select: cutlass.Constexpr[bool] = False):
     """Set invisible scores of one (tile_m x tile_n) block to -inf.
 
-    ``row_start`` is the tile's first row (`BlockRange.first_row`). Columns are compared as
-    compile-time offsets against per-row limits shifted by the thread's base column, so the
-    inner loop is one compare + select per register.
+    Columns are compared as compile-time offsets against per-row limits shifted by the thread's
+    base column, so the inner loop is one compare + select per register.
 
     by_select: write every register through one select instead of a conditional store. The
     conditional stores (one runtime ``if`` each) reach PTX as a cascade of selects that re-pick
@@ -142,11 +123,11 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, row_start: Int32, n_block
     t0 = coords.t0
     col0 = n_block * tile_n + coords.base_col
     if cutlass.const_expr(by_select):
-        _mask_by_select(s, t0, row_start + coords.base_row - col0, seqlen_k - col0,
+        _mask_by_select(s, t0, m_block * tile_m + coords.base_row - col0, seqlen_k - col0,
                         window_left, window_right, tile_n, mask_seqlen, mask_right, mask_left)
         return
     for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-        row = row_start + coords.row(r)
+        row = m_block * tile_m + coords.row(r)
         # Visible offsets (relative to this thread's first column) are [lo, hi).
         hi = Int32(tile_n)
         if cutlass.const_expr(mask_seqlen):
