@@ -180,3 +180,22 @@ def test_forward_fresh_s_wide_tiles_checked():
     for name, kw in devrun.VARIANTS.items():
         if kw.get("fresh_s"):
             assert (kw["head_dim"], kw["tile_n"], kw.get("is_causal", False)) in checked, name
+
+
+def test_forward_192_rows_persistent_is_gated_until_checked(monkeypatch):
+    """192-row tiles on the persistent loop (ptxas-clean, no GPU run yet) are refused by the
+    gate and never picked; devrun has check cases and a bench column for them."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import schedule_for
+    cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True)
+    assert cfg.unverified() == ("tile_m 192 with persistent",)
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tile_m 192 with persistent"):
+        verified.require_verified(cfg, "forward")
+    for s in (128, 1024, 4096, 16384):
+        for c in (False, True):
+            sched = schedule_for(64, s, c)
+            assert not (sched.get("tile_m") == 192 and sched.get("persistent"))
+    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_m") == 192 and kw.get("persistent")]
+    assert any(kw.get("is_causal") for kw in cases) and any(not kw.get("is_causal") for kw in cases)
+    assert devrun.VARIANTS["m192_ps"] == dict(head_dim=64, tile_m=192, persistent=True)

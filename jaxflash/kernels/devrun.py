@@ -154,6 +154,12 @@ CHECKS = [
     ("fp16 h128 persist2 seqlens", dict(dtype="float16", head_dim=128, persistent=True,
                                         tile_pipe=True, has_q_seqlen=True, has_kv_seqlen=True),
      (3, 1000, 1000, 8, 2, {"q_seqlen": [1000, 131, 17], "kv_seqlen": [1000, 0, 255]})),
+    # 192-row tiles on the persistent loop (hd 64; ptxas-clean, never run on a GPU): more
+    # tiles than CTAs (6 x 24 / 6 x 64 heads), T not a multiple of 192, GQA, causal, lengths.
+    ("bf16 h64 m192 persistent dense gqa", dict(head_dim=64, tile_m=192, persistent=True),
+     (4, 1000, 1100, 12, 4, {})),
+    ("bf16 h64 m192 persistent causal", dict(head_dim=64, tile_m=192, persistent=True,
+                                             is_causal=True), (8, 1000, 1000, 8, 8, {})),
 ]
 
 BENCH_DIMS = (64, 128, 256)
@@ -177,6 +183,9 @@ BENCH_S = (1024, 4096, 16384)
 VARIANTS = {"persistent": dict(persistent=True),
             "persist2": dict(persistent=True, tile_pipe=True),
             "m192_ov": dict(tile_m=192, intra_wg_overlap=True),
+            # hd 64's 192-row tile on the persistent loop (S = 1k is where hd 64 still trails
+            # cuDNN: 0.78-0.88x; persistent helped the 128-row tile there)
+            "m192_ps": dict(head_dim=64, tile_m=192, persistent=True),
             "n160": dict(head_dim=128, tile_n=160, fresh_s=True),
             "n192": dict(head_dim=64, tile_n=192, fresh_s=True),
             "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True)}
