@@ -59,10 +59,22 @@ def collect():
         "tokamax": _dist_version("tokamax"),
         "python": platform.python_version(),
         "jaxflash": jaxflash.__version__,
-        # The device machine gets a copy of the tree without .git: pass BENCH_COMMIT there.
-        "commit": os.environ.get("BENCH_COMMIT") or _run(["git", "rev-parse", "--short=12",
-                                                          "HEAD"], cwd=here),
+        # The device machine's copy of the tree has no current .git (a stale one there named
+        # a days-old commit on 2026-12-01): BENCH_COMMIT, else the commit `prepare.sh` recorded
+        # beside the artifacts it built, else git.
+        "commit": (os.environ.get("BENCH_COMMIT") or _prepared_commit(here)
+                   or _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here)),
     }
+
+
+def _prepared_commit(here):
+    """The commit (+ "-dirty") `benchmarks/device/prepare.sh` wrote to .device/COMMIT."""
+    path = os.path.join(here, "..", ".device", "COMMIT")
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def matmul_ceiling(n=8192, reps=10):

@@ -11,6 +11,8 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 export CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD
 bash ../shared/device/pack_runtime.sh .device "$PY"
+# the commit the artifacts are built from: results files name it (benchmarks/envinfo.py)
+echo "$(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- jaxflash || echo -dirty)" > .device/COMMIT
 "$PY" -m jaxflash.kernels.devrun build --out .device/kernels
 "$PY" -m jaxflash.kernels.bwd_devrun build --out .device/kernels
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
