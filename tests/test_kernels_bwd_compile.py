@@ -93,6 +93,12 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_arrive=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, deterministic=True,
               dq_arrive=True),
+    # dq_chunks (opt-in, unverified): hd 256's dQ flushed in 4 rounds -> 2 Q / dO stages
+    BwdConfig(dtype="bfloat16", head_dim=256, dq_chunks=4),
+    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True, has_softcap=True,
+              has_q_seqlen=True, has_kv_seqlen=True, dq_chunks=4),
+    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
+              has_kv_seqlen=True, deterministic=True, dq_chunks=4),
 ]
 
 
@@ -164,7 +170,12 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),
-                    (dict(head_dim=96, dq_arrive=True, dq_accum="red"), "dq_arrive needs")]:
+                    (dict(head_dim=96, dq_arrive=True, dq_accum="red"), "dq_arrive needs"),
+                    (dict(head_dim=128, dq_chunks=4), "dq_chunks needs"),
+                    (dict(head_dim=256, dq_chunks=4, dq_accum="red"), "dq_chunks needs"),
+                    (dict(head_dim=192, dq_chunks=2), "multiple of 32"),
+                    (dict(head_dim=256, dq_chunks=3), "dq_chunks 3"),
+                    (dict(head_dim=256, dq_chunks=2, num_stages=2), "shared memory")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,

@@ -122,6 +122,25 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
 
 
+def test_backward_dq_chunks_gated_checked_and_benched(monkeypatch):
+    """dq_chunks (compiled 2026-12-01, no GPU run yet): 4 rounds give hd 256 a second Q / dO
+    stage; refused by the gate, run by the "dqc4" check cases and the "dq4s2" bench column."""
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=256, dq_chunks=4)
+    assert cfg.num_stages == 2 and BwdConfig(head_dim=256).num_stages == 1
+    assert cfg.check()[0] and cfg.unverified() == ("dq_chunks",)
+    assert "_dqc4" in cfg.key and "dqc" not in BwdConfig(head_dim=256).key
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="dq_chunks"):
+        verified.require_verified(cfg, "backward")
+    cases = [(n, kw) for n, kw, _ in bwd_devrun.CHECKS if kw.get("dq_chunks")]
+    assert len(cases) >= 8 and all(kw["head_dim"] == 256 for _, kw in cases)
+    assert any(kw.get("deterministic") for _, kw in cases)
+    assert bwd_devrun.BENCH_VARIANTS[256]["dq4s2"] == dict(dq_chunks=4, num_stages=2)
+    assert {(256, s, c) for s in (1024, 4096, 16384) for c in (False, True)} <= \
+        bwd_devrun.VARIANT_POINTS
+
+
 def test_forward_tile_pipe_checked():
     """The persistent forward's tile pipe passed its device checks (2026-12-01): not gated;
     its check cases (every head dim, causal, fp16 lengths) and bench column stay."""

@@ -12,7 +12,7 @@ warpgroup: they run `hopper_bwd_wide` instead (``split == "headdim"``): ``tile_n
 the two warpgroups split the head dim of dK, dV and dQ (hd/4 + hd/4 floats + hd/4 for dQ per
 thread, P^T / dS^T through shared memory). Its shared memory: at hd 256 the float32 dQ tile
 (64 KB, dq_accum="tma") leaves room for one Q / dO stage (``num_stages`` defaults to the most,
-up to 2, that fits); "red" fits 2 stages.
+up to 2, that fits); "red" fits 2 stages, and so does "tma" with ``dq_chunks=4`` (opt-in).
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
 (tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),
@@ -90,6 +90,14 @@ class BwdConfig:
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
+    dq_chunks: (head-dim split kernel, dq_accum "tma") stage the float32 dQ tile through shared
+      memory in this many rounds instead of one: each round, each warpgroup stores the next
+      hd / (2 dq_chunks) columns of its dQ half, and warp 4 reduce-adds the two 64-row boxes
+      (then waits until the TMA has *read* the buffer before the next round overwrites it).
+      The staging buffer shrinks to 1 / dq_chunks, which at hd 256 (4 chunks: 16 KB instead of
+      64) makes room for a second Q / dO stage (226 of 227 KB): the next step's loads no
+      longer wait for this step's release. Chunks must be whole 128 B float32 rows (32
+      columns): hd 256 only (hd 192 already has 2 stages). Unverified.
     """
 
     dtype: str = "bfloat16"
@@ -110,6 +118,7 @@ class BwdConfig:
     overlap_dq: bool = False
     early_dv: bool = False
     dq_arrive: bool = False
+    dq_chunks: int = 1
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -167,6 +176,16 @@ class BwdConfig:
         if self.dq_arrive and self.deterministic and self.head_dim > 96:
             return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
                            "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
+        if self.dq_chunks != 1:
+            if self.dq_chunks not in (2, 4):
+                return False, f"dq_chunks {self.dq_chunks} not in (1, 2, 4)"
+            if self.split != "headdim" or self.dq_accum != "tma":
+                return False, ("dq_chunks needs dq_accum='tma' and the head-dim-split kernel "
+                               "(hd 192 / 256)")
+            if (self.head_dim // 2 // self.dq_chunks) % 32:
+                return False, (f"dq_chunks {self.dq_chunks} at head_dim {self.head_dim}: a "
+                               "warpgroup's chunk must be a multiple of 32 float32 columns "
+                               "(whole 128 B swizzle rows)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -204,7 +223,7 @@ class BwdConfig:
             # P^T and dS^T; 2 buffers with "red" (no per-step barrier then guards their reuse)
             ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.tile_m * 4
-        dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
+        dq = self.tile_m * self.head_dim * 4 // self.dq_chunks if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
 
     def unverified(self) -> tuple[str, ...]:
@@ -226,6 +245,8 @@ class BwdConfig:
             pending.append("overlap_dq with tile_m 128")
         if self.dq_arrive:
             pending.append("dq_arrive")
+        if self.dq_chunks != 1:
+            pending.append("dq_chunks")
         return tuple(pending)
 
     @property
@@ -248,6 +269,7 @@ class BwdConfig:
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
+                f"{f'_dqc{self.dq_chunks}' if self.dq_chunks != 1 else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 
