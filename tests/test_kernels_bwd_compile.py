@@ -99,6 +99,11 @@ MATRIX = [
               has_q_seqlen=True, has_kv_seqlen=True, dq_chunks=4),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
               has_kv_seqlen=True, deterministic=True, dq_chunks=4),
+    # ... in 8 rounds through two alternating buffers (one barrier per round)
+    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True, has_softcap=True,
+              has_q_seqlen=True, has_kv_seqlen=True, dq_chunks=8),
+    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, deterministic=True,
+              dq_chunks=8),
 ]
 
 
@@ -173,7 +178,7 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=96, dq_arrive=True, dq_accum="red"), "dq_arrive needs"),
                     (dict(head_dim=128, dq_chunks=4), "dq_chunks needs"),
                     (dict(head_dim=256, dq_chunks=4, dq_accum="red"), "dq_chunks needs"),
-                    (dict(head_dim=192, dq_chunks=2), "multiple of 32"),
+                    (dict(head_dim=192, dq_chunks=2), "hd 256 only"),
                     (dict(head_dim=256, dq_chunks=3), "dq_chunks 3"),
                     (dict(head_dim=256, dq_chunks=2, num_stages=2), "shared memory")]:
         with pytest.raises(ValueError, match=why):

@@ -123,8 +123,9 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
 
 
 def test_backward_dq_chunks_gated_checked_and_benched(monkeypatch):
-    """dq_chunks (compiled 2026-12-01, no GPU run yet): 4 rounds give hd 256 a second Q / dO
-    stage; refused by the gate, run by the "dqc4" check cases and the "dq4s2" bench column."""
+    """dq_chunks (compiled 2026-12-01, no GPU run yet): 4 or 8 rounds give hd 256 a second
+    Q / dO stage; refused by the gate, run by the "dqc4" / "dqc8" check cases and the "dq4s2" /
+    "dq8s2" bench columns."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=256, dq_chunks=4)
     assert cfg.num_stages == 2 and BwdConfig(head_dim=256).num_stages == 1
@@ -137,6 +138,9 @@ def test_backward_dq_chunks_gated_checked_and_benched(monkeypatch):
     assert len(cases) >= 8 and all(kw["head_dim"] == 256 for _, kw in cases)
     assert any(kw.get("deterministic") for _, kw in cases)
     assert bwd_devrun.BENCH_VARIANTS[256]["dq4s2"] == dict(dq_chunks=4, num_stages=2)
+    assert bwd_devrun.BENCH_VARIANTS[256]["dq8s2"] == dict(dq_chunks=8, num_stages=2)
+    assert BwdConfig(head_dim=256, dq_chunks=8).unverified() == ("dq_chunks",)
+    assert {kw["dq_chunks"] for _, kw in cases} == {4, 8}
     assert {(256, s, c) for s in (1024, 4096, 16384) for c in (False, True)} <= \
         bwd_devrun.VARIANT_POINTS
 

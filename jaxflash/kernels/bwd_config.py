@@ -96,8 +96,11 @@ class BwdConfig:
       (then waits until the TMA has *read* the buffer before the next round overwrites it).
       The staging buffer shrinks to 1 / dq_chunks, which at hd 256 (4 chunks: 16 KB instead of
       64) makes room for a second Q / dO stage (226 of 227 KB): the next step's loads no
-      longer wait for this step's release. Chunks must be whole 128 B float32 rows (32
-      columns): hd 256 only (hd 192 already has 2 stages). Unverified.
+      longer wait for this step's release. 8 chunks: rounds of 16 columns per warpgroup in
+      two alternating 8 KB buffers (the same 16 KB), so a round's stores overlap the TMA's
+      read of the previous round and each round needs one barrier instead of two. hd 256
+      only: hd 192 has 2 stages without chunks, and 2 chunks do not make room for a third.
+      Unverified.
     """
 
     dtype: str = "bfloat16"
@@ -177,15 +180,14 @@ class BwdConfig:
             return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
                            "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
         if self.dq_chunks != 1:
-            if self.dq_chunks not in (2, 4):
-                return False, f"dq_chunks {self.dq_chunks} not in (1, 2, 4)"
+            if self.dq_chunks not in (2, 4, 8):
+                return False, f"dq_chunks {self.dq_chunks} not in (1, 2, 4, 8)"
             if self.split != "headdim" or self.dq_accum != "tma":
                 return False, ("dq_chunks needs dq_accum='tma' and the head-dim-split kernel "
-                               "(hd 192 / 256)")
-            if (self.head_dim // 2 // self.dq_chunks) % 32:
-                return False, (f"dq_chunks {self.dq_chunks} at head_dim {self.head_dim}: a "
-                               "warpgroup's chunk must be a multiple of 32 float32 columns "
-                               "(whole 128 B swizzle rows)")
+                               "(hd 256)")
+            if self.head_dim != 256:
+                return False, (f"dq_chunks at head_dim {self.head_dim}: hd 256 only (hd 192 "
+                               "has 2 Q / dO stages without it and no room for a third)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -224,6 +226,7 @@ class BwdConfig:
             ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.tile_m * 4
         dq = self.tile_m * self.head_dim * 4 // self.dq_chunks if self.dq_accum == "tma" else 0
+        dq *= self.dq_chunk_bufs
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
 
     def unverified(self) -> tuple[str, ...]:
@@ -254,6 +257,11 @@ class BwdConfig:
         """How the two consumer warpgroups share the work: "keys" (64 key rows each, hd <= 128)
         or "headdim" (hd / 2 columns of dK, dV and dQ each, hd 192 / 256)."""
         return "keys" if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM else "headdim"
+
+    @property
+    def dq_chunk_bufs(self) -> int:
+        """Staging buffers of a chunked dQ flush: 2 (alternating) at 8 chunks, else 1."""
+        return 2 if self.dq_chunks == 8 else 1
 
     @property
     def num_mma_warpgroups(self) -> int:

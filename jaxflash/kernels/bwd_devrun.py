@@ -273,6 +273,24 @@ CHECKS = [
      (1, 2048, 2048, 4, 4, {"cudnn": True})),
     ("bf16 h256 dqc4 causal gqa 2k", dict(head_dim=256, is_causal=True, dq_chunks=4),
      (1, 2048, 2048, 8, 2, {})),
+    # ... in 8 rounds through two alternating 8 KB buffers (dq_chunks=8)
+    ("bf16 h256 dqc8 dense odd gqa", dict(head_dim=256, dq_chunks=8),
+     (2, 300, 333, 8, 2, {"cudnn": True})),
+    ("bf16 h256 dqc8 causal gqa T<S", dict(head_dim=256, is_causal=True, dq_chunks=8),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h256 dqc8 causal T>S", dict(head_dim=256, is_causal=True, dq_chunks=8),
+     (1, 400, 150, 2, 2, {})),
+    ("bf16 h256 dqc8 window", dict(head_dim=256, has_window=True, dq_chunks=8),
+     (2, 400, 400, 4, 2, {"window": (100, 37)})),
+    ("bf16 h256 dqc8 seqlens empty rows", dict(head_dim=256, has_q_seqlen=True,
+                                               has_kv_seqlen=True, dq_chunks=8),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("fp16 h256 dqc8 window softcap kvlen", dict(dtype="float16", head_dim=256,
+                                                 has_window=True, has_softcap=True,
+                                                 has_kv_seqlen=True, dq_chunks=8),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "softcap": 5.0, "kv_seqlen": [270, 100]})),
+    ("bf16 h256 dqc8 causal gqa 2k", dict(head_dim=256, is_causal=True, dq_chunks=8),
+     (1, 2048, 2048, 8, 2, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -302,6 +320,9 @@ CHECKS = [
                                                        has_kv_seqlen=True, deterministic=True,
                                                        dq_chunks=4),
      (2, 700, 600, 4, 1, {"window": (150, 20), "kv_seqlen": [600, 333]})),
+    ("bf16 h256 dqc8 deterministic causal gqa", dict(head_dim=256, is_causal=True,
+                                                     deterministic=True, dq_chunks=8),
+     (2, 500, 700, 8, 2, {})),
 ]
 # `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
 DETERMINISM = [
@@ -325,7 +346,7 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
               (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)}
 # Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
 # kwargs, per head dim; at VARIANT_POINTS (~34 timed calls, ~50 s of device time, before the
-# hd 256 columns: 12 more calls at its 6 points).
+# hd 256 columns: 18 more calls at its 6 points).
 # hd 64's default is tile_m 128 since 2026-12-01 (`choose.tile_m_for`): "m64" times the
 # 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
 # column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
@@ -341,8 +362,10 @@ BENCH_VARIANTS = {
          "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
     128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True)},
     # hd 256: the dQ flush in 4 rounds with 2 Q / dO stages (the suspected win) and with 1
-    # (what the rounds alone cost, beside the default's 1 stage); unverified until checked.
-    256: {"dq4s2": dict(dq_chunks=4, num_stages=2), "dq4s1": dict(dq_chunks=4, num_stages=1)},
+    # (what the rounds alone cost, beside the default's 1 stage), and in 8 double-buffered
+    # rounds with 2 stages; unverified until checked.
+    256: {"dq4s2": dict(dq_chunks=4, num_stages=2), "dq4s1": dict(dq_chunks=4, num_stages=1),
+          "dq8s2": dict(dq_chunks=8, num_stages=2)},
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
                   (64, 16384, True),

@@ -103,9 +103,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half)
         if self.cfg.dq_chunks > 1:
-            # One round's staging buffer: a tile_m x chunk-columns tile per warpgroup.
+            # A round's staging buffer: a tile_m x chunk-columns tile per warpgroup (index
+            # buffer * warpgroups + warpgroup).
             sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.dq_chunk_cols,
-                                             self.num_mma_wg)
+                                             self.num_mma_wg * self.cfg.dq_chunk_bufs)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
 
@@ -216,7 +217,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                         sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)
 
     def dq_chunk_tiles(self, sdQ, tidx, wg):
-        """(this thread's partition of its warpgroup's staging buffer, a register fragment of
+        """(this thread's partitions of its warpgroup's staging buffers, a register fragment of
         one round's values) for `flush_dq_chunks`: the m64n{chunk} accumulator layout of the
         same wgmma atom, so a round's values are a contiguous run of acc_dQ (its column blocks
         of 8 are the outermost value mode)."""
@@ -226,7 +227,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             tiler_mn=(self.tile_m, self.dq_chunk_cols))
         thr = tiled.get_slice(tidx % 128)
         frag = thr.make_fragment_C(thr.partition_shape_C((self.tile_m, self.dq_chunk_cols)))
-        return thr.partition_C(sdQ[None, None, wg]), frag
+        parts = [thr.partition_C(sdQ[None, None, b * self.num_mma_wg + wg])
+                 for b in range(self.cfg.dq_chunk_bufs)]
+        return parts, frag
 
     @cute.jit
     def flush_dq_chunks(self, mdQ, sdQ, chunk, tma_dQ, acc_dQ, m_block: Int32, head: Int32,
@@ -234,35 +237,42 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                         mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
         """`flush_dq` in ``dq_chunks`` rounds (`BwdConfig.dq_chunks`): each warpgroup stores
         the round's columns of its dQ half into its staging buffer, then warp 4 reduce-adds
-        both (two TMA boxes) and, before the next round overwrites them, waits until the TMA
-        has read them (not for the adds to land: those overlap the next round). Round 0's
-        barrier is the full-sync _BAR_DQ of the one-round flush (the P^T / dS^T reuse relies on
-        it); its buffer is free as there (warp 4 waited for the reads before _BAR_DS). With
-        deterministic, the whole block's rounds sit inside the semaphore's turn."""
+        both (two TMA boxes). A buffer is rewritten only after warp 4 saw the TMA *read* it
+        (not the adds land: those overlap the next rounds) and a barrier told the others: with
+        one buffer, before each round's stores (two barriers per round); with two alternating
+        buffers, warp 4 waits for round c - 1's read just before round c's barrier, which then
+        also frees round c + 1's buffer (one barrier per round; round c's stores overlap round
+        c - 1's read). Round 0's barrier is the full-sync _BAR_DQ of the one-round flush (the
+        P^T / dS^T reuse relies on it); every buffer is free at round 0 (warp 4 waited for all
+        reads before _BAR_DS). With deterministic, all of the block's rounds sit inside the
+        semaphore's turn."""
         tdQsdQ, rdQ = chunk
         n = cute.size(rdQ)
         wgs = self.num_mma_wg
-        chunks = self.cfg.dq_chunks
+        chunks, bufs = self.cfg.dq_chunks, self.cfg.dq_chunk_bufs
         gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.dq_chunk_cols),
                               (m_block, None))
         sem = None
         if const_expr(self.cfg.deterministic):
             sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
         for c in cutlass.range_constexpr(chunks):
-            if const_expr(c > 0):
+            if const_expr(c > 0 and bufs == 1):
                 if warp_idx == 4:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
             for i in cutlass.range_constexpr(n):
                 rdQ[i] = acc_dQ[c * n + i]
-            tdQsdQ.store(rdQ.load())
+            tdQsdQ[c % bufs].store(rdQ.load())
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
+            if const_expr(c > 0 and bufs == 2):
+                if warp_idx == 4:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # round c - 1 read
             cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
             if warp_idx == 4:
                 if const_expr(self.cfg.deterministic and c == 0):
                     self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
                 for w in cutlass.range_constexpr(wgs):
-                    tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ[None, None, w],
+                    tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ[None, None, (c % bufs) * wgs + w],
                                                  gdQ[None, None, w * chunks + c])
                     cute.copy(tma_dQ, tQs, tQg)  # rows past T clipped by the TMA unit
                 cute.arch.cp_async_bulk_commit_group()
