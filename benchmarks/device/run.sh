@@ -8,6 +8,7 @@
 # Measured 2026-12-01: "checks lm" 510 s in one call (53 bwd cases then; 69 now); "grid" 443 s; bwd kbench 92 s, fwd 42 s;
 # sanitize with 3 cases ~40 s.
 #   grid    the anchor grid, every implementation, fwd and fwd+bwd  (~9 min: a call of its own)
+#   gridcc  the same grid, ours and cuDNN only                        (~2.5 min)
 #   kbench  kernel-level fwd and bwd timings beside cuDNN                (~4 min)
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
@@ -21,8 +22,9 @@ D=$(date -u +%F)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in "$@"; do case $stage in
 checks)
-  # backward cases never yet run on a GPU first (NEW_RE: tile_m 128 since 2026-12-01), then the rest
-  NEW_RE=${NEW_RE:-m128}
+  # backward cases never yet run on a GPU first (NEW_RE: the D=256 dq_chunks cases since
+  # 2026-12-01 11:00 UTC), then the rest
+  NEW_RE=${NEW_RE:-dqc}
   NEW=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if re.search('$NEW_RE', n)))")
   timeout 180 python3 -m jaxflash.kernels.bwd_devrun check --cases "$NEW" --out $OUT/cute-bwd-check-new-$D.json 2>&1 | tail -40
   OLD=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if not re.search('$NEW_RE', n)))")
@@ -40,6 +42,9 @@ api)
 lm)
   timeout 330 python3 -m examples.lm.compare --out $OUT/lm --baseline-runs 2 --candidate cute \
     --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
+gridcc)
+  # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
+  timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;
 grid)
   # alone in its call: 2026-12-01 with --budget-s 430 left three D=256 fwd+bwd points unmeasured
   timeout 585 python3 -m benchmarks.bench --out $OUT --name h200-$D --budget-s 530 --stall-s 120 2>&1 | tail -40 ;;
