@@ -81,6 +81,17 @@ def rel_l2(x, ref):
     return float(np.linalg.norm((x - ref).ravel()) / max(denom, 1e-30))
 
 
+def assert_sum_close(x, ref, terms, tol, what=""):
+    """A scalar that sums `terms` (of both signs, e.g. a loss sum(out * w)) against its
+    reference. Its own relative error is unbounded when the terms cancel, and partial sums
+    added in another order (sharded, ring) round differently: bound the difference by tol
+    times the sum of the terms' magnitudes instead."""
+    x, ref = float(jnp.asarray(x, jnp.float32)), float(jnp.asarray(ref, jnp.float32))
+    assert np.isfinite(x), f"{what}: {x}"
+    scale = float(jnp.sum(jnp.abs(jnp.asarray(terms, jnp.float32))))
+    assert abs(x - ref) <= tol * scale, f"{what}: |{x} - {ref}| > {tol:.1e} * {scale:.4g}"
+
+
 def assert_close(x, ref, tol, what=""):
     x = np.asarray(jnp.asarray(x, jnp.float32))
     ref = np.asarray(jnp.asarray(ref, jnp.float32))

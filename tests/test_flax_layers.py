@@ -13,7 +13,7 @@ from flax import linen, nnx
 
 import jaxflash
 import jaxflash.flax_layers as fl
-from tests.common import assert_close, fresh_key
+from tests.common import assert_close, assert_sum_close, fresh_key
 
 FWD, GRAD = 2e-5, 1e-4
 
@@ -383,7 +383,10 @@ def test_sharded_params_and_batch_match_unsharded():
         return nnx.value_and_grad(lambda m, x: jnp.sum(m(x) * w))(m, x)
 
     (l_s, g_s), (l_r, g_r) = step(model, xs), step(ref_model, x)
-    assert_close(l_s, l_r, FWD, "loss")
+    out_r = ref_model(x)
+    assert_close(model(xs), out_r, FWD, "output")
+    # A relative check of the loss itself failed at 1.5e-4 on 2026-12-01 (terms cancelling).
+    assert_sum_close(l_s, l_r, out_r * w, FWD, "loss")
     _tree_close(nnx.state(g_s, nnx.Param), nnx.state(g_r, nnx.Param), GRAD, "sharded grads")
     want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "model", None))
     assert g_s.query.kernel[...].sharding.is_equivalent_to(want, 3), "grads left the mesh layout"
