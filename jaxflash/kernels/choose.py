@@ -20,7 +20,7 @@ def forward_config(problem) -> FwdConfig:
         raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
                          f"heads {problem.num_heads}): nothing to launch")
     ok, why = fwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                            head_dim_v=problem.head_dim_v, features=problem.features())
+                                head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:
         raise ValueError(why)
     st = problem.statics
@@ -72,7 +72,7 @@ def backward_config(problem) -> BwdConfig:
                          f"kv_len {problem.kv_len}, heads {problem.num_heads})")
     st = problem.statics
     ok, why = bwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                            head_dim_v=problem.head_dim_v, features=problem.features())
+                                head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:
         raise ValueError(why)
     return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
