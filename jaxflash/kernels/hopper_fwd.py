@@ -49,6 +49,7 @@ from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.pipes import TmaPipelines
 from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
+from jaxflash.kernels.tile_handoff import announce_tile, make_tile_pipe, next_tile
 
 LOG2_E = math.log2(math.e)
 
@@ -271,13 +272,7 @@ class FlashFwdSm90:
         pipe_v = pipes.make(storage.mbar_v.data_ptr(), self.num_stages, self.v_bytes)
         pipe_tile = None
         if const_expr(self.tile_pipe):
-            # Written by one producer thread, read (then released) by every consumer thread.
-            pipe_tile = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=2,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                         self.num_mma_threads),
-                defer_sync=True)
+            pipe_tile = make_tile_pipe(storage.mbar_tile.data_ptr(), self.num_mma_threads)
         pipes.init_done()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -335,8 +330,8 @@ class FlashFwdSm90:
                     while tile < num_tiles:
                         m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks,
                                                                 mQ, mK)
-                        tile_state = self.announce_tile(pipe_tile, sTile, tile_state, m_block,
-                                                        head, batch)
+                        tile_state = announce_tile(pipe_tile, sTile, tile_state, m_block, head,
+                                                   batch)
                         q_state, kv_state = self.produce_at(
                             m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
                             blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
@@ -344,8 +339,7 @@ class FlashFwdSm90:
                         r += 1
                         tile = scheduler.tile_of_round(r, bid, grid)
                     # m_block -1: no more tiles (the consumers leave their loop).
-                    self.announce_tile(pipe_tile, sTile, tile_state, Int32(-1), Int32(0),
-                                       Int32(0))
+                    announce_tile(pipe_tile, sTile, tile_state, Int32(-1), Int32(0), Int32(0))
                 elif const_expr(self.persistent):
                     r = Int32(0)
                     tile = scheduler.tile_of_round(r, bid, grid)
@@ -377,14 +371,13 @@ class FlashFwdSm90:
             if const_expr(self.tile_pipe):
                 sTile = storage.tile_coords.get_tensor(cute.make_layout((4, 2)))
                 tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-                m_block, head, batch, tile_state = self.next_tile(pipe_tile, sTile, tile_state)
+                m_block, head, batch, tile_state = next_tile(pipe_tile, sTile, tile_state)
                 while m_block >= 0:
                     q_state, kv_state = self.consume_at(
                         m_block, head, batch, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs, segs,
                         q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
                         pre_scale, scale_log2, window_left, window_right, T)
-                    m_block, head, batch, tile_state = self.next_tile(pipe_tile, sTile,
-                                                                      tile_state)
+                    m_block, head, batch, tile_state = next_tile(pipe_tile, sTile, tile_state)
             elif const_expr(self.persistent):
                 r = Int32(0)
                 # Tiles of later rounds only grow (also in snake order): stop at the first
@@ -497,32 +490,6 @@ class FlashFwdSm90:
         if m_block * self.tile_m >= seqlen_q:
             n_max = n_min  # every row of the tile is past the query length: nothing to load
         return n_min, n_max, seqlen_q, seqlen_k
-
-    @cute.jit
-    def announce_tile(self, pipe_tile, sTile: cute.Tensor, state, m_block: Int32, head: Int32,
-                      batch: Int32):
-        """Producer (warp 0): publish a tile's coordinates in the next slot once the consumers
-        have read the slot's previous tile. Returns the advanced state."""
-        pipe_tile.producer_acquire(state)
-        with cute.arch.elect_one():
-            sTile[0, state.index] = m_block
-            sTile[1, state.index] = head
-            sTile[2, state.index] = batch
-            pipe_tile.producer_commit(state)  # release: the stores above are visible after it
-        state.advance()
-        return state
-
-    @cute.jit
-    def next_tile(self, pipe_tile, sTile: cute.Tensor, state):
-        """Consumers: (m_block, head, batch, advanced state) of the next tile (m_block -1:
-        none left)."""
-        pipe_tile.consumer_wait(state)
-        m_block = sTile[0, state.index]
-        head = sTile[1, state.index]
-        batch = sTile[2, state.index]
-        pipe_tile.consumer_release(state)
-        state.advance()
-        return m_block, head, batch, state
 
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
