@@ -86,7 +86,7 @@ MATRIX = [
               has_window=True, has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, overlap_dq=True, is_causal=True,
               deterministic=True),
-    # dq_arrive (opt-in, unverified): _BAR_DQ arrive-only for all but warp 4
+    # dq_arrive (opt-in, unverified): BAR_DQ arrive-only for all but warp 4
     BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, dq_arrive=True),
     BwdConfig(dtype="float16", head_dim=128, early_dv=True, is_causal=True, has_window=True,
               has_q_seqlen=True, has_kv_seqlen=True, dq_arrive=True),
@@ -133,7 +133,7 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
     assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
     assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
-    assert ("bar.arrive 3, 256" in ptx) == cfg.dq_arrive  # _BAR_DQ arrive-only
+    assert ("bar.arrive 3, 256" in ptx) == cfg.dq_arrive  # BAR_DQ arrive-only
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ("tanh.approx" in ptx) == cfg.has_softcap
     ordered = "ld.acquire.gpu.global" in ptx and "red.release.gpu.global.add" in ptx

@@ -76,7 +76,7 @@ class BwdConfig:
       dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes; 4 B with early_dv,
       still 4-16 B with the accumulator zeroing that cleans tile_m 128). With tile_m 128 (hd 64)
       the kernel zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified.
-    dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (_BAR_DQ) becomes arrive for
+    dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (BAR_DQ) becomes arrive for
       every consumer warp but warp 4 (which issues the reduce-add and still waits): a
       warpgroup goes on to its next step as soon as its own dQ half is stored, instead of both
       warpgroups meeting twice per step. Safe because the next writes of what the barrier
@@ -174,7 +174,7 @@ class BwdConfig:
                                "key-split kernel only (hd <= 128)")
         if self.dq_arrive and (self.dq_accum != "tma" or self.split != "keys"):
             return False, ("dq_arrive needs dq_accum='tma' and the key-split kernel (hd <= 128; "
-                           "the wide kernel's single P^T / dS^T buffer relies on _BAR_DQ "
+                           "the wide kernel's single P^T / dS^T buffer relies on BAR_DQ "
                            "being a full sync)")
         if self.dq_arrive and self.deterministic and self.head_dim > 96:
             return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "

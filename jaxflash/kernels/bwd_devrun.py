@@ -223,7 +223,7 @@ CHECKS = [
      (3, 200, 260, 4, 4, {"q_seqlen": [200, 0, 77], "kv_seqlen": [1, 260, 130]})),
     ("bf16 h64 m128 ovl dense 2k", dict(head_dim=64, tile_m=128, overlap_dq=True),
      (1, 2048, 2048, 8, 8, {})),
-    # dq_arrive (opt-in, hd <= 128, unverified until these pass): _BAR_DQ arrive-only except
+    # dq_arrive (opt-in, hd <= 128, unverified until these pass): BAR_DQ arrive-only except
     # for warp 4, so the warpgroups drift apart by up to a step. Many query blocks per key
     # block (long T) and GQA let them drift; odd T / S, causal T < S and T > S, windows,
     # lengths with empty rows, fp16, hd 64 at tile_m 128 and with overlap_dq.

@@ -73,6 +73,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, BwdConfig
+from jaxflash.kernels.dq_accum import DqAccumulation
 from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords,
                                    alibi_distance_dot, apply_alibi, apply_mask_kq,
@@ -81,17 +82,16 @@ from jaxflash.kernels.pipes import TmaPipelines
 
 LOG2_E = math.log2(math.e)
 
-# Named barrier ids (0 is __syncthreads).
+# Named barrier ids (0 is __syncthreads; 3 is `dq_accum.BAR_DQ`).
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
-_BAR_DQ = 3  # the step's dQ tile is in shared memory: the TMA reduce may read it
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _ZERO_THREADS = 256
 _ZERO_PER_THREAD = 4
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(DqAccumulation):
     """Hopper backward attention kernel for one `BwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), the bridge's order (see `bwd_launch`): q, k, v, do,
@@ -676,41 +676,6 @@ class FlashBwdSm90:
                 tdSsdS, tdQsdQ)
 
     @cute.jit
-    def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
-                 m_block: Int32, head: Int32, batch: Int32, n_block: Int32, T: Int32,
-                 warp_idx: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
-        """Add one step's dQ partial (acc_dQ, complete) to the float32 accumulator in global
-        memory: through sdQ and one TMA reduce-add issued by warp 4, or per-element atomics.
-        sdQ must be free: warp 4 waited for the previous reduce's reads before the last
-        _BAR_DS that every consumer thread passed since."""
-        if const_expr(self.dq_tma):
-            tdQsdQ.store(acc_dQ.load())
-            cute.arch.fence_view_async_shared()  # visible to the TMA unit
-            if const_expr(self.cfg.dq_arrive):
-                # Only warp 4 (the reduce's issuer) waits for the whole tile; see `BwdConfig`.
-                if warp_idx == 4:
-                    cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
-                else:
-                    cute.arch.barrier_arrive(barrier_id=_BAR_DQ,
-                                             number_of_threads=self.num_mma_threads)
-            else:
-                cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
-            if warp_idx == 4:
-                gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
-                                      (m_block, 0))
-                tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ, gdQ)
-                sem = None
-                if const_expr(self.cfg.deterministic):
-                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
-                    self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
-                cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T are
-                cute.arch.cp_async_bulk_commit_group()  # clipped by the TMA unit)
-                if const_expr(self.cfg.deterministic):
-                    self.pass_turn(sem)
-        else:
-            self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
-
-    @cute.jit
     def alibi_grad_step(self, acc_dS, coords: TileCoords, n_block: Int32, m_block: Int32,
                         m_last: Int32, head: Int32, batch: Int32, warp_idx: Int32,
                         mdAlibi: cute.Tensor, dslope: Float32):
@@ -725,27 +690,6 @@ class FlashBwdSm90:
                 mdAlibi[batch, head, n_block, warp_idx - 4] = total
             dslope = Float32(0.0)
         return dslope
-
-    @cute.jit
-    def wait_turn(self, sem, turn: Int32):
-        """Warp-wide: return once the semaphore equals `turn` (lane 0 spins on acquire loads),
-        with this warp's later TMA (async proxy) operations ordered after that load."""
-        if cute.arch.lane_idx() == 0:
-            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-            while seen != turn:
-                seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-        cute.arch.sync_warp()
-        cute.arch.fence_proxy("async.global")
-
-    @cute.jit
-    def pass_turn(self, sem):
-        """After this warp's reduce-add: wait for it to complete (writes done, not just the
-        smem read), order it before the release, and hand the query block to the next CTA."""
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
-        cute.arch.fence_proxy("async.global")
-        if cute.arch.lane_idx() == 0:
-            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-        cute.arch.sync_warp()
 
     @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,
@@ -800,18 +744,3 @@ class FlashBwdSm90:
                     t = cute.arch.fmax(tt[r, j], Float32(-1.0))  # masked: -inf -> factor 0
                     ds = ds * (Float32(1.0) - t * t)
                 dp[r, j] = ds
-
-    @cute.jit
-    def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,
-               batch: Int32, T: Int32):
-        """dQ_acc[m block rows] += acc_dQ, one red.global.add.f32 per element (rows past T
-        skipped)."""
-        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
-        g = layouts.acc_as_rows_cols(thr_dq.partition_C(gdQ))
-        a = layouts.acc_as_rows_cols(acc_dQ)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if m_block * self.tile_m + dq_coords.row(r) < T:
-                for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    ptr = g.iterator + cute.crd2idx((r, c), g.layout)
-                    cute.arch.red(ptr, a[r, c], op="add", dtype=Float32, sem="relaxed",
-                                  scope="gpu")

@@ -21,7 +21,7 @@ split the *head dim* instead:
   64 + 64 at hd 256), the 16 + 16 of S^T / dP^T, and dQ's hd/4 (64) once S^T / dP^T are dead.
 - Q / dO are released as soon as the dV and dK GEMMs are done (the dQ GEMM reads only dS^T and
   K), so the producer loads the next step during dQ and its flush (what makes one stage usable).
-- Buffer reuse: with dq_accum="tma" P^T / dS^T have one buffer: the flush's _BAR_DQ, which each
+- Buffer reuse: with dq_accum="tma" P^T / dS^T have one buffer: the flush's BAR_DQ, which each
   thread passes after its warpgroup's wait for all three GEMMs, proves the other warpgroup is
   done reading them before the next step overwrites them. With "red" there is no such barrier,
   so they have two buffers (a warpgroup can be at most one step ahead: _BAR_DS of step i+1
@@ -47,7 +47,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.hopper_bwd import _BAR_DQ, _BAR_DS, FlashBwdSm90
+from jaxflash.kernels.dq_accum import BAR_DQ, pass_turn, wait_turn
+from jaxflash.kernels.hopper_bwd import _BAR_DS, FlashBwdSm90
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 
 
@@ -242,7 +243,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         one buffer, before each round's stores (two barriers per round); with two alternating
         buffers, warp 4 waits for round c - 1's read just before round c's barrier, which then
         also frees round c + 1's buffer (one barrier per round; round c's stores overlap round
-        c - 1's read). Round 0's barrier is the full-sync _BAR_DQ of the one-round flush (the
+        c - 1's read). Round 0's barrier is the full-sync BAR_DQ of the one-round flush (the
         P^T / dS^T reuse relies on it); every buffer is free at round 0 (warp 4 waited for all
         reads before _BAR_DS). With deterministic, all of the block's rounds sit inside the
         semaphore's turn."""
@@ -259,7 +260,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             if const_expr(c > 0 and bufs == 1):
                 if warp_idx == 4:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
             for i in cutlass.range_constexpr(n):
                 rdQ[i] = acc_dQ[c * n + i]
             tdQsdQ[c % bufs].store(rdQ.load())
@@ -267,14 +268,14 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             if const_expr(c > 0 and bufs == 2):
                 if warp_idx == 4:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # round c - 1 read
-            cute.arch.barrier(barrier_id=_BAR_DQ, number_of_threads=self.num_mma_threads)
+            cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
             if warp_idx == 4:
                 if const_expr(self.cfg.deterministic and c == 0):
-                    self.wait_turn(sem, n_block - blocks.n_block_first(m_block))
+                    wait_turn(sem, n_block - blocks.n_block_first(m_block))
                 for w in cutlass.range_constexpr(wgs):
                     tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ[None, None, (c % bufs) * wgs + w],
                                                  gdQ[None, None, w * chunks + c])
                     cute.copy(tma_dQ, tQs, tQg)  # rows past T clipped by the TMA unit
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.cfg.deterministic and c == chunks - 1):
-                    self.pass_turn(sem)
+                    pass_turn(sem)

@@ -1,0 +1,99 @@
+"""How a backward step's dQ partial reaches the float32 dQ accumulator in global memory (other
+CTAs add to the same rows): staged in shared memory and added by one TMA reduce-add
+(``dq_accum="tma"``), or one red.global.add.f32 per element; with ``deterministic``, the
+reduce-adds into a query block take turns in key block order through a semaphore per (batch,
+head, query block) (see `hopper_bwd`'s docstring). Shared by both backward kernels
+(`hopper_bwd`, `hopper_bwd_wide`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from jaxflash.kernels import layouts
+from jaxflash.kernels.mask import QueryBlockRange, TileCoords
+
+# Named barrier id (the kernels' others are in `hopper_bwd`): the step's dQ tile is in shared
+# memory, the TMA reduce may read it.
+BAR_DQ = 3
+
+
+class DqAccumulation:
+    """Mixin of `FlashBwdSm90` (and so `FlashBwdSm90Wide`): reads the kernel's ``tile_m``,
+    ``hd``, ``dq_tma``, ``num_mma_threads`` and ``cfg``."""
+
+    @cute.jit
+    def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
+                 m_block: Int32, head: Int32, batch: Int32, n_block: Int32, T: Int32,
+                 warp_idx: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
+        """Add one step's dQ partial (acc_dQ, complete) to the float32 accumulator in global
+        memory: through sdQ and one TMA reduce-add issued by warp 4, or per-element atomics.
+        sdQ must be free: warp 4 waited for the previous reduce's reads before the last
+        _BAR_DS that every consumer thread passed since."""
+        if const_expr(self.dq_tma):
+            tdQsdQ.store(acc_dQ.load())
+            cute.arch.fence_view_async_shared()  # visible to the TMA unit
+            if const_expr(self.cfg.dq_arrive):
+                # Only warp 4 (the reduce's issuer) waits for the whole tile; see `BwdConfig`.
+                if warp_idx == 4:
+                    cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
+                else:
+                    cute.arch.barrier_arrive(barrier_id=BAR_DQ,
+                                             number_of_threads=self.num_mma_threads)
+            else:
+                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
+            if warp_idx == 4:
+                gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
+                                      (m_block, 0))
+                tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ, gdQ)
+                sem = None
+                if const_expr(self.cfg.deterministic):
+                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                    wait_turn(sem, n_block - blocks.n_block_first(m_block))
+                cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T are
+                cute.arch.cp_async_bulk_commit_group()  # clipped by the TMA unit)
+                if const_expr(self.cfg.deterministic):
+                    pass_turn(sem)
+        else:
+            self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+
+    @cute.jit
+    def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,
+               batch: Int32, T: Int32):
+        """dQ_acc[m block rows] += acc_dQ, one red.global.add.f32 per element (rows past T
+        skipped)."""
+        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
+        g = layouts.acc_as_rows_cols(thr_dq.partition_C(gdQ))
+        a = layouts.acc_as_rows_cols(acc_dQ)
+        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
+            if m_block * self.tile_m + dq_coords.row(r) < T:
+                for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
+                    ptr = g.iterator + cute.crd2idx((r, c), g.layout)
+                    cute.arch.red(ptr, a[r, c], op="add", dtype=Float32, sem="relaxed",
+                                  scope="gpu")
+
+
+@cute.jit
+def wait_turn(sem, turn: Int32):
+    """Warp-wide: return once the semaphore equals `turn` (lane 0 spins on acquire loads),
+    with this warp's later TMA (async proxy) operations ordered after that load."""
+    if cute.arch.lane_idx() == 0:
+        seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+        while seen != turn:
+            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
+    cute.arch.sync_warp()
+    cute.arch.fence_proxy("async.global")
+
+
+@cute.jit
+def pass_turn(sem):
+    """After this warp's reduce-add: wait for it to complete (writes done, not just the
+    smem read), order it before the release, and hand the query block to the next CTA."""
+    cute.arch.cp_async_bulk_wait_group(0, read=False)
+    cute.arch.fence_proxy("async.global")
+    if cute.arch.lane_idx() == 0:
+        cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+    cute.arch.sync_warp()
