@@ -230,19 +230,11 @@ class BwdConfig:
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
 
     def unverified(self) -> tuple[str, ...]:
-        """Features this variant uses that were compiled here but not yet checked against the
-        float64 reference on a GPU (`jaxflash.kernels.verified`: dispatch skips such variants
-        unless asked). None now: the H200 runs of 2026-11-30 (head dims 64-128), 2026-12-01
-        (FlashBwdSm90Wide at 192/256, ALiBi with d(slopes), segment ids; 54 cases,
-        `benchmarks/results/cute-bwd-check*-h200-2026-12-01.json`) and 2026-12-01 09:45 UTC
-        (tile_m 128: 16 cases incl. 2 deterministic, bitwise over 10 runs, sanitizer clean;
-        `cute-bwd-check-m128-h200-2026-12-01.json`) checked every feature but overlap_dq at
-        tile_m 128 and dq_arrive. Those two passed their 19 float64 checks on 2026-12-01
-        ~10:25 UTC (`cute-bwd-check-dqa-ovl-h200-2026-12-01.json`, deterministic ones too) and
-        dq_arrive's racecheck was clean, but its memcheck run crashed inside compute-sanitizer
-        (inconclusive) and neither beat the default beyond run-to-run noise (+-4%,
-        `cute-bwd-bench-dqa-h200-2026-12-01.json`): they stay listed (opt-in, off the
-        dispatch path) until a clean memcheck."""
+        """Features this variant uses that are not cleared for dispatch
+        (`jaxflash.kernels.verified`: refused unless asked; history and result files:
+        NOTES.md). overlap_dq at tile_m 128 and dq_arrive passed their float64 checks, but
+        dq_arrive's memcheck crashed inside compute-sanitizer and neither beat the default
+        beyond noise: listed until a clean memcheck. dq_chunks was never run on a GPU."""
         pending = []
         if self.overlap_dq and self.tile_m == 128:
             pending.append("overlap_dq with tile_m 128")

@@ -138,20 +138,10 @@ class FwdConfig:
         return True, ""
 
     def unverified(self) -> tuple[str, ...]:
-        """Features compiled here but not yet checked against the reference on a GPU
-        (`jaxflash.kernels.verified`). None now: the 192-row tile without intra-warpgroup
-        overlap passed its checks on the H200 on 2026-12-01 early, the 192-row tile WITH
-        overlap (fresh per-block S fragment, select-form mask) at 09:50 UTC the same day
-        (6 cases: dense GQA, causal, causal GQA T<S, fp16 lengths with an empty key length,
-        causal lengths, window + softcap; error / cuDNN's 0.998-1.000; sanitizer clean;
-        `benchmarks/results/cute-fwd-check-m192ov-h200-2026-12-01.json`), tile_pipe and the
-        fixed persistent loop at ~10:05 UTC (11 cases with more tiles than CTAs, hdim 64 / 128 /
-        256, dense / causal, GQA, fp16 lengths with an empty batch; error / cuDNN's
-        0.994-1.000; memcheck clean; `cute-fwd-check-persist-h200-2026-12-01.json`) and the
-        128-row ``fresh_s`` wide key tiles at ~10:25 UTC (hd 128 x 160, hd 64 x 192, hd 256
-        causal x 80: 8 cases, error / cuDNN's 0.996-1.005;
-        `cute-fwd-check-freshs-mend-h200-2026-12-01.json`). The 192-row tile on the persistent
-        loop (ptxas-clean, never run) is listed until its device checks pass."""
+        """Features compiled here but not yet checked against the float64 reference on a GPU
+        (`jaxflash.kernels.verified`: dispatch refuses them unless asked). Only the 192-row tile
+        on the persistent loop now (ptxas-clean, never run); every other feature passed its
+        device checks (history and result files: NOTES.md)."""
         if self.tile_m == 192 and self.persistent:
             return ("tile_m 192 with persistent",)
         return ()
