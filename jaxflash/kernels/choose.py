@@ -39,18 +39,25 @@ def forward_config(problem) -> FwdConfig:
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -> dict:
     """Schedule fields that beat the default where measured (H200, same process as cuDNN;
-    kernel benches `benchmarks/results/cute-fwd-bench-m192ov-h200-2026-12-01.json` and
-    `cute-fwd-bench-persist-h200-2026-12-01.json`, ratios to cuDNN, default -> picked):
+    kernel benches `benchmarks/results/cute-fwd-bench-{m192ov,persist,m192ps,ps2}-h200-2026-12-01.json`,
+    ratios to cuDNN, default -> picked):
 
-    - hdim 64: 192 query rows (three consumer warpgroups) WITH intra-warpgroup overlap, every
-      length, dense and causal: 1k 0.77 -> 0.90 dense, 0.67 -> 0.77 causal; 4k 0.93 -> 1.07,
-      0.90 -> 1.03; 16k 0.99 -> 1.16, 1.02 -> 1.21 (second run: 0.88 / 0.76 / 1.09 / 1.05 /
-      1.21 / 1.19). It beat the 192-row tile without overlap and persistent at 1k.
-    - hdim 128, S <= 1k: persistent, now that its wgmma are no longer serialized (the fix of
-      2026-12-01, NOTES.md "Persistent forward"): dense 0.95 -> 1.04, causal 0.85 -> 0.91.
-      At 16k it was +4% dense and -6% causal, at hdim 256 within noise: not picked there.
-    Three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs of that
-    day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal): dropped.
+    - hdim 64: 192 query rows (three consumer warpgroups) with intra-warpgroup overlap at every
+      length; on the persistent loop where the key loop is short (S <= 1k, and causal S <= 4k),
+      so a CTA's next tile's loads run under its current tile's epilogue. Two runs each
+      (12:20 / 12:30 UTC), 192 rows non-persistent -> persistent: 1k dense 0.88 / 0.87 -> 0.99 /
+      0.97, 1k causal 0.75 / 0.75 -> 0.87 / 0.88, 4k causal 1.02 / 1.01 -> 1.11 / 1.08; it lost
+      at 4k dense (1.13 -> 1.08) and 16k causal (1.15 -> 0.92). (Before: 192 rows beat 128 rows
+      at every length: 1k 0.77 -> 0.90 dense, 4k 0.93 -> 1.07, 16k 0.99 -> 1.16.)
+    - hdim 128, S <= 1k: persistent with the tile pipe (the producer hands tile coordinates to
+      the consumers): dense 0.91 -> 1.03 / 0.95, causal 0.84 -> 0.92 / 0.91 (12:20 / 12:30 UTC
+      runs); plain persistent was 0.01-0.03 behind the tile pipe in all four comparisons of the
+      day. At 16k persistent was +4% dense and -6% causal: not picked there.
+    - hdim 256 dense, S <= 4k: persistent: 1k 1.01 -> 1.08 and 1.14 -> 1.16, 4k 1.12 -> 1.22 and
+      1.14 -> 1.14 (two runs); 16k lost both times (1.21 -> 1.20, 1.15 -> 1.12), causal 1k
+      too (1.06 -> 1.00, 1.11 -> 1.06).
+    Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
+    of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
     Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
     and segment variants keep the default. Crossing a threshold picks another variant (one more
@@ -59,8 +66,11 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
     if not plain:
         return {}
     if head_dim == 64:
-        return {"tile_m": 192}
+        short = kv_len <= 1024 or (causal and kv_len <= 4096)
+        return {"tile_m": 192, "persistent": True} if short else {"tile_m": 192}
     if head_dim == 128 and kv_len <= 1024:
+        return {"persistent": True, "tile_pipe": True}
+    if head_dim == 256 and not causal and kv_len <= 4096:
         return {"persistent": True}
     return {}
 

@@ -160,6 +160,24 @@ CHECKS = [
      (4, 1000, 1100, 12, 4, {})),
     ("bf16 h64 m192 persistent causal", dict(head_dim=64, tile_m=192, persistent=True,
                                              is_causal=True), (8, 1000, 1000, 8, 8, {})),
+    # (the two above passed on the H200, 2026-12-01 12:20 UTC; m192_ps then won at hd 64
+    # S = 1k dense / causal and 4k causal.) Lengths (one key length 0, rows past q_seqlen),
+    # causal GQA with T < S, window + softcap in fp16, and the tile pipe on top.
+    ("fp16 h64 m192 persistent seqlens", dict(dtype="float16", head_dim=64, tile_m=192,
+                                              persistent=True, has_q_seqlen=True,
+                                              has_kv_seqlen=True),
+     (5, 1000, 1000, 8, 2, {"q_seqlen": [1000, 131, 17, 999, 500],
+                            "kv_seqlen": [1000, 0, 255, 999, 700]})),
+    ("bf16 h64 m192 persistent causal gqa T<S", dict(head_dim=64, tile_m=192, persistent=True,
+                                                     is_causal=True),
+     (6, 700, 1300, 12, 3, {})),
+    ("fp16 h64 m192 persistent window softcap", dict(dtype="float16", head_dim=64, tile_m=192,
+                                                     persistent=True, has_window=True,
+                                                     has_softcap=True),
+     (6, 1000, 1000, 8, 4, {"softcap": 30.0, "window": (200, 0)})),
+    ("bf16 h64 m192 persist2 causal", dict(head_dim=64, tile_m=192, persistent=True,
+                                           tile_pipe=True, is_causal=True),
+     (8, 1000, 1000, 8, 8, {})),
 ]
 
 BENCH_DIMS = (64, 128, 256)
@@ -186,6 +204,7 @@ VARIANTS = {"persistent": dict(persistent=True),
             # hd 64's 192-row tile on the persistent loop (S = 1k is where hd 64 still trails
             # cuDNN: 0.78-0.88x; persistent helped the 128-row tile there)
             "m192_ps": dict(head_dim=64, tile_m=192, persistent=True),
+            "m192_p2": dict(head_dim=64, tile_m=192, persistent=True, tile_pipe=True),
             "n160": dict(head_dim=128, tile_n=160, fresh_s=True),
             "n192": dict(head_dim=64, tile_n=192, fresh_s=True),
             "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True)}
