@@ -18,6 +18,7 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
+from jaxflash.kernels import verified  # noqa: E402
 from jaxflash.kernels.bwd_config import BwdConfig, can_implement  # noqa: E402
 from jaxflash.kernels.choose import backward_config as config_for  # noqa: E402
 from tests.common import ptxas_report, runtime_only  # noqa: E402
@@ -93,17 +94,6 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_arrive=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, deterministic=True,
               dq_arrive=True),
-    # dq_chunks (opt-in, unverified): hd 256's dQ flushed in 4 rounds -> 2 Q / dO stages
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_chunks=4),
-    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True, has_softcap=True,
-              has_q_seqlen=True, has_kv_seqlen=True, dq_chunks=4),
-    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
-              has_kv_seqlen=True, deterministic=True, dq_chunks=4),
-    # ... in 8 rounds through two alternating buffers (one barrier per round)
-    BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True, has_softcap=True,
-              has_q_seqlen=True, has_kv_seqlen=True, dq_chunks=8),
-    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, deterministic=True,
-              dq_chunks=8),
 ]
 
 
@@ -176,11 +166,7 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),
                     (dict(head_dim=96, dq_arrive=True, dq_accum="red"), "dq_arrive needs"),
-                    (dict(head_dim=128, dq_chunks=4), "dq_chunks needs"),
-                    (dict(head_dim=256, dq_chunks=4, dq_accum="red"), "dq_chunks needs"),
-                    (dict(head_dim=192, dq_chunks=2), "hd 256 only"),
-                    (dict(head_dim=256, dq_chunks=3), "dq_chunks 3"),
-                    (dict(head_dim=256, dq_chunks=2, num_stages=2), "shared memory")]:
+                    (dict(head_dim=256, num_stages=2), "shared memory")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
@@ -240,7 +226,7 @@ def test_tile_m_128_is_keyed_and_picked_at_hd_64():
     from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
     c, d = BwdConfig(head_dim=64, tile_m=128), BwdConfig(head_dim=64)
     assert "_t128x128" in c.key and "_t64x128" in d.key
-    assert c.unverified() == () and d.unverified() == ()
+    assert verified.pending(c) == () and verified.pending(d) == ()
     assert c.num_stages == 2 and c.smem_bytes() <= SMEM_LIMIT_BYTES
     p = Problem(batch=2, q_len=300, kv_len=300, num_heads=4, num_kv_heads=4, head_dim=64,
                 head_dim_v=64, dtype="bfloat16", statics=AttentionStatics(scale=0.1))

@@ -43,7 +43,7 @@ def test_verified_passes(monkeypatch):
 
 def test_every_variant_dispatch_picks_is_verified():
     """Everything the forward and backward configs can express by default was checked on the
-    H200 (2026-11-30 and 2026-12-01 runs); a feature added later lists itself in `unverified()`
+    H200 (2026-11-30 and 2026-12-01 runs); a feature added later is listed in `verified.RULES`
     until a GPU run checks it."""
     fwd = [FwdConfig(head_dim=64, tile_m=192, intra_wg_overlap=False),
            FwdConfig(head_dim=64, tile_m=192, intra_wg_overlap=False, is_causal=True),
@@ -55,7 +55,7 @@ def test_every_variant_dispatch_picks_is_verified():
             BwdConfig(head_dim=96, has_alibi=True, has_segments=True, has_kv_seqlen=True),
             BwdConfig(head_dim=192, deterministic=True, has_window=True)]
     for cfg in fwd + bwd:
-        assert cfg.unverified() == (), cfg.key
+        assert verified.pending(cfg) == (), cfg.key
 
 
 def test_forward_192_rows_with_overlap_checked_and_picked():
@@ -65,7 +65,7 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     from jaxflash.kernels.choose import schedule_for
     for cfg in (FwdConfig(head_dim=64, tile_m=192), FwdConfig(head_dim=64, tile_m=192,
                                                               is_causal=True, dtype="float16")):
-        assert cfg.intra_wg_overlap and cfg.unverified() == ()
+        assert cfg.intra_wg_overlap and verified.pending(cfg) == ()
     for S in (1024, 4096, 16384):
         for causal in (False, True):
             cfg = FwdConfig(head_dim=64, is_causal=causal, **schedule_for(64, S, causal))
@@ -81,7 +81,7 @@ def test_backward_tile_m_128_checked_and_benched():
     keeps timing the 64-query step (and the deterministic mode at 128) beside it."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=64, tile_m=128)
-    assert cfg.unverified() == ()
+    assert verified.pending(cfg) == ()
     names = [n for n, kw, _ in bwd_devrun.CHECKS if kw.get("tile_m") == 128]
     assert len(names) >= 10 and any("deterministic" in n for n in names)
     assert bwd_devrun.BENCH_VARIANTS[64]["m64"] == dict(tile_m=64)
@@ -95,8 +95,8 @@ def test_backward_tile_m_128_overlap_dq_gated_checked_and_benched(monkeypatch):
     column run it by direct calls."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=64, tile_m=128, overlap_dq=True)
-    assert cfg.check()[0] and cfg.unverified() == ("overlap_dq with tile_m 128",)
-    assert BwdConfig(head_dim=64, overlap_dq=True).unverified() == ()
+    assert cfg.check()[0] and verified.pending(cfg) == ("overlap_dq with tile_m 128",)
+    assert verified.pending(BwdConfig(head_dim=64, overlap_dq=True)) == ()
     monkeypatch.delenv(verified.ENV, raising=False)
     with pytest.raises(NotImplementedError, match="overlap_dq"):
         verified.require_verified(cfg, "backward")
@@ -111,7 +111,7 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     and the "*_dqa" bench columns run it by direct calls."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=128, early_dv=True, dq_arrive=True)
-    assert cfg.check()[0] and cfg.unverified() == ("dq_arrive",)
+    assert cfg.check()[0] and verified.pending(cfg) == ("dq_arrive",)
     monkeypatch.delenv(verified.ENV, raising=False)
     with pytest.raises(NotImplementedError, match="dq_arrive"):
         verified.require_verified(cfg, "backward")
@@ -122,36 +122,13 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
 
 
-def test_backward_dq_chunks_gated_checked_and_benched(monkeypatch):
-    """dq_chunks (compiled 2026-12-01, no GPU run yet): 4 or 8 rounds give hd 256 a second
-    Q / dO stage; refused by the gate, run by the "dqc4" / "dqc8" check cases and the "dq4s2" /
-    "dq8s2" bench columns."""
-    from jaxflash.kernels import bwd_devrun
-    cfg = BwdConfig(head_dim=256, dq_chunks=4)
-    assert cfg.num_stages == 2 and BwdConfig(head_dim=256).num_stages == 1
-    assert cfg.check()[0] and cfg.unverified() == ("dq_chunks",)
-    assert "_dqc4" in cfg.key and "dqc" not in BwdConfig(head_dim=256).key
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="dq_chunks"):
-        verified.require_verified(cfg, "backward")
-    cases = [(n, kw) for n, kw, _ in bwd_devrun.CHECKS if kw.get("dq_chunks")]
-    assert len(cases) >= 8 and all(kw["head_dim"] == 256 for _, kw in cases)
-    assert any(kw.get("deterministic") for _, kw in cases)
-    assert bwd_devrun.BENCH_VARIANTS[256]["dq4s2"] == dict(dq_chunks=4, num_stages=2)
-    assert bwd_devrun.BENCH_VARIANTS[256]["dq8s2"] == dict(dq_chunks=8, num_stages=2)
-    assert BwdConfig(head_dim=256, dq_chunks=8).unverified() == ("dq_chunks",)
-    assert {kw["dq_chunks"] for _, kw in cases} == {4, 8}
-    assert {(256, s, c) for s in (1024, 4096, 16384) for c in (False, True)} <= \
-        bwd_devrun.VARIANT_POINTS
-
-
 def test_forward_tile_pipe_checked():
     """The persistent forward's tile pipe passed its device checks (2026-12-01): not gated;
     its check cases (every head dim, causal, fp16 lengths) and bench column stay."""
     from jaxflash.kernels import devrun
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True)
-    assert cfg.unverified() == ()
-    assert FwdConfig(head_dim=128, persistent=True).unverified() == ()
+    assert verified.pending(cfg) == ()
+    assert verified.pending(FwdConfig(head_dim=128, persistent=True)) == ()
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_pipe")]
     assert {kw["head_dim"] for kw in cases} == {64, 128, 256}
     assert any(kw.get("is_causal") for kw in cases)
@@ -196,8 +173,8 @@ def test_forward_fresh_s_wide_tiles_checked():
     from jaxflash.kernels import devrun
     for cfg in (FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
                 FwdConfig(head_dim=256, tile_n=80, fresh_s=True, is_causal=True)):
-        assert cfg.unverified() == ()
-    assert FwdConfig(head_dim=128, tile_n=160).unverified() == ()
+        assert verified.pending(cfg) == ()
+    assert verified.pending(FwdConfig(head_dim=128, tile_n=160)) == ()
     checked = {(kw["head_dim"], kw["tile_n"], kw.get("is_causal", False))
                for _, kw, _ in devrun.CHECKS if kw.get("fresh_s")}
     for name, kw in devrun.VARIANTS.items():
@@ -205,20 +182,33 @@ def test_forward_fresh_s_wide_tiles_checked():
             assert (kw["head_dim"], kw["tile_n"], kw.get("is_causal", False)) in checked, name
 
 
-def test_forward_192_rows_persistent_is_gated_until_checked(monkeypatch):
-    """192-row tiles on the persistent loop (ptxas-clean, no GPU run yet) are refused by the
-    gate and never picked; devrun has check cases and a bench column for them."""
+def test_forward_192_rows_persistent_checked_and_picked():
+    """192-row tiles on the persistent loop passed 6 GPU checks and the sanitizer (2026-12-01):
+    not gated, and what hd 64 plain calls get where the key loop is short (S <= 1k; causal
+    S <= 4k); devrun keeps its check cases (dense, causal, T < S, lengths, window + softcap,
+    tile pipe) and bench column."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import schedule_for
-    cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True)
-    assert cfg.unverified() == ("tile_m 192 with persistent",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tile_m 192 with persistent"):
-        verified.require_verified(cfg, "forward")
-    for s in (128, 1024, 4096, 16384):
-        for c in (False, True):
-            sched = schedule_for(64, s, c)
-            assert not (sched.get("tile_m") == 192 and sched.get("persistent"))
+    assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()
+    assert schedule_for(64, 1024, False) == dict(tile_m=192, persistent=True)
+    assert schedule_for(64, 4096, True) == dict(tile_m=192, persistent=True)
+    assert schedule_for(64, 4096, False) == dict(tile_m=192)
+    assert schedule_for(64, 16384, True) == dict(tile_m=192)
+    assert schedule_for(64, 1024, True, plain=False) == {}
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_m") == 192 and kw.get("persistent")]
+    assert len(cases) >= 6 and any(kw.get("has_kv_seqlen") for kw in cases)
     assert any(kw.get("is_causal") for kw in cases) and any(not kw.get("is_causal") for kw in cases)
     assert devrun.VARIANTS["m192_ps"] == dict(head_dim=64, tile_m=192, persistent=True)
+
+
+def test_gate_rules_live_outside_the_hashed_sources():
+    """Clearing a feature edits `verified.RULES`, which no kernel or config module imports, so
+    it changes no artifact's key (the same holds for `choose.py`)."""
+    from jaxflash.ffi.variant import source_files
+    files = {m for m, _ in source_files("jaxflash.kernels.hopper_fwd:FlashFwdSm90",
+                                        "jaxflash.kernels.config:FwdConfig")}
+    files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_wide:FlashBwdSm90Wide",
+                                         "jaxflash.kernels.bwd_config:BwdConfig")}
+    assert "jaxflash.kernels.config" in files and "jaxflash.kernels.hopper_bwd" in files
+    assert "jaxflash.kernels.verified" not in files and "jaxflash.kernels.choose" not in files
+    assert not hasattr(FwdConfig, "unverified") and not hasattr(BwdConfig, "unverified")

@@ -12,7 +12,7 @@ warpgroup: they run `hopper_bwd_wide` instead (``split == "headdim"``): ``tile_n
 the two warpgroups split the head dim of dK, dV and dQ (hd/4 + hd/4 floats + hd/4 for dQ per
 thread, P^T / dS^T through shared memory). Its shared memory: at hd 256 the float32 dQ tile
 (64 KB, dq_accum="tma") leaves room for one Q / dO stage (``num_stages`` defaults to the most,
-up to 2, that fits); "red" fits 2 stages, and so does "tma" with ``dq_chunks=4`` (opt-in).
+up to 2, that fits); "red" fits 2 stages.
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
 (tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),
@@ -90,17 +90,6 @@ class BwdConfig:
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
-    dq_chunks: (head-dim split kernel, dq_accum "tma") stage the float32 dQ tile through shared
-      memory in this many rounds instead of one: each round, each warpgroup stores the next
-      hd / (2 dq_chunks) columns of its dQ half, and warp 4 reduce-adds the two 64-row boxes
-      (then waits until the TMA has *read* the buffer before the next round overwrites it).
-      The staging buffer shrinks to 1 / dq_chunks, which at hd 256 (4 chunks: 16 KB instead of
-      64) makes room for a second Q / dO stage (226 of 227 KB): the next step's loads no
-      longer wait for this step's release. 8 chunks: rounds of 16 columns per warpgroup in
-      two alternating 8 KB buffers (the same 16 KB), so a round's stores overlap the TMA's
-      read of the previous round and each round needs one barrier instead of two. hd 256
-      only: hd 192 has 2 stages without chunks, and 2 chunks do not make room for a third.
-      Unverified.
     """
 
     dtype: str = "bfloat16"
@@ -121,7 +110,6 @@ class BwdConfig:
     overlap_dq: bool = False
     early_dv: bool = False
     dq_arrive: bool = False
-    dq_chunks: int = 1
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -179,15 +167,6 @@ class BwdConfig:
         if self.dq_arrive and self.deterministic and self.head_dim > 96:
             return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
                            "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
-        if self.dq_chunks != 1:
-            if self.dq_chunks not in (2, 4, 8):
-                return False, f"dq_chunks {self.dq_chunks} not in (1, 2, 4, 8)"
-            if self.split != "headdim" or self.dq_accum != "tma":
-                return False, ("dq_chunks needs dq_accum='tma' and the head-dim-split kernel "
-                               "(hd 256)")
-            if self.head_dim != 256:
-                return False, (f"dq_chunks at head_dim {self.head_dim}: hd 256 only (hd 192 "
-                               "has 2 Q / dO stages without it and no room for a third)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -225,35 +204,14 @@ class BwdConfig:
             # P^T and dS^T; 2 buffers with "red" (no per-step barrier then guards their reuse)
             ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.tile_m * 4
-        dq = self.tile_m * self.head_dim * 4 // self.dq_chunks if self.dq_accum == "tma" else 0
-        dq *= self.dq_chunk_bufs
+        dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
-
-    def unverified(self) -> tuple[str, ...]:
-        """Features this variant uses that are not cleared for dispatch
-        (`jaxflash.kernels.verified`: refused unless asked; history and result files:
-        NOTES.md). overlap_dq at tile_m 128 and dq_arrive passed their float64 checks, but
-        dq_arrive's memcheck crashed inside compute-sanitizer and neither beat the default
-        beyond noise: listed until a clean memcheck. dq_chunks was never run on a GPU."""
-        pending = []
-        if self.overlap_dq and self.tile_m == 128:
-            pending.append("overlap_dq with tile_m 128")
-        if self.dq_arrive:
-            pending.append("dq_arrive")
-        if self.dq_chunks != 1:
-            pending.append("dq_chunks")
-        return tuple(pending)
 
     @property
     def split(self) -> str:
         """How the two consumer warpgroups share the work: "keys" (64 key rows each, hd <= 128)
         or "headdim" (hd / 2 columns of dK, dV and dQ each, hd 192 / 256)."""
         return "keys" if self.head_dim <= KEY_SPLIT_MAX_HEAD_DIM else "headdim"
-
-    @property
-    def dq_chunk_bufs(self) -> int:
-        """Staging buffers of a chunked dQ flush: 2 (alternating) at 8 chunks, else 1."""
-        return 2 if self.dq_chunks == 8 else 1
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -269,7 +227,6 @@ class BwdConfig:
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
-                f"{f'_dqc{self.dq_chunks}' if self.dq_chunks != 1 else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -249,48 +249,6 @@ CHECKS = [
     ("bf16 h64 m128 ovl dqa causal 2k", dict(head_dim=64, tile_m=128, overlap_dq=True,
                                              is_causal=True, dq_arrive=True),
      (1, 2048, 2048, 8, 2, {})),
-    # hd 256 with the dQ tile flushed in 4 rounds (16 KB staging) -> 2 Q / dO stages
-    # (`BwdConfig.dq_chunks`; added 2026-12-01, not yet run on a GPU).
-    ("bf16 h256 dqc4 dense odd gqa", dict(head_dim=256, dq_chunks=4),
-     (2, 300, 333, 8, 2, {"cudnn": True})),
-    ("bf16 h256 dqc4 tiny", dict(head_dim=256, dq_chunks=4), (1, 64, 64, 1, 1, {})),
-    ("bf16 h256 dqc4 causal gqa T<S", dict(head_dim=256, is_causal=True, dq_chunks=4),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 dqc4 causal T>S", dict(head_dim=256, is_causal=True, dq_chunks=4),
-     (1, 400, 150, 2, 2, {})),
-    ("bf16 h256 dqc4 window", dict(head_dim=256, has_window=True, dq_chunks=4),
-     (2, 400, 400, 4, 2, {"window": (100, 37)})),
-    ("bf16 h256 dqc4 seqlens empty rows", dict(head_dim=256, has_q_seqlen=True,
-                                               has_kv_seqlen=True, dq_chunks=4),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
-    ("fp16 h256 dqc4 causal gqa", dict(dtype="float16", head_dim=256, is_causal=True,
-                                       dq_chunks=4), (2, 384, 384, 6, 3, {})),
-    ("fp16 h256 dqc4 window softcap kvlen", dict(dtype="float16", head_dim=256,
-                                                 has_window=True, has_softcap=True,
-                                                 has_kv_seqlen=True, dq_chunks=4),
-     (2, 260, 270, 4, 2, {"window": (50, 20), "softcap": 5.0, "kv_seqlen": [270, 100]})),
-    ("bf16 h256 dqc4 dense 2k", dict(head_dim=256, dq_chunks=4),
-     (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    ("bf16 h256 dqc4 causal gqa 2k", dict(head_dim=256, is_causal=True, dq_chunks=4),
-     (1, 2048, 2048, 8, 2, {})),
-    # ... in 8 rounds through two alternating 8 KB buffers (dq_chunks=8)
-    ("bf16 h256 dqc8 dense odd gqa", dict(head_dim=256, dq_chunks=8),
-     (2, 300, 333, 8, 2, {"cudnn": True})),
-    ("bf16 h256 dqc8 causal gqa T<S", dict(head_dim=256, is_causal=True, dq_chunks=8),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 dqc8 causal T>S", dict(head_dim=256, is_causal=True, dq_chunks=8),
-     (1, 400, 150, 2, 2, {})),
-    ("bf16 h256 dqc8 window", dict(head_dim=256, has_window=True, dq_chunks=8),
-     (2, 400, 400, 4, 2, {"window": (100, 37)})),
-    ("bf16 h256 dqc8 seqlens empty rows", dict(head_dim=256, has_q_seqlen=True,
-                                               has_kv_seqlen=True, dq_chunks=8),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
-    ("fp16 h256 dqc8 window softcap kvlen", dict(dtype="float16", head_dim=256,
-                                                 has_window=True, has_softcap=True,
-                                                 has_kv_seqlen=True, dq_chunks=8),
-     (2, 260, 270, 4, 2, {"window": (50, 20), "softcap": 5.0, "kv_seqlen": [270, 100]})),
-    ("bf16 h256 dqc8 causal gqa 2k", dict(head_dim=256, is_causal=True, dq_chunks=8),
-     (1, 2048, 2048, 8, 2, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -313,16 +271,6 @@ CHECKS = [
                                                         is_causal=True, deterministic=True,
                                                         dq_arrive=True),
      (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 dqc4 deterministic causal gqa", dict(head_dim=256, is_causal=True,
-                                                     deterministic=True, dq_chunks=4),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 dqc4 deterministic window kvlen", dict(head_dim=256, has_window=True,
-                                                       has_kv_seqlen=True, deterministic=True,
-                                                       dq_chunks=4),
-     (2, 700, 600, 4, 1, {"window": (150, 20), "kv_seqlen": [600, 333]})),
-    ("bf16 h256 dqc8 deterministic causal gqa", dict(head_dim=256, is_causal=True,
-                                                     deterministic=True, dq_chunks=8),
-     (2, 500, 700, 8, 2, {})),
 ]
 # `determinism`: (name, config kwargs, problem) run 10 times each, bitwise compared.
 DETERMINISM = [
@@ -335,9 +283,6 @@ DETERMINISM = [
     ("deterministic window m128", dict(head_dim=64, tile_m=128, has_window=True,
                                        deterministic=True),
      (2, 1000, 1000, 4, 1, {"window": (300, 0)})),
-    ("deterministic causal gqa h256 dqc4", dict(head_dim=256, is_causal=True,
-                                                deterministic=True, dq_chunks=4),
-     (2, 1000, 1000, 8, 2, {})),
 ]
 # Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
 # At D 256 this compares the two shapes of the wide kernel: "tma" (1 Q / dO stage, the default)
@@ -361,11 +306,8 @@ BENCH_VARIANTS = {
          "m128_dqa": dict(tile_m=128, dq_arrive=True),
          "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
     128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True)},
-    # hd 256: the dQ flush in 4 rounds with 2 Q / dO stages (the suspected win) and with 1
-    # (what the rounds alone cost, beside the default's 1 stage), and in 8 double-buffered
-    # rounds with 2 stages; unverified until checked.
-    256: {"dq4s2": dict(dq_chunks=4, num_stages=2), "dq4s1": dict(dq_chunks=4, num_stages=1),
-          "dq8s2": dict(dq_chunks=8, num_stages=2)},
+    # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
+    # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
                   (64, 16384, True),
@@ -381,7 +323,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive", "dq_chunks")
+             "dq_arrive")
 
 
 def _configs(kw):

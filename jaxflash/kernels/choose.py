@@ -45,12 +45,12 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
     - hdim 64: 192 query rows (three consumer warpgroups) with intra-warpgroup overlap at every
       length; on the persistent loop where the key loop is short (S <= 1k, and causal S <= 4k),
       so a CTA's next tile's loads run under its current tile's epilogue. Two runs each
-      (12:20 / 12:30 UTC), 192 rows non-persistent -> persistent: 1k dense 0.88 / 0.87 -> 0.99 /
+      (11:58 / 12:05 UTC), 192 rows non-persistent -> persistent: 1k dense 0.88 / 0.87 -> 0.99 /
       0.97, 1k causal 0.75 / 0.75 -> 0.87 / 0.88, 4k causal 1.02 / 1.01 -> 1.11 / 1.08; it lost
       at 4k dense (1.13 -> 1.08) and 16k causal (1.15 -> 0.92). (Before: 192 rows beat 128 rows
       at every length: 1k 0.77 -> 0.90 dense, 4k 0.93 -> 1.07, 16k 0.99 -> 1.16.)
     - hdim 128, S <= 1k: persistent with the tile pipe (the producer hands tile coordinates to
-      the consumers): dense 0.91 -> 1.03 / 0.95, causal 0.84 -> 0.92 / 0.91 (12:20 / 12:30 UTC
+      the consumers): dense 0.91 -> 1.03 / 0.95, causal 0.84 -> 0.92 / 0.91 (11:58 / 12:05 UTC
       runs); plain persistent was 0.01-0.03 behind the tile pipe in all four comparisons of the
       day. At 16k persistent was +4% dense and -6% causal: not picked there.
     - hdim 256 dense, S <= 4k: persistent: 1k 1.01 -> 1.08 and 1.14 -> 1.16, 4k 1.12 -> 1.22 and

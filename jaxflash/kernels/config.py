@@ -137,15 +137,6 @@ class FwdConfig:
                            f"(tile {self.tile_m}x{self.tile_n}, {self.num_stages} stages)")
         return True, ""
 
-    def unverified(self) -> tuple[str, ...]:
-        """Features compiled here but not yet checked against the float64 reference on a GPU
-        (`jaxflash.kernels.verified`: dispatch refuses them unless asked). Only the 192-row tile
-        on the persistent loop now (ptxas-clean, never run); every other feature passed its
-        device checks (history and result files: NOTES.md)."""
-        if self.tile_m == 192 and self.persistent:
-            return ("tile_m 192 with persistent",)
-        return ()
-
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
         elt = 2
         q = self.tile_m * self.head_dim * elt

@@ -229,7 +229,7 @@ class FlashBwdSm90(DqAccumulation):
         tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
         tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
         tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, *self.dq_box(sdQ_layout))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
         self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
         self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
         self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
@@ -285,10 +285,6 @@ class FlashBwdSm90(DqAccumulation):
             self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=self.dq_atoms,
             tiler_mn=(64, self.dq_cols))
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
-
-    def dq_box(self, sdQ_layout):
-        """(smem layout, box) of one dQ TMA reduce-add: the whole tile_m x hd tile here."""
-        return sdQ_layout, (self.tile_m, self.hd)
 
     def smem_layouts(self):
         """(Q, dO, K, V, dS^T, LSE / delta rows, dQ) shared-memory layouts."""
@@ -669,7 +665,7 @@ class FlashBwdSm90(DqAccumulation):
         thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
         tdQsdQ = None
-        if const_expr(self.dq_tma and self.cfg.dq_chunks == 1):  # chunks: `hopper_bwd_wide`
+        if const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(sdQ)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
         return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds,

@@ -27,8 +27,6 @@ split the *head dim* instead:
   so they have two buffers (a warpgroup can be at most one step ahead: _BAR_DS of step i+1
   needs the other warpgroup to have finished step i).
 - Epilogue as the base kernel: dK * scale and dV through K's and V's buffers, TMA stores.
-- ``dq_chunks`` (opt-in): the dQ flush in rounds through a smaller staging buffer
-  (`flush_dq_chunks`), which at hd 256 leaves room for a second Q / dO stage.
 
 Every shared-memory tile read as an MN-major operand in hd/2-column slices (Q, dO, K) is laid
 out with swizzle atoms that fit hd/2 columns (hd 192: 96 = 3 x 32-column 64B atoms).
@@ -47,7 +45,6 @@ from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.dq_accum import BAR_DQ, pass_turn, wait_turn
 from jaxflash.kernels.hopper_bwd import _BAR_DS, FlashBwdSm90
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 
@@ -62,8 +59,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             raise ValueError(f"FlashBwdSm90Wide serves head dims > 128, got {config.key}")
         # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
         self.pds_bufs = 1 if self.dq_tma else 2
-        # dQ columns per warpgroup per flush round (`BwdConfig.dq_chunks`; hd/2: one round).
-        self.dq_chunk_cols = self.hd // 2 // config.dq_chunks
 
     # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
@@ -103,18 +98,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                                          2 * self.pds_bufs)
         sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half)
-        if self.cfg.dq_chunks > 1:
-            # A round's staging buffer: a tile_m x chunk-columns tile per warpgroup (index
-            # buffer * warpgroups + warpgroup).
-            sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.dq_chunk_cols,
-                                             self.num_mma_wg * self.cfg.dq_chunk_bufs)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
-
-    def dq_box(self, sdQ_layout):
-        if self.cfg.dq_chunks > 1:  # one warpgroup's part of a round
-            return cute.select(sdQ_layout, mode=[0, 1]), (self.tile_m, self.dq_chunk_cols)
-        return super().dq_box(sdQ_layout)
 
     @cute.jit
     def consume(self, mdQ, mdK, mdV, sQ, sK, sV, sdO, sPdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
@@ -148,9 +133,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sPdS, sdQ)
-        chunk = None
-        if const_expr(self.cfg.dq_chunks > 1):
-            chunk = self.dq_chunk_tiles(sdQ, tidx, wg)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -207,75 +189,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 pipe_do.consumer_release(state)
                 state.advance()
                 warpgroup.wait_group(0)
-                if const_expr(self.cfg.dq_chunks > 1):
-                    self.flush_dq_chunks(mdQ, sdQ, chunk, tma_dQ, acc_dQ, m_block, head, batch,
-                                         n_block, warp_idx, mSem, blocks)
-                else:
-                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                                  head, batch, n_block, T, warp_idx, mSem, blocks)
+                self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
+                              head, batch, n_block, T, warp_idx, mSem, blocks)
 
         self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
                         sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)
-
-    def dq_chunk_tiles(self, sdQ, tidx, wg):
-        """(this thread's partitions of its warpgroup's staging buffers, a register fragment of
-        one round's values) for `flush_dq_chunks`: the m64n{chunk} accumulator layout of the
-        same wgmma atom, so a round's values are a contiguous run of acc_dQ (its column blocks
-        of 8 are the outermost value mode)."""
-        MN = warpgroup.OperandMajorMode.MN
-        tiled = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 1, 1),
-            tiler_mn=(self.tile_m, self.dq_chunk_cols))
-        thr = tiled.get_slice(tidx % 128)
-        frag = thr.make_fragment_C(thr.partition_shape_C((self.tile_m, self.dq_chunk_cols)))
-        parts = [thr.partition_C(sdQ[None, None, b * self.num_mma_wg + wg])
-                 for b in range(self.cfg.dq_chunk_bufs)]
-        return parts, frag
-
-    @cute.jit
-    def flush_dq_chunks(self, mdQ, sdQ, chunk, tma_dQ, acc_dQ, m_block: Int32, head: Int32,
-                        batch: Int32, n_block: Int32, warp_idx: Int32,
-                        mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
-        """`flush_dq` in ``dq_chunks`` rounds (`BwdConfig.dq_chunks`): each warpgroup stores
-        the round's columns of its dQ half into its staging buffer, then warp 4 reduce-adds
-        both (two TMA boxes). A buffer is rewritten only after warp 4 saw the TMA *read* it
-        (not the adds land: those overlap the next rounds) and a barrier told the others: with
-        one buffer, before each round's stores (two barriers per round); with two alternating
-        buffers, warp 4 waits for round c - 1's read just before round c's barrier, which then
-        also frees round c + 1's buffer (one barrier per round; round c's stores overlap round
-        c - 1's read). Round 0's barrier is the full-sync BAR_DQ of the one-round flush (the
-        P^T / dS^T reuse relies on it); every buffer is free at round 0 (warp 4 waited for all
-        reads before _BAR_DS). With deterministic, all of the block's rounds sit inside the
-        semaphore's turn."""
-        tdQsdQ, rdQ = chunk
-        n = cute.size(rdQ)
-        wgs = self.num_mma_wg
-        chunks, bufs = self.cfg.dq_chunks, self.cfg.dq_chunk_bufs
-        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.dq_chunk_cols),
-                              (m_block, None))
-        sem = None
-        if const_expr(self.cfg.deterministic):
-            sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
-        for c in cutlass.range_constexpr(chunks):
-            if const_expr(c > 0 and bufs == 1):
-                if warp_idx == 4:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
-            for i in cutlass.range_constexpr(n):
-                rdQ[i] = acc_dQ[c * n + i]
-            tdQsdQ[c % bufs].store(rdQ.load())
-            cute.arch.fence_view_async_shared()  # visible to the TMA unit
-            if const_expr(c > 0 and bufs == 2):
-                if warp_idx == 4:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # round c - 1 read
-            cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
-            if warp_idx == 4:
-                if const_expr(self.cfg.deterministic and c == 0):
-                    wait_turn(sem, n_block - blocks.n_block_first(m_block))
-                for w in cutlass.range_constexpr(wgs):
-                    tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ[None, None, (c % bufs) * wgs + w],
-                                                 gdQ[None, None, w * chunks + c])
-                    cute.copy(tma_dQ, tQs, tQg)  # rows past T clipped by the TMA unit
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.cfg.deterministic and c == chunks - 1):
-                    pass_turn(sem)
