@@ -68,10 +68,10 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True) -
     if head_dim == 64:
         short = kv_len <= 1024 or (causal and kv_len <= 4096)
         return {"tile_m": 192, "persistent": True} if short else {"tile_m": 192}
-    if head_dim == 128 and kv_len <= 1024:
+    if head_dim == 128 and (kv_len <= 1024 or (not causal and kv_len <= 4096)):
         return {"persistent": True, "tile_pipe": True}
     if head_dim == 256 and not causal and kv_len <= 4096:
-        return {"persistent": True}
+        return {"persistent": True, "tile_pipe": True}
     return {}
 
 

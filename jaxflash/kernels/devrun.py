@@ -208,8 +208,8 @@ VARIANTS = {"persistent": dict(persistent=True),
             "n160": dict(head_dim=128, tile_n=160, fresh_s=True),
             "n192": dict(head_dim=64, tile_n=192, fresh_s=True),
             "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True)}
-VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 16384, False),
-                  (128, 16384, True), (64, 1024, True), (64, 1024, False), (64, 4096, False),
+VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
+                  (128, 16384, False), (128, 16384, True), (64, 1024, True), (64, 1024, False), (64, 4096, False),
                   (64, 4096, True), (64, 16384, False), (64, 16384, True), (256, 1024, False),
                   (256, 1024, True), (256, 4096, False), (256, 16384, False)}
 
