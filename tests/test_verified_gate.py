@@ -212,3 +212,35 @@ def test_gate_rules_live_outside_the_hashed_sources():
     assert "jaxflash.kernels.config" in files and "jaxflash.kernels.hopper_bwd" in files
     assert "jaxflash.kernels.verified" not in files and "jaxflash.kernels.choose" not in files
     assert not hasattr(FwdConfig, "unverified") and not hasattr(BwdConfig, "unverified")
+
+
+def test_forward_end_aligned_tiles_gated_checked_and_benched(monkeypatch):
+    """End-aligned query tiles v2 (m_align="end", clamped first tile, 2026-12-01) are gated
+    until their GPU checks pass (the unclamped attempt crashed on the H200): refused without
+    the switch, admitted with it; default keys do not name the field; dispatch never picks
+    them; devrun has their check cases (some with the bitwise repeat) and bench columns."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import schedule_for
+    cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True, is_causal=True, m_align="end")
+    assert verified.pending(cfg) == ("m_align end",)
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match=r"_mend_causal uses m_align end.*"
+                                                  + verified.ENV):
+        verified.require_verified(cfg, "forward")
+    monkeypatch.setenv(verified.ENV, "1")
+    verified.require_verified(cfg, "forward")
+    assert "_mend" not in FwdConfig(head_dim=64, tile_m=192, is_causal=True).key
+    assert all("m_align" not in schedule_for(d, s, c) for d in (64, 128, 256)
+               for s in (1024, 4096, 16384) for c in (False, True))
+    cases = [(n, kw, p) for n, kw, p in devrun.CHECKS if kw.get("m_align") == "end"]
+    assert len(cases) >= 9 and all("mend" in n for n, _, _ in cases)
+    assert sum(1 for _, _, p in cases if p[-1].get("repeat", 0) >= 5) >= 2
+    assert devrun.VARIANTS["m192_ps_end"] == dict(head_dim=64, tile_m=192, persistent=True,
+                                                  m_align="end", is_causal=True)
+    assert devrun.VARIANTS["m192_ov_end"] == dict(head_dim=64, tile_m=192, m_align="end",
+                                                  is_causal=True)
+    for name in ("m192_ps_end", "m192_ov_end"):
+        points = {p for p in devrun.VARIANT_POINTS
+                  if devrun._variant(p[0], p[2], devrun.VARIANTS[name]) is not None}
+        assert {(64, 1024, True), (64, 4096, True)} <= points
+        assert all(d == 64 and c for d, _, c in points)

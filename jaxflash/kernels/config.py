@@ -66,6 +66,13 @@ class FwdConfig:
       division per tile (NOTES.md, "Persistent forward").
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
+    m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last
+      row so the partial tile is the first (cheapest under a causal bound) instead of the last
+      (which runs every key block). With shift = ceil(T / tile_m) * tile_m - T, tile m starts
+      at row max(0, m * tile_m - shift): tile 0 is clamped to row 0 (no TMA box ever starts
+      at a negative row) and recomputes rows [tile_m - shift, tile_m) that tile 1 owns (NOTES.md,
+      "End-aligned query tiles v2"). Causal / window only; not with per-batch query lengths,
+      ALiBi or segment ids.
     """
 
     dtype: str = "bfloat16"
@@ -88,6 +95,7 @@ class FwdConfig:
     tile_pipe: bool = False
     tile_order: str = "auto"
     l2_section_mb: int = 24
+    m_align: str = "start"
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -130,6 +138,16 @@ class FwdConfig:
             return False, "tile_pipe needs persistent=True (it feeds the persistent tile loop)"
         if not 1 <= self.l2_section_mb <= 64:
             return False, f"l2_section_mb {self.l2_section_mb} not in [1, 64]"
+        if self.m_align not in ("start", "end"):
+            return False, f"m_align {self.m_align!r} not in ('start', 'end')"
+        if self.m_align == "end":
+            if not (self.is_causal or self.has_window):
+                return False, "m_align 'end' only pays with a causal or window mask"
+            # Per-batch query lengths would need per-batch alignment; ALiBi and segment ids
+            # read row positions / start-aligned block summaries: not done, refused.
+            for flag in ("has_q_seqlen", "has_alibi", "has_segments"):
+                if getattr(self, flag):
+                    return False, f"m_align 'end' not supported with {flag}"
         if self.num_stages < 1 or self.num_stages > 4:
             return False, f"num_stages {self.num_stages} must be in [1, 4]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -175,6 +193,8 @@ class FwdConfig:
                  + ("tp" if self.tile_pipe else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
+        if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)
+            sched += f"_m{self.m_align}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
                 f"_{'-'.join(feats) or 'dense'}")

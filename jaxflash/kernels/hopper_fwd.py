@@ -122,6 +122,7 @@ class FlashFwdSm90:
         self.persistent = config.persistent
         self.tile_pipe = config.tile_pipe
         self.separate_o = config.separate_o
+        self.m_end = config.m_align == "end"
 
     @classmethod
     def can_implement(cls, config: FwdConfig) -> tuple[bool, str]:
@@ -307,8 +308,10 @@ class FlashFwdSm90:
                 window_right = cutlass.min(window_right, Int32(0))
 
         T = mQ.shape[0]
+        # End-aligned tiles: the rows the last tile would leave empty (BlockRange.first_row).
+        row_shift = num_m_blocks * self.tile_m - T if const_expr(self.m_end) else None
         blocks = BlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
-                            window_left, window_right)
+                            window_left, window_right, row_shift)
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
@@ -416,7 +419,8 @@ class FlashFwdSm90:
                                                   mQBlk, blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         return self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                            q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max)
+                            q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max,
+                            blocks)
 
     @cute.jit
     def consume_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
@@ -454,6 +458,9 @@ class FlashFwdSm90:
             mods.kv_blk = mKVBlk[batch, None, None]
             mods.S = mK.shape[0]
             dyn += ["rows", "kv_seg", "kv_blk", "S"]
+        if const_expr(self.m_end):
+            mods.row0 = blocks.first_row(m_block)  # the masks' first row (once per tile)
+            dyn.append("row0")
         mods._dynamic = tuple(dyn)
         return self.consume(ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state,
                             kv_state, tiled_mma_qk, tiled_mma_pv, tidx, warp_idx, pre_scale,
@@ -487,16 +494,16 @@ class FlashFwdSm90:
             # sorted, document-packed ids; see `jaxflash.kernels.segments`).
             n_min = cutlass.max(n_min, mQBlk[batch, m_block, 2])
             n_max = cutlass.min(n_max, mQBlk[batch, m_block, 3])
-        if m_block * self.tile_m >= seqlen_q:
+        if blocks.first_row(m_block) >= seqlen_q:
             n_max = n_min  # every row of the tile is past the query length: nothing to load
         return n_min, n_max, seqlen_q, seqlen_k
 
     @cute.jit
     def produce(self, mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                 q_state, kv_state, m_block: Int32, head: Int32, kv_head: Int32, batch: Int32,
-                n_min: Int32, n_max: Int32):
+                n_min: Int32, n_max: Int32, blocks: BlockRange):
         """Issue one tile's loads; returns the advanced (q_state, kv_state)."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
+        gQ = blocks.row_box(mQ[None, None, head, batch], m_block, self.hd)
         gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
         gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv), (None, 0))
         tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
@@ -653,8 +660,11 @@ class FlashFwdSm90:
 
         if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
             for r in cutlass.range_constexpr(num_rows):
-                row = m_block * self.tile_m + tOcO.row(r)
-                if row < T:
+                # End-aligned: rows tile 0 shares with tile 1 are tile 1's (own_end), one LSE
+                # writer per row; both store the shared O rows, bitwise equal (NOTES.md,
+                # "End-aligned query tiles v2"). Start-aligned: own_end is T.
+                row = blocks.first_row(m_block) + tOcO.row(r)
+                if row < blocks.own_end(m_block, T):
                     mLSE[row, head, batch] = lse[r]
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
@@ -671,7 +681,7 @@ class FlashFwdSm90:
         cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
         cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.hdv), (m_block, 0))
+        gO = blocks.row_box(mO[None, None, head, batch], m_block, self.hdv)
         tOsO, tOgO = layouts.tma_tiles(tma_O, sO, gO)
         if warp_idx == 4:
             cute.copy(tma_O, tOsO, tOgO)
@@ -705,7 +715,8 @@ class FlashFwdSm90:
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left,
-                       by_select=self.mask_by_select)
+                       by_select=self.mask_by_select,
+                       row_start=mods.row0 if const_expr(self.m_end) else None)
 
     @cute.jit
     def segment_compare_needed(self, mods, n_block: Int32):
