@@ -258,23 +258,31 @@ def test_config_for_problem():
 
 
 @pytest.mark.parametrize("D,S,causal,extra,want", [
-    (64, 1024, False, {}, dict(tile_m=192, intra_wg_overlap=True, persistent=True)),  # 557c345
-    (64, 1024, True, {}, dict(tile_m=192, intra_wg_overlap=True)),
-    (64, 16384, True, {}, dict(tile_m=192, intra_wg_overlap=True, num_stages=2)),
-    (128, 1024, True, {}, dict(persistent=True)),
-    (128, 1024, False, {}, dict(persistent=True, num_stages=2)),   # won once fixed
+    (64, 1024, False, {}, dict(tile_m=192, intra_wg_overlap=True, persistent=True)),
+    (64, 1024, True, {}, dict(tile_m=192, persistent=True, m_align="end")),
+    (64, 1024, True, {"softcap": 30.0}, dict(tile_m=192, persistent=True, m_align="start")),
+    (64, 4096, True, {}, dict(tile_m=192, persistent=True, m_align="start")),
+    (64, 4096, False, {}, dict(tile_m=192, persistent=False)),
+    (64, 16384, True, {}, dict(tile_m=192, intra_wg_overlap=True, num_stages=2,
+                               persistent=False)),
+    (128, 1024, True, {}, dict(persistent=True, tile_pipe=True)),
+    (128, 1024, False, {}, dict(persistent=True, tile_pipe=True, num_stages=2)),
+    (128, 4096, False, {}, dict(persistent=True, tile_pipe=True)),
+    (128, 4096, True, {}, dict(persistent=False)),
     (256, 1024, True, {}, dict(persistent=False)),
+    (256, 4096, False, {}, dict(persistent=True, tile_pipe=True)),
+    (256, 16384, False, {}, dict(persistent=False)),
     (128, 16384, True, {}, dict(num_stages=2, persistent=False)),   # 3 stages lost 2026-12-01
-    (128, 4096, False, {}, dict(num_stages=2, persistent=False)),
-    (64, 1024, True, {"has_kv_seqlen": True}, dict(tile_m=128)),  # not measured: default
+    (64, 1024, True, {"has_kv_seqlen": True}, dict(tile_m=128, m_align="start")),  # default
     (64, 1024, True, {"has_segments": True}, dict(tile_m=128, persistent=False)),
 ])
 def test_config_for_picks_the_measured_schedule(D, S, causal, extra, want):
     from jaxflash._types import AttentionStatics, Problem
     from jaxflash.kernels.choose import forward_config as config_for
+    softcap = extra.pop("softcap", None) if extra else None
     p = Problem(batch=2, q_len=S, kv_len=S, num_heads=4, num_kv_heads=4, head_dim=D,
-                head_dim_v=D, dtype="bfloat16", statics=AttentionStatics(0.1, is_causal=causal),
-                **extra)
+                head_dim_v=D, dtype="bfloat16",
+                statics=AttentionStatics(0.1, is_causal=causal, softcap=softcap), **extra)
     cfg = config_for(p)
     assert {k: getattr(cfg, k) for k in want} == want
 
