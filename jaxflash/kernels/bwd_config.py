@@ -4,7 +4,8 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`). Per
+``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`; 80
+opt-in at hd 128 dense: `hopper_bwd_m80`). Per
 consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
 hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
 inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
@@ -36,7 +37,8 @@ FLOAT_SCALARS = ("softmax_scale", "softcap")
 INT_SCALARS = ("window_left", "window_right")
 # LSE and delta are passed padded to a multiple of this many queries (TMA boxes of tile_m rows
 # need 16-byte aligned row strides; padding rows carry LSE = +inf so they contribute nothing).
-# A config with a larger tile_m pads to its tile_m (`bwd_launch.padded_len`), a multiple of this.
+# A config with another tile_m pads to lcm(LSE_PAD, tile_m) (`bwd_launch.padded_len`): 128 at
+# tile_m 128, 320 at tile_m 80.
 LSE_PAD = 64
 # Head dims that may take tile_m 128 (see `BwdConfig`): hd 96 (64 + 64 + 48 + 48 accumulator
 # registers per thread for S^T, dP^T, dK and dV) spills 388 bytes and serializes the wgmma

@@ -5,9 +5,10 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
 - One CTA per (key block n, kv head, batch): ``tile_n`` = 128 keys, split over 2 consumer
   warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
   block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
-  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 opt-in at
-  hd 64) that can see the key block (`mask.QueryBlockRange`), so dK and dV are summed over the
-  group in registers: no atomics for them and no K/V copies.
+  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 at hd 64;
+  80 at hd 128 dense is `hopper_bwd_m80`, dQ computed transposed) that can see the key block
+  (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no atomics
+  for them and no K/V copies.
 - Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
   (``num_stages`` each), in the consumers' order.
 - Consumers, per step, with the keys as the wgmma M dimension ("swapAB", so every operand is in
@@ -563,12 +564,8 @@ class FlashBwdSm90(DqAccumulation):
                     rdS.store(acc_dP.load().to(self.dtype))
                 else:
                     warpgroup.wait_group(0)
-                    self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage,
-                                         scale_log2)
-                    rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-                    rP.store(acc_S.load().to(self.dtype))
-                    rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-                    rdS.store(acc_dP.load().to(self.dtype))
+                    rP, rdS = self.probs_and_grads_lowp(acc_S, acc_dP, coords, sLSE, sDelta,
+                                                        stage, scale_log2)
                     # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
                     layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
                                   tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
@@ -659,6 +656,18 @@ class FlashBwdSm90(DqAccumulation):
         tdQrdS, tdQrKt = dq_ops
         layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
                       zero_init=True, wait=wait, clear=clear)
+
+    def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
+                             stage: Int32, scale_log2: Float32):
+        """`probs_and_grads`, then P^T and dS^T in the input dtype (the RS operands of dV and
+        dK). Plain Python (inlined while `consume` is traced); `hopper_bwd_m80` converts
+        per column group instead."""
+        self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        return rP, rdS
 
     def consumer_tiles(self, tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv, thr_dq,
                        tidx, sdS, sdQ):

@@ -34,13 +34,15 @@ dQ modes and the schedule variants), gated in `verified.RULES` until its device 
 """
 from __future__ import annotations
 
+import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
 from jaxflash.kernels.hopper_bwd import FlashBwdSm90
+from jaxflash.kernels.mask import TileCoords
 
 
 class FlashBwdSm90M80(FlashBwdSm90):
@@ -58,6 +60,8 @@ class FlashBwdSm90M80(FlashBwdSm90):
         # atoms (`smem_layouts` reads dq_cols), whole ones per warpgroup's A slice.
         self.dq_swizzle = False
         self.dq_atom_cols = 8
+        # No accumulator zeroing (`FlashBwdSm90.clear_acc`): measured with ptxas, it changed
+        # nothing here (the spills it fixes elsewhere came from the elementwise phase here).
         self.clear_acc = False
 
     def tiled_mmas(self):
@@ -80,3 +84,30 @@ class FlashBwdSm90M80(FlashBwdSm90):
         tdQrKt, tdQrdS = dq_ops
         layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrKt, tdQrdS[None, None, None, buf],
                       zero_init=True, wait=wait, clear=clear)
+
+    def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
+                             stage: Int32, scale_log2: Float32):
+        """P^T and dS^T (the base's arithmetic, same order of operations per element), each
+        8-column group converted to the input dtype as soon as it is done. With the base
+        version (every element first, then both whole conversions) ptxas spilled 8 bytes here
+        (2026-12-01): S^T and dP^T (80 floats), dK / dV (128) and the 20 + 20 LSE / delta
+        values it hoists leave no room; converting per group lets a group's float P^T / dS^T
+        die at once (0 bytes, R237 the highest register)."""
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        t0 = coords.t0
+        # acc ((2 columns, 2 rows, V column groups of 8), 1, 1): flat i = c + 2 r + 4 v.
+        for v in range(cute.size(acc_S, mode=[0, 2])):
+            for c in range(2):
+                col = coords.base_col + t0[0, c + 2 * v][1]
+                lse2 = sLSE[col, stage]
+                delta = sDelta[col, stage]
+                for r in range(2):
+                    i = c + 2 * r + 4 * v
+                    p = cute.math.exp2(acc_S[i] * scale_log2 - lse2, fastmath=True)
+                    acc_dP[i] = p * (acc_dP[i] - delta)
+                    acc_S[i] = p
+            g = ((None, None, v), None, None)
+            rP[g].store(acc_S[g].load().to(self.dtype))
+            rdS[g].store(acc_dP[g].load().to(self.dtype))
+        return rP, rdS
