@@ -234,6 +234,9 @@ def test_gate_rules_live_outside_the_hashed_sources():
                                         "jaxflash.kernels.config:FwdConfig")}
     files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_wide:FlashBwdSm90Wide",
                                          "jaxflash.kernels.bwd_config:BwdConfig")}
+    files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_m80:FlashBwdSm90M80",
+                                         "jaxflash.kernels.bwd_config:BwdConfig")}
+    assert "jaxflash.kernels.hopper_bwd_m80" in files
     assert "jaxflash.kernels.config" in files and "jaxflash.kernels.hopper_bwd" in files
     assert "jaxflash.kernels.verified" not in files and "jaxflash.kernels.choose" not in files
     assert not hasattr(FwdConfig, "unverified") and not hasattr(BwdConfig, "unverified")

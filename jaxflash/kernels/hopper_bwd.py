@@ -266,8 +266,9 @@ class FlashBwdSm90(DqAccumulation):
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
-    # The two things the head-dim-split subclass (`hopper_bwd_wide`) changes; everything else
-    # of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing `launch`.
+    # The two things the subclasses (`hopper_bwd_wide`, `hopper_bwd_m80`) change; everything
+    # else of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing
+    # `launch`.
     def tiled_mmas(self):
         """(S^T / dP^T, dK, dV, dQ) tiled MMAs of the key-split scheme."""
         K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
