@@ -94,6 +94,9 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_arrive=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, deterministic=True,
               dq_arrive=True),
+    # 80 queries per step at hd 128 dense (opt-in, gated; FlashBwdSm90M80: dQ^T = K^T dS^T)
+    BwdConfig(dtype="bfloat16", head_dim=128, tile_m=80),
+    BwdConfig(dtype="float16", head_dim=128, tile_m=80),
 ]
 
 
@@ -110,9 +113,14 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     if cfg.split == "keys":
         assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
         assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
-        # dQ = dS K: tile_m 64 splits the head dim over the 2 WGs, tile_m 128 the query rows
-        assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
-        if cfg.tile_m == 128 and cfg.dq_accum == "tma":  # one reduce-add per 8-column slab
+        # dQ = dS K: tile_m 64 splits the head dim over the 2 WGs, tile_m 128 the query rows;
+        # tile_m 80 computes dQ^T = K^T dS^T (M = hd halves, N = 80: no other wgmma shape)
+        if cfg.tile_m == 80:
+            shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
+            assert shapes == {"80", str(cfg.head_dim)}, shapes
+        else:
+            assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
+        if cfg.tile_m in (80, 128) and cfg.dq_accum == "tma":  # one reduce-add per 8-col slab
             assert ptx.count("cp.reduce.async.bulk.tensor") == cfg.head_dim // 8
     else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
@@ -516,3 +524,39 @@ def test_cute_backward_passes_alibi_segments_and_reduces_dslopes(monkeypatch):
     assert dbias is None
     np.testing.assert_allclose(np.asarray(dslopes), -np.asarray(parts).sum(axis=(0, 2, 3)),
                                rtol=1e-6)
+
+
+def test_tile_m_80_is_dense_hd128_only_keyed_padded_and_gated(monkeypatch):
+    """tile_m 80 (hd 128 dense): keyed `_t80x128`, run by FlashBwdSm90M80, fits the shared
+    memory with 2 stages, pads LSE / delta to multiples of lcm(64, 80) = 320, counts 80-query
+    blocks, is refused with every feature it does not implement, never picked, and gated."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
+    from jaxflash.kernels.bwd_launch import M80_KERNEL_REF, bwd_launch, num_q_blocks, padded_len
+    c = BwdConfig(head_dim=128, tile_m=80)
+    assert "_t80x128" in c.key and c.num_stages == 2
+    assert c.smem_bytes() == 231680 <= SMEM_LIMIT_BYTES
+    assert bwd_launch(c, "sm_90a").kernel == M80_KERNEL_REF
+    assert [padded_len(t, c) for t in (1, 80, 320, 321, 1000)] == [320, 320, 320, 640, 1280]
+    assert [num_q_blocks(t, c) for t in (1, 80, 81, 1000, 1500)] == [1, 1, 2, 13, 19]
+    d = BwdConfig(head_dim=128)
+    assert [padded_len(t, d) for t in (1, 64, 65, 300)] == [64, 64, 128, 320]
+    refused = [dict(head_dim=64), dict(head_dim=96), dict(is_causal=True),
+               dict(has_window=True), dict(has_softcap=True), dict(has_q_seqlen=True),
+               dict(has_kv_seqlen=True), dict(has_alibi=True), dict(has_segments=True),
+               dict(deterministic=True), dict(dq_accum="red"), dict(early_dv=True),
+               dict(overlap_dq=True), dict(dq_arrive=True)]
+    for kw in refused:
+        with pytest.raises(ValueError, match="tile_m 80"):
+            BwdConfig(**{"head_dim": 128, "tile_m": 80, **kw})
+    with pytest.raises(ValueError, match="tile_m 96 must be"):
+        BwdConfig(head_dim=128, tile_m=96)
+    p = Problem(batch=2, q_len=4096, kv_len=4096, num_heads=16, num_kv_heads=16, head_dim=128,
+                head_dim_v=128, dtype="bfloat16", statics=AttentionStatics(scale=0.1))
+    assert config_for(p).tile_m == 64  # opt-in only: the pick is unchanged
+    assert verified.pending(c) == ("tile_m 80",)
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tile_m 80"):
+        verified.require_verified(c, "backward")
+    monkeypatch.setenv(verified.ENV, "1")
+    verified.require_verified(c, "backward")

@@ -122,6 +122,30 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
 
 
+def test_backward_tile_m_80_gated_checked_and_benched(monkeypatch):
+    """tile_m 80 at hd 128 dense (compiled and ptxas-clean 2026-12-01, no GPU run yet) is
+    refused by the gate without the switch, admitted with it; its "m80" check cases and bench
+    column run it by direct calls at the dense hd 128 points only."""
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=128, tile_m=80)
+    assert cfg.check()[0] and verified.pending(cfg) == ("tile_m 80",)
+    assert verified.pending(BwdConfig(head_dim=128)) == ()
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tile_m 80"):
+        verified.require_verified(cfg, "backward")
+    monkeypatch.setenv(verified.ENV, "1")
+    verified.require_verified(cfg, "backward")
+    cases = {n: sh for n, kw, sh in bwd_devrun.CHECKS if kw.get("tile_m") == 80}
+    assert len(cases) == 6 and all("m80" in n for n in cases)
+    assert any(sh[1] > sh[2] for sh in cases.values())  # more query blocks than key blocks
+    assert bwd_devrun.BENCH_VARIANTS[128]["m80"] == dict(tile_m=80)
+    dense = [(d, s) for d, s, c in bwd_devrun.VARIANT_POINTS if d == 128 and not c]
+    assert sorted(dense) == [(128, 1024), (128, 4096), (128, 16384)]
+    for d, s, c in bwd_devrun.VARIANT_POINTS:
+        if d == 128:
+            assert (bwd_devrun.variant_config(d, c, dict(tile_m=80)) is None) == c
+
+
 def test_forward_tile_pipe_checked():
     """The persistent forward's tile pipe passed its device checks (2026-12-01): not gated;
     its check cases (every head dim, causal, fp16 lengths) and bench column stay."""
@@ -210,6 +234,9 @@ def test_gate_rules_live_outside_the_hashed_sources():
                                         "jaxflash.kernels.config:FwdConfig")}
     files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_wide:FlashBwdSm90Wide",
                                          "jaxflash.kernels.bwd_config:BwdConfig")}
+    files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_m80:FlashBwdSm90M80",
+                                         "jaxflash.kernels.bwd_config:BwdConfig")}
+    assert "jaxflash.kernels.hopper_bwd_m80" in files
     assert "jaxflash.kernels.config" in files and "jaxflash.kernels.hopper_bwd" in files
     assert "jaxflash.kernels.verified" not in files and "jaxflash.kernels.choose" not in files
     assert not hasattr(FwdConfig, "unverified") and not hasattr(BwdConfig, "unverified")

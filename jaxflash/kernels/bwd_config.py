@@ -4,7 +4,8 @@ Like `config.py` for the forward: everything here changes the binary (it is part
 key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`). Per
+``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`; 80
+opt-in at hd 128 dense: `hopper_bwd_m80`). Per
 consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
 hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
 inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
@@ -36,12 +37,15 @@ FLOAT_SCALARS = ("softmax_scale", "softcap")
 INT_SCALARS = ("window_left", "window_right")
 # LSE and delta are passed padded to a multiple of this many queries (TMA boxes of tile_m rows
 # need 16-byte aligned row strides; padding rows carry LSE = +inf so they contribute nothing).
-# A config with a larger tile_m pads to its tile_m (`bwd_launch.padded_len`), a multiple of this.
+# A config with another tile_m pads to lcm(LSE_PAD, tile_m) (`bwd_launch.padded_len`): 128 at
+# tile_m 128, 320 at tile_m 80.
 LSE_PAD = 64
 # Head dims that may take tile_m 128 (see `BwdConfig`): hd 96 (64 + 64 + 48 + 48 accumulator
 # registers per thread for S^T, dP^T, dK and dV) spills 388 bytes and serializes the wgmma
 # (ptxas, 2026-12-01, with "tma" and "red" alike); hd 128 would need 256.
 TILE_M128_HEAD_DIMS = (64,)
+# tile_m 80 (`hopper_bwd_m80`, FA3's hd 128 non-causal step): this head dim, dense only.
+TILE_M80_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,10 @@ class BwdConfig:
       each) instead of the head dim. Q / dO stages, TMA boxes, dS^T buffers, the float32 dQ
       tile, the query-block ranges, the deterministic semaphores ([B, N, ceil(T / tile_m)])
       and the segment block summaries all follow tile_m.
+      80 (hd 128 dense only, opt-in; `hopper_bwd_m80.FlashBwdSm90M80`): S^T / dP^T are
+      64 keys x 80 queries per warpgroup, dV / dK take K = 80 (5 k-blocks), and dQ is
+      computed transposed, dQ^T = K^T dS^T (M = head dim, 64 per warpgroup; N = 80 queries),
+      its float32 tile stored transposed into the [query, hd] staging tile of the reduce-add.
     tile_n: keys per CTA (64 per consumer warpgroup).
     num_stages: pipeline depth of the Q / dO (+ LSE / delta) loads.
     dq_accum: how a step's 64 x hd dQ partial reaches the float32 accumulator in global memory:
@@ -135,8 +143,25 @@ class BwdConfig:
                            "accumulators of larger head dims do not fit the registers)")
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m not in (64, 128):
-            return False, f"tile_m {self.tile_m} must be 64 or 128 (wgmma M atoms of dQ)"
+        if self.tile_m not in (64, 80, 128):
+            return False, (f"tile_m {self.tile_m} must be 64 or 128 (wgmma M atoms of dQ), or 80 "
+                           "(hd 128 dense: dQ^T = K^T dS^T, queries as its N)")
+        if self.tile_m == 80:
+            # `hopper_bwd_m80`: written for the plain dense step only (what FA3 runs at hd 128
+            # non-causal); every feature below would need its own mask / range / register work.
+            if self.head_dim != TILE_M80_HEAD_DIM:
+                return False, (f"tile_m 80 at head_dim {self.head_dim}: only hd "
+                               f"{TILE_M80_HEAD_DIM} (the dQ^T GEMM splits the head dim 64 / 64)")
+            extra = [n for n, on in (
+                ("causal", self.is_causal), ("window", self.has_window),
+                ("softcap", self.has_softcap), ("q_seqlen", self.has_q_seqlen),
+                ("kv_seqlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
+                ("segment ids", self.has_segments), ("deterministic", self.deterministic),
+                ("dq_accum red", self.dq_accum != "tma"), ("early_dv", self.early_dv),
+                ("overlap_dq", self.overlap_dq), ("dq_arrive", self.dq_arrive)) if on]
+            if extra:
+                return False, (f"tile_m 80 with {', '.join(extra)}: the 80-query step is dense "
+                               "only (no masks, TMA dQ reduce-add, default schedule)")
         if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS:
             return False, (f"tile_m 128 at head_dim {self.head_dim}: the 64 x 128 S^T and dP^T "
                            "tiles beside the dK / dV accumulators exceed the 240 registers "

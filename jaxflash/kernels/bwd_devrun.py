@@ -249,6 +249,18 @@ CHECKS = [
     ("bf16 h64 m128 ovl dqa causal 2k", dict(head_dim=64, tile_m=128, overlap_dq=True,
                                              is_causal=True, dq_arrive=True),
      (1, 2048, 2048, 8, 2, {})),
+    # 80 queries per step at hd 128 dense (opt-in, gated until these pass; `hopper_bwd_m80`:
+    # dQ^T = K^T dS^T stored transposed into the reduce-add tile, LSE / delta padded to 320).
+    # Partial last query blocks (1000 = 12.5 x 80), GQA, T < S and T > S (more query blocks
+    # than key blocks), fp16, one exact block and a single partial block.
+    ("bf16 h128 m80 dense odd gqa", dict(head_dim=128, tile_m=80),
+     (2, 1000, 1000, 8, 2, {"cudnn": True})),
+    ("bf16 h128 m80 dense T<S", dict(head_dim=128, tile_m=80), (2, 333, 777, 4, 1, {})),
+    ("bf16 h128 m80 dense T>S", dict(head_dim=128, tile_m=80), (1, 1500, 300, 4, 2, {})),
+    ("fp16 h128 m80 dense 2k", dict(dtype="float16", head_dim=128, tile_m=80),
+     (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h128 m80 tiny 80", dict(head_dim=128, tile_m=80), (1, 80, 80, 1, 1, {})),
+    ("bf16 h128 m80 tiny 17", dict(head_dim=128, tile_m=80), (1, 17, 17, 2, 1, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -305,7 +317,10 @@ BENCH_VARIANTS = {
          "m128_ovl": dict(tile_m=128, overlap_dq=True),
          "m128_dqa": dict(tile_m=128, dq_arrive=True),
          "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
-    128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True)},
+    # "m80": 80 queries per step (dense only: `variant_config` skips the causal points;
+    # compare its *_bwd_speedup with "edv", hd 128's default).
+    128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True),
+          "m80": dict(tile_m=80)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -324,6 +339,15 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
              "dq_arrive")
+
+
+def variant_config(D, causal, vkw):
+    """The BwdConfig of a bench variant at a point, None where the variant refuses it (tile_m
+    80 is dense only)."""
+    try:
+        return BwdConfig(head_dim=D, is_causal=causal, **vkw)
+    except ValueError:
+        return None
 
 
 def _configs(kw):
@@ -355,7 +379,8 @@ def all_launches(cases=None):
             launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, deterministic=True)))
         for d, _, c in VARIANT_POINTS:
             for vkw in BENCH_VARIANTS.get(d, {}).values():
-                launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, **vkw)))
+                if variant_config(d, c, vkw) is not None:
+                    launches.append(bwd_launch(variant_config(d, c, vkw)))
         launches += _seg_bench_launches()
     uniq = {l.key: l for l in launches}
     return list(uniq.values())
@@ -581,6 +606,8 @@ def bench(out_path: str, only=None) -> None:
                                         (q, k, v, do), iters)
                         row["default_direct_ms"] = t_t * 1e3
                         for vn, vkw in BENCH_VARIANTS[D].items():
+                            if variant_config(D, causal, vkw) is None:
+                                continue  # refused at this point (m80: causal)
                             try:
                                 t_v = _time(_direct_fwd_bwd(D, causal, scale, "tma", **vkw),
                                             (q, k, v, do), iters)

@@ -2,7 +2,7 @@
 
 Inputs (row-major): q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], do [B, T, N, Hv] (one
 dtype), lse2 [B, N, Tp] and delta [B, N, Tp] float32 with Tp = `padded_len` (T rounded up
-to `LSE_PAD` and tile_m)
+to a multiple of both `LSE_PAD` and tile_m)
 (lse2 = LSE * log2(e), +inf where a row sees no key, is past q_seqlen or is padding; delta =
 rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them, alibi slopes
 [1, N] float32 (``has_alibi``), and (``has_segments``) q_segment_ids [B, T], kv_segment_ids
@@ -19,17 +19,23 @@ only with a window.
 """
 from __future__ import annotations
 
+import math
+
 from jaxflash.ffi.variant import Launch, TensorArg
 from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, LSE_PAD, BwdConfig
 
 KERNEL_REF = "jaxflash.kernels.hopper_bwd:FlashBwdSm90"
 # hd 192 / 256: consumer warpgroups split the head dim (see `BwdConfig.split`).
 WIDE_KERNEL_REF = "jaxflash.kernels.hopper_bwd_wide:FlashBwdSm90Wide"
+# hd 128 dense, 80 queries per step (`BwdConfig.tile_m` 80): dQ computed transposed.
+M80_KERNEL_REF = "jaxflash.kernels.hopper_bwd_m80:FlashBwdSm90M80"
 
 
 def kernel_ref(config: BwdConfig) -> str:
     """The one place that maps a backward config to its kernel class."""
-    return KERNEL_REF if config.split == "keys" else WIDE_KERNEL_REF
+    if config.split != "keys":
+        return WIDE_KERNEL_REF
+    return M80_KERNEL_REF if config.tile_m == 80 else KERNEL_REF
 
 
 def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
@@ -62,7 +68,7 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
 def padded_len(t: int, config: BwdConfig) -> int:
     """Tp: T rounded up to LSE_PAD and to the config's tile_m, so the last query block's
     LSE / delta box lies inside the array (its rows past T are +inf padding, not TMA fill)."""
-    pad = max(LSE_PAD, config.tile_m)
+    pad = math.lcm(LSE_PAD, config.tile_m)  # tile_m 80: 320 (the launch declares LSE_PAD)
     return -(-t // pad) * pad
 
 

@@ -5,9 +5,10 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
 - One CTA per (key block n, kv head, batch): ``tile_n`` = 128 keys, split over 2 consumer
   warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
   block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
-  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 opt-in at
-  hd 64) that can see the key block (`mask.QueryBlockRange`), so dK and dV are summed over the
-  group in registers: no atomics for them and no K/V copies.
+  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 at hd 64;
+  80 at hd 128 dense is `hopper_bwd_m80`, dQ computed transposed) that can see the key block
+  (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no atomics
+  for them and no K/V copies.
 - Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
   (``num_stages`` each), in the consumers' order.
 - Consumers, per step, with the keys as the wgmma M dimension ("swapAB", so every operand is in
@@ -136,6 +137,9 @@ class FlashBwdSm90(DqAccumulation):
         # it while S^T is in flight makes ptxas inject a wait for S^T (C7517). Off elsewhere, so
         # the other variants' PTX stays as measured.
         self.clear_acc = config.tile_m == 128 and config.overlap_dq
+        # dQ tile computed as [tile_m, hd] here; `hopper_bwd_m80` computes it as [hd, tile_m]
+        # (dQ^T = K^T dS^T) and stores it through a transposed view of sdQ.
+        self.dq_transposed = False
 
     @classmethod
     def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
@@ -262,8 +266,9 @@ class FlashBwdSm90(DqAccumulation):
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1)
 
-    # The two things the head-dim-split subclass (`hopper_bwd_wide`) changes; everything else
-    # of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing `launch`.
+    # The two things the subclasses (`hopper_bwd_wide`, `hopper_bwd_m80`) change; everything
+    # else of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing
+    # `launch`.
     def tiled_mmas(self):
         """(S^T / dP^T, dK, dV, dQ) tiled MMAs of the key-split scheme."""
         K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -494,8 +499,7 @@ class FlashBwdSm90(DqAccumulation):
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(layouts.transpose_mn(sdO)))
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
-        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sdS)))
-        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
+        dq_ops = self.dq_operands(wg_dq, sdS, sK)
         (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds, tdSsdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sdS, sdQ)
@@ -561,12 +565,8 @@ class FlashBwdSm90(DqAccumulation):
                     rdS.store(acc_dP.load().to(self.dtype))
                 else:
                     warpgroup.wait_group(0)
-                    self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage,
-                                         scale_log2)
-                    rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-                    rP.store(acc_S.load().to(self.dtype))
-                    rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-                    rdS.store(acc_dP.load().to(self.dtype))
+                    rP, rdS = self.probs_and_grads_lowp(acc_S, acc_dP, coords, sLSE, sDelta,
+                                                        stage, scale_log2)
                     # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
                     layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
                                   tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
@@ -591,8 +591,7 @@ class FlashBwdSm90(DqAccumulation):
                     # dQ first, then dK: the dQ tile's store, barrier and reduce-add run while
                     # the tensor cores compute dK (groups complete in order: <= 1 pending
                     # means dV and dQ are done).
-                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
-                                  zero_init=True, wait=-1, clear=self.clear_acc)
+                    self.dq_gemm(tiled_mma_dq, acc_dQ, dq_ops, buf, -1, self.clear_acc)
                     layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
                                   tdKrQt[None, None, None, stage], zero_init=False, wait=1)
                     self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
@@ -602,8 +601,7 @@ class FlashBwdSm90(DqAccumulation):
                     pipe_do.consumer_release(state)
                     state.advance()
                 else:
-                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
-                                  zero_init=True, wait=0)
+                    self.dq_gemm(tiled_mma_dq, acc_dQ, dq_ops, buf, 0, False)
                     pipe_q.consumer_release(state)
                     pipe_do.consumer_release(state)
                     state.advance()
@@ -646,6 +644,32 @@ class FlashBwdSm90(DqAccumulation):
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem must outlive the reads
 
+    def dq_operands(self, wg_dq, sdS, sK):
+        """The dQ GEMM's shared-memory operand fragments: A = dS (dS^T's transposed view, a
+        buffer mode last), B = K^T. Plain Python (inlined while `consume` is traced);
+        `hopper_bwd_m80` swaps them."""
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sdS)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
+        return tdQrdS, tdQrKt
+
+    def dq_gemm(self, tiled_mma_dq, acc_dQ, dq_ops, buf, wait: int, clear: bool):
+        """acc_dQ = dS K from dS^T buffer `buf` (`dq_operands`), one wgmma group."""
+        tdQrdS, tdQrKt = dq_ops
+        layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
+                      zero_init=True, wait=wait, clear=clear)
+
+    def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
+                             stage: Int32, scale_log2: Float32):
+        """`probs_and_grads`, then P^T and dS^T in the input dtype (the RS operands of dV and
+        dK). Plain Python (inlined while `consume` is traced); `hopper_bwd_m80` converts
+        per column group instead."""
+        self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        return rP, rdS
+
     def consumer_tiles(self, tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv, thr_dq,
                        tidx, sdS, sdQ):
         """A consumer thread's accumulators (dK / dV zeroed), its coordinates in the S^T and dQ
@@ -659,15 +683,17 @@ class FlashBwdSm90(DqAccumulation):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_coords = TileCoords.make(tiled_mma_dq, tidx, (self.tile_m, self.hd))
+        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.hd)
+        dq_coords = TileCoords.make(tiled_mma_dq, tidx, dq_mn)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
         tdQsdQ = None
         if const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(sdQ)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
+            tdQsdQ = thr_dq.partition_C(layouts.transpose_mn(sdQ) if self.dq_transposed
+                                        else sdQ)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
         return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds,
                 tdSsdS, tdQsdQ)
 
