@@ -535,7 +535,11 @@ def test_tile_m_80_is_dense_hd128_only_keyed_padded_and_gated(monkeypatch):
     from jaxflash.kernels.bwd_launch import M80_KERNEL_REF, bwd_launch, num_q_blocks, padded_len
     c = BwdConfig(head_dim=128, tile_m=80)
     assert "_t80x128" in c.key and c.num_stages == 2
-    assert c.smem_bytes() == 231680 <= SMEM_LIMIT_BYTES
+    # LSE / delta stages 96 floats apart (384 B): each stage is a TMA destination, which must
+    # be 128 B aligned (80 floats apart faulted on the H200, 2026-12-01)
+    assert c.row_stage_stride == 96 and c.smem_bytes() == 231936 <= SMEM_LIMIT_BYTES
+    assert [BwdConfig(head_dim=h, tile_m=m).row_stage_stride * 4 % 128
+            for h, m in ((64, 64), (64, 128), (128, 80), (256, 64))] == [0, 0, 0, 0]
     assert bwd_launch(c, "sm_90a").kernel == M80_KERNEL_REF
     assert [padded_len(t, c) for t in (1, 80, 320, 321, 1000)] == [320, 320, 320, 640, 1280]
     assert [num_q_blocks(t, c) for t in (1, 80, 81, 1000, 1500)] == [1, 1, 2, 13, 19]

@@ -228,9 +228,17 @@ class BwdConfig:
         if self.split == "headdim":
             # P^T and dS^T; 2 buffers with "red" (no per-step barrier then guards their reuse)
             ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
-        rows = 2 * self.num_stages * self.tile_m * 4
+        rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
+
+    @property
+    def row_stage_stride(self) -> int:
+        """Floats between two stages of the LSE / delta rows in shared memory: tile_m rounded
+        up to 32 (128 B), because each stage is a TMA destination and a bulk tensor copy's
+        shared-memory address must be 128-byte aligned. Only tile_m 80 pads (80 -> 96: its
+        second stage at +320 B faulted with a misaligned address on the H200, 2026-12-01)."""
+        return -(-self.tile_m // 32) * 32
 
     @property
     def split(self) -> str:

@@ -299,7 +299,9 @@ class FlashBwdSm90(DqAccumulation):
         sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=self.dq_cols)
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
-        sRow_layout = cute.make_layout((self.tile_m, self.num_stages))
+        # stages 128 B apart: each is a TMA destination (`BwdConfig.row_stage_stride`)
+        sRow_layout = cute.make_layout((self.tile_m, self.num_stages),
+                                       stride=(1, self.cfg.row_stage_stride))
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd,
                                          atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,

@@ -23,8 +23,9 @@ boxes of 80 x 8 floats.
 
 Shared memory (`BwdConfig.smem_bytes`): K + V 64 KB, Q + dO 2 stages x 80 x 128 x 2 x 2 =
 80 KB, dS^T 2 buffers x 128 x 80 x 2 = 40 KB (80 columns of 160 B: 32B swizzle atoms of 16
-columns), float32 dQ tile 40 KB, LSE / delta 1.25 KB: 231,680 of 232,448 bytes with 1 KB
-for barriers and alignment. LSE / delta are padded to a multiple of 320 (lcm(64, 80):
+columns), float32 dQ tile 40 KB, LSE / delta 1.5 KB (2 stages of 80 rows, 96 apart: a TMA
+destination must be 128 B aligned): 231,936 of 232,448 bytes with 1 KB for barriers and
+alignment. LSE / delta are padded to a multiple of 320 (lcm(64, 80):
 `bwd_launch.padded_len`).
 
 Registers: S^T + dP^T 40 + 40 and dK + dV 64 + 64 = 208 accumulator floats per consumer
