@@ -17,8 +17,12 @@ class _Fake:
     key: str = "fake_variant"
     pending: tuple = ("a new mask",)
 
-    def unverified(self):
-        return self.pending
+
+@pytest.fixture(autouse=True)
+def _fake_rules(monkeypatch):
+    """`_Fake` names its pending features through a rule, as the real config classes do."""
+    monkeypatch.setitem(verified.RULES, "_Fake",
+                        (("a new mask", lambda c: "a new mask" in c.pending),))
 
 
 def test_unverified_refused_with_reason(monkeypatch):

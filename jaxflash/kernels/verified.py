@@ -42,12 +42,9 @@ RULES = {
 
 
 def pending(config) -> tuple[str, ...]:
-    """The features of `config` not yet cleared for dispatch (empty when all were checked).
-    Config classes without rules here may name their own with an ``unverified()`` method."""
-    rules = RULES.get(type(config).__name__)
-    if rules is None:
-        return tuple(getattr(config, "unverified", lambda: ())())
-    return tuple(name for name, uses in rules if uses(config))
+    """The features of `config` not yet cleared for dispatch (empty when all were checked;
+    a config class without rules has none pending)."""
+    return tuple(name for name, uses in RULES.get(type(config).__name__, ()) if uses(config))
 
 
 def require_verified(config, what: str) -> None:
