@@ -291,6 +291,12 @@ class FlashBwdSm90(DqAccumulation):
             tiler_mn=(64, self.dq_cols))
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
+    def row_layout(self):
+        """LSE / delta rows in shared memory, [tile_m, stage], the stages 128 B apart: each is
+        a TMA destination (`BwdConfig.row_stage_stride`). Shared by both backward kernels."""
+        return cute.make_layout((self.tile_m, self.num_stages),
+                                stride=(1, self.cfg.row_stage_stride))
+
     def smem_layouts(self):
         """(Q, dO, K, V, dS^T, LSE / delta rows, dQ) shared-memory layouts."""
         sQ_layout = layouts.smem_layout(self.dtype, self.tile_m, self.hd, self.num_stages)
@@ -299,9 +305,7 @@ class FlashBwdSm90(DqAccumulation):
         sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=self.dq_cols)
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
-        # stages 128 B apart: each is a TMA destination (`BwdConfig.row_stage_stride`)
-        sRow_layout = cute.make_layout((self.tile_m, self.num_stages),
-                                       stride=(1, self.cfg.row_stage_stride))
+        sRow_layout = self.row_layout()
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd,
                                          atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,

@@ -96,9 +96,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         # P^T and dS^T (2 per buffer, see the module docstring)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
                                          2 * self.pds_bufs)
-        # stages 128 B apart: each is a TMA destination (`BwdConfig.row_stage_stride`)
-        sRow_layout = cute.make_layout((self.tile_m, self.num_stages),
-                                       stride=(1, self.cfg.row_stage_stride))
+        sRow_layout = self.row_layout()
         sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
