@@ -94,6 +94,9 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_arrive=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, deterministic=True,
               dq_arrive=True),
+    # overlap_dq at hd 128 with early_dv (opt-in, gated): a few loop-invariant spills
+    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True),
+    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True, is_causal=True),
     # 80 queries per step at hd 128 dense (opt-in, gated; FlashBwdSm90M80: dQ^T = K^T dS^T)
     BwdConfig(dtype="bfloat16", head_dim=128, tile_m=80),
     BwdConfig(dtype="float16", head_dim=128, tile_m=80),
@@ -148,6 +151,10 @@ def test_compiles_for_sm90a(cfg, tmp_path):
         # Known: deterministic hd 128 causal + window spills 4 bytes (already in 8adcba1).
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
         allowed = 4 if (cfg.deterministic and cfg.head_dim == 128 and cfg.has_window) else 0
+        # overlap_dq at hd 128: ptxas stores 1-7 loop-invariant values (dQ tile addresses)
+        # once before the step loop and reloads each once per step (nvdisasm, 2026-12-01).
+        if cfg.overlap_dq and cfg.head_dim == 128:
+            allowed = 28
         assert spills and max(spills) <= allowed, report
 
 

@@ -80,9 +80,11 @@ class BwdConfig:
     overlap_dq: issue order dV, (dS^T to smem, barrier), dQ, dK instead of dV, dK, (...), dQ,
       and wait for dV + dQ only: the dQ tile's store to shared memory, barrier and reduce-add
       (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
-      of the step has finished. hd 64 and 96 only: at hd 128 the dQ accumulator live beside
-      dK, dV and the in-flight dS^T operand makes ptxas spill (32-48 bytes; 4 B with early_dv,
-      still 4-16 B with the accumulator zeroing that cleans tile_m 128). With tile_m 128 (hd 64)
+      of the step has finished (FA3 / FA4's order). hd 64 and 96; hd 128 only with early_dv:
+      without it the dQ accumulator live beside dK, dV and the in-flight dS^T operand makes
+      ptxas spill 32-48 bytes; with it 4 B, one value stored before the step loop and
+      reloaded once per step (SASS, 2026-12-01: one STL outside, one LDL inside). With
+      tile_m 128 (hd 64)
       the kernel zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified.
     dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (BAR_DQ) becomes arrive for
       every consumer warp but warp 4 (which issues the reduce-add and still waits): a
@@ -196,8 +198,9 @@ class BwdConfig:
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
             return False, "deterministic needs dq_accum='tma' (ordered TMA reduce-adds)"
-        if self.overlap_dq and self.head_dim > 96:
-            return False, (f"overlap_dq at head_dim {self.head_dim}: ptxas spills (hd <= 96)")
+        if self.overlap_dq and self.head_dim > 96 and not self.early_dv:
+            return False, (f"overlap_dq at head_dim {self.head_dim} without early_dv: ptxas "
+                           "spills 32-48 B (hd <= 96, or with early_dv at hd 128)")
         if self.early_dv and self.has_softcap and self.head_dim > 96:
             return False, (f"early_dv with softcap at head_dim {self.head_dim}: the tanh values "
                            "kept for dS^T make ptxas spill (hd <= 96)")

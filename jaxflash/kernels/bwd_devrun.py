@@ -249,6 +249,26 @@ CHECKS = [
     ("bf16 h64 m128 ovl dqa causal 2k", dict(head_dim=64, tile_m=128, overlap_dq=True,
                                              is_causal=True, dq_arrive=True),
      (1, 2048, 2048, 8, 2, {})),
+    # overlap_dq at hd 128 with early_dv (gated until these pass; FA3 / FA4's order: dQ issued
+    # before dK, its tile stored while dK runs). ptxas keeps 1-7 loop-invariant values in
+    # local memory (one LDL each per step). Dense / causal GQA, window T > S, fp16 lengths
+    # with empty rows, with dq_arrive, and a 2k case against cuDNN.
+    ("bf16 h128 edv ovl causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                              overlap_dq=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h128 edv ovl dense odd mqa", dict(head_dim=128, early_dv=True, overlap_dq=True),
+     (2, 333, 301, 4, 1, {})),
+    ("bf16 h128 edv ovl dense 2k", dict(head_dim=128, early_dv=True, overlap_dq=True),
+     (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h128 edv ovl window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                          has_window=True, overlap_dq=True),
+     (1, 400, 150, 2, 2, {"window": (70, 0)})),
+    ("fp16 h128 edv ovl seqlens empty rows", dict(dtype="float16", head_dim=128,
+                                                  early_dv=True, has_q_seqlen=True,
+                                                  has_kv_seqlen=True, overlap_dq=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h128 edv ovl dqa causal 2k", dict(head_dim=128, early_dv=True, overlap_dq=True,
+                                             is_causal=True, dq_arrive=True),
+     (1, 2048, 2048, 8, 2, {})),
     # 80 queries per step at hd 128 dense (opt-in, gated until these pass; `hopper_bwd_m80`:
     # dQ^T = K^T dS^T stored transposed into the reduce-add tile, LSE / delta padded to 320).
     # Partial last query blocks (1000 = 12.5 x 80), GQA, T < S and T > S (more query blocks
@@ -319,8 +339,11 @@ BENCH_VARIANTS = {
          "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
     # "m80": 80 queries per step (dense only: `variant_config` skips the causal points;
     # compare its *_bwd_speedup with "edv", hd 128's default).
+    # "edv_ovl": overlap_dq on top of early_dv (FA3 / FA4's dQ-before-dK order), with and
+    # without dq_arrive. (m80 lost to edv in two runs on 2026-12-01: no longer timed.)
     128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True),
-          "m80": dict(tile_m=80)},
+          "edv_ovl": dict(early_dv=True, overlap_dq=True),
+          "edv_ovl_dqa": dict(early_dv=True, overlap_dq=True, dq_arrive=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
