@@ -96,6 +96,12 @@ class BwdConfig:
       rows = keys, columns = queries); ALiBi also writes per-warp partial sums of
       sum_ij dS_ij |i - j| (``ALIBI_PARTS`` per (batch, head, key block)) that the caller
       reduces in XLA into d(slopes) (no atomics: deterministic).
+    dq_writer: (dq_accum "tma", tile_m 64, not deterministic) FA3 / FA4's dQ hand-off: an
+      otherwise idle warp of the producer warpgroup (warp 1) issues the reduce-adds, one per
+      warpgroup half of the dQ tile, each guarded by its own pair of named barriers (half
+      stored / half read back) between that warpgroup and the writer. A consumer warpgroup
+      then never waits for the other one at the dQ flush (BAR_DQ and warp 4's reduce are
+      gone), only for its own half of the previous step to have been read.
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
@@ -120,6 +126,7 @@ class BwdConfig:
     overlap_dq: bool = False
     early_dv: bool = False
     dq_arrive: bool = False
+    dq_writer: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -194,6 +201,11 @@ class BwdConfig:
         if self.dq_arrive and self.deterministic and self.head_dim > 96:
             return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
                            "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
+        if self.dq_writer and (self.dq_accum != "tma" or self.split != "keys"
+                               or self.tile_m != 64 or self.deterministic or self.dq_arrive):
+            return False, ("dq_writer needs dq_accum='tma', the key-split kernel at tile_m 64 "
+                           "(head-dim halves per warpgroup) and neither deterministic (whose "
+                           "ordered adds stay with warp 4) nor dq_arrive")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -263,6 +275,7 @@ class BwdConfig:
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
+                f"{'_dqw' if self.dq_writer else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -269,6 +269,33 @@ CHECKS = [
     ("bf16 h128 edv ovl dqa causal 2k", dict(head_dim=128, early_dv=True, overlap_dq=True,
                                              is_causal=True, dq_arrive=True),
      (1, 2048, 2048, 8, 2, {})),
+    # dq_writer (gated until these pass): warp 1 issues one reduce-add per warpgroup half,
+    # per-warpgroup barrier pairs instead of BAR_DQ. Long T (many steps per CTA), GQA (the
+    # head loop), odd lengths (clipped rows), T < S and T > S, window, fp16 lengths with
+    # empty rows (CTAs with no step), hd 64 / 96, with and without overlap_dq / early_dv.
+    ("bf16 h128 edv ovl dqw causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                                  overlap_dq=True, dq_writer=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h128 edv ovl dqw dense 2k", dict(head_dim=128, early_dv=True, overlap_dq=True,
+                                            dq_writer=True),
+     (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h128 edv dqw dense odd mqa", dict(head_dim=128, early_dv=True, dq_writer=True),
+     (2, 333, 301, 4, 1, {})),
+    ("bf16 h128 edv ovl dqw window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
+                                              has_window=True, overlap_dq=True,
+                                              dq_writer=True),
+     (1, 400, 150, 2, 2, {"window": (70, 0)})),
+    ("fp16 h128 edv ovl dqw seqlens empty rows", dict(dtype="float16", head_dim=128,
+                                                      early_dv=True, has_q_seqlen=True,
+                                                      has_kv_seqlen=True, overlap_dq=True,
+                                                      dq_writer=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h64 dqw causal gqa 1k", dict(head_dim=64, is_causal=True, dq_writer=True),
+     (2, 1000, 1000, 8, 2, {})),
+    ("fp16 h96 ovl dqw window kvlen", dict(dtype="float16", head_dim=96, has_window=True,
+                                           has_kv_seqlen=True, overlap_dq=True,
+                                           dq_writer=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
     # 80 queries per step at hd 128 dense (opt-in, gated until these pass; `hopper_bwd_m80`:
     # dQ^T = K^T dS^T stored transposed into the reduce-add tile, LSE / delta padded to 320).
     # Partial last query blocks (1000 = 12.5 x 80), GQA, T < S and T > S (more query blocks
@@ -343,7 +370,10 @@ BENCH_VARIANTS = {
     # without dq_arrive. (m80 lost to edv in two runs on 2026-12-01: no longer timed.)
     128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True),
           "edv_ovl": dict(early_dv=True, overlap_dq=True),
-          "edv_ovl_dqa": dict(early_dv=True, overlap_dq=True, dq_arrive=True)},
+          "edv_ovl_dqa": dict(early_dv=True, overlap_dq=True, dq_arrive=True),
+          # dq_writer: the reduce-adds from warp 1, per-warpgroup barriers
+          "edv_dqw": dict(early_dv=True, dq_writer=True),
+          "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -361,7 +391,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive")
+             "dq_arrive", "dq_writer")
 
 
 def variant_config(D, causal, vkw):

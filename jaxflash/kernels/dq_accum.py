@@ -19,11 +19,17 @@ from jaxflash.kernels.mask import QueryBlockRange, TileCoords
 # Named barrier id (the kernels' others are in `hopper_bwd`): the step's dQ tile is in shared
 # memory, the TMA reduce may read it.
 BAR_DQ = 3
+# `dq_writer`: per consumer warpgroup w, "half w stored" (BAR_DQ_FULL + w: the warpgroup
+# arrives, the writer warp waits) and "half w read by its reduce" (BAR_DQ_EMPTY + w: the
+# writer arrives, the warpgroup waits); 128 + 32 threads each.
+BAR_DQ_FULL = 4
+BAR_DQ_EMPTY = 6
+_WG_AND_WRITER = 128 + 32
 
 
 class DqAccumulation:
     """Mixin of `FlashBwdSm90` (and so `FlashBwdSm90Wide`): reads the kernel's ``tile_m``,
-    ``hd``, ``dq_tma``, ``num_mma_threads`` and ``cfg``."""
+    ``hd``, ``dq_tma``, ``dq_writer``, ``dq_cols``, ``num_mma_threads`` and ``cfg``."""
 
     @cute.jit
     def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
@@ -33,7 +39,14 @@ class DqAccumulation:
         memory: through sdQ and one TMA reduce-add issued by warp 4, or per-element atomics.
         sdQ must be free: warp 4 waited for the previous reduce's reads before the last
         _BAR_DS that every consumer thread passed since."""
-        if const_expr(self.dq_tma):
+        if const_expr(self.dq_writer):
+            wg = (warp_idx - 4) // 4
+            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=_WG_AND_WRITER)
+            tdQsdQ.store(acc_dQ.load())
+            cute.arch.fence_view_async_shared()  # visible to the TMA unit
+            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg,
+                                     number_of_threads=_WG_AND_WRITER)
+        elif const_expr(self.dq_tma):
             tdQsdQ.store(acc_dQ.load())
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
             if const_expr(self.cfg.dq_arrive):
@@ -59,6 +72,34 @@ class DqAccumulation:
                     pass_turn(sem)
         else:
             self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
+
+    @cute.jit
+    def write_dq(self, mdQ, sdQ, tma_dQ, kv_head: Int32, batch: Int32, group: Int32,
+                 m_min: Int32, num_m: Int32, num_steps: Int32):
+        """The dQ writer warp (`dq_writer`; warp 1, idle otherwise): per step, in the
+        consumers' order, one TMA reduce-add per warpgroup half as soon as that half is
+        stored, then hand each half back once its reduce has read it. Both halves start
+        free (the first arrivals); the last step's hand-back is never awaited."""
+        if num_steps > 0:
+            for w in cutlass.range_constexpr(2):
+                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,
+                                         number_of_threads=_WG_AND_WRITER)
+            for step in cutlass.range(num_steps, unroll=1):
+                g = step // num_m
+                m_block = m_min + step - g * num_m
+                gdQ = mdQ[None, None, kv_head * group + g, batch]
+                for w in cutlass.range_constexpr(2):
+                    sPart = cute.local_tile(sdQ, (self.tile_m, self.dq_cols), (0, w))
+                    gPart = cute.local_tile(gdQ, (self.tile_m, self.dq_cols), (m_block, w))
+                    tQs, tQg = layouts.tma_tiles(tma_dQ, sPart, gPart)
+                    cute.arch.barrier(barrier_id=BAR_DQ_FULL + w,
+                                      number_of_threads=_WG_AND_WRITER)
+                    cute.copy(tma_dQ, tQs, tQg)  # rows past T: clipped by the TMA unit
+                    cute.arch.cp_async_bulk_commit_group()
+                for w in cutlass.range_constexpr(2):
+                    cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
+                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,
+                                             number_of_threads=_WG_AND_WRITER)
 
     @cute.jit
     def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,

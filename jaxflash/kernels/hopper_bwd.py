@@ -115,6 +115,7 @@ class FlashBwdSm90(DqAccumulation):
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
         self.dq_tma = config.dq_accum == "tma"
+        self.dq_writer = config.dq_writer
         # How the two warpgroups split the tile_m x hd dQ tile of a step: at tile_m 64 (one
         # wgmma M atom) by head-dim halves; at tile_m 128 by 64-query row halves, each with the
         # whole head dim: wgmma N = hd instead of hd/2 (half the instructions) and each
@@ -232,8 +233,15 @@ class FlashBwdSm90(DqAccumulation):
         tma_Dl, tma_mDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, row1, (self.tile_m,), 1)
         tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
         tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
-        tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
+        if const_expr(self.dq_writer):
+            # One reduce-add per warpgroup half (`write_dq`): the box is that half, whose
+            # shared-memory layout is the whole tile's restricted to its (whole) atoms.
+            tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, self.dq_part_layout(),
+                (self.tile_m, self.dq_cols))
+        else:
+            tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
         self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
         self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
         self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
@@ -310,6 +318,13 @@ class FlashBwdSm90(DqAccumulation):
                                          atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
+
+    def dq_part_layout(self):
+        """Shared-memory layout of one warpgroup's half of the dQ tile (`dq_writer`, tile_m
+        64: tile_m x hd/2, whole swizzle atoms; the whole tile's atoms are tiled rows first,
+        so half w is the contiguous w-th half of the buffer)."""
+        return layouts.smem_layout(Float32, self.tile_m, self.dq_cols,
+                                   atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
 
     # ------------------------------------------------------------------------------------
     # device
@@ -424,6 +439,10 @@ class FlashBwdSm90(DqAccumulation):
                 self.produce(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                              tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q,
                              pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps)
+            if const_expr(self.dq_writer):
+                if warp_idx == 1:
+                    self.write_dq(mdQ, sdQ, tma_dQ, kv_head, batch, group, m_min, num_m,
+                                  num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
@@ -588,7 +607,7 @@ class FlashBwdSm90(DqAccumulation):
                                                   mdAlibi, dslope)
                 cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
-                if const_expr(self.dq_tma):
+                if const_expr(self.dq_tma and not self.dq_writer):
                     if warp_idx == 4:
                         # The previous step's reduce has read sdQ once this barrier is passed.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -39,7 +39,8 @@ RULES = {
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
                   ("dq_arrive", lambda c: c.dq_arrive),
                   # (2026-12-01, evening) compiled with 1-7 loop-invariant values spilled
-                  ("overlap_dq at head_dim 128", lambda c: c.overlap_dq and c.head_dim == 128)),
+                  ("overlap_dq at head_dim 128", lambda c: c.overlap_dq and c.head_dim == 128),
+                  ("dq_writer", lambda c: c.dq_writer)),
 }
 
 
