@@ -366,12 +366,11 @@ BENCH_VARIANTS = {
          "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
     # "m80": 80 queries per step (dense only: `variant_config` skips the causal points;
     # compare its *_bwd_speedup with "edv", hd 128's default).
-    # "edv_ovl": overlap_dq on top of early_dv (FA3 / FA4's dQ-before-dK order), with and
-    # without dq_arrive. (m80 lost to edv in two runs on 2026-12-01: no longer timed.)
-    128: {"edv": dict(early_dv=True), "edv_dqa": dict(early_dv=True, dq_arrive=True),
-          "edv_ovl": dict(early_dv=True, overlap_dq=True),
-          "edv_ovl_dqa": dict(early_dv=True, overlap_dq=True, dq_arrive=True),
-          # dq_writer: the reduce-adds from warp 1, per-warpgroup barriers
+    # "edv_ovl": overlap_dq on top of early_dv (FA3 / FA4's dQ-before-dK order); "*_dqw" with
+    # dq_writer (the reduce-adds from warp 1, per-warpgroup barriers). (m80 lost to edv in two
+    # runs on 2026-12-01, edv_dqa / edv_ovl_dqa were within noise of edv in the first run of
+    # the evening (`cute-bwd-bench-ovl128-2026-12-01.json`): no longer timed.)
+    128: {"edv": dict(early_dv=True), "edv_ovl": dict(early_dv=True, overlap_dq=True),
           "edv_dqw": dict(early_dv=True, dq_writer=True),
           "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
