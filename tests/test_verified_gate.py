@@ -122,14 +122,14 @@ def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_arrive")]
     assert {kw["head_dim"] for kw in cases} == {64, 128} and len(cases) >= 8
     assert any(kw.get("deterministic") for kw in cases)
-    assert bwd_devrun.BENCH_VARIANTS[128]["edv_dqa"] == dict(early_dv=True, dq_arrive=True)
+    # (the hd 128 "edv_dqa" column was timed through 2026-12-01 and dropped: within noise)
     assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
 
 
 def test_backward_tile_m_80_cleared_checked_and_benched(monkeypatch):
     """tile_m 80 at hd 128 dense passed its 6 float64 checks, memcheck and racecheck on the
     H200 (2026-12-01): admitted without the switch (choose never picks it: it was slower); its
-    "m80" check cases and bench column run it by direct calls at the dense hd 128 points only."""
+    "m80" check cases run it by direct calls; it is refused at the causal points."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=128, tile_m=80)
     assert cfg.check()[0] and verified.pending(cfg) == ()
@@ -138,7 +138,7 @@ def test_backward_tile_m_80_cleared_checked_and_benched(monkeypatch):
     cases = {n: sh for n, kw, sh in bwd_devrun.CHECKS if kw.get("tile_m") == 80}
     assert len(cases) == 6 and all("m80" in n for n in cases)
     assert any(sh[1] > sh[2] for sh in cases.values())  # more query blocks than key blocks
-    assert bwd_devrun.BENCH_VARIANTS[128]["m80"] == dict(tile_m=80)
+    # (its "m80" bench column ran in two benches of 2026-12-01, 0.87-0.94x early_dv: dropped)
     dense = [(d, s) for d, s, c in bwd_devrun.VARIANT_POINTS if d == 128 and not c]
     assert sorted(dense) == [(128, 1024), (128, 4096), (128, 16384)]
     for d, s, c in bwd_devrun.VARIANT_POINTS:
