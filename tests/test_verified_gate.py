@@ -77,7 +77,7 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     names = [n for n, kw, _ in devrun.CHECKS
              if kw.get("tile_m") == 192 and kw.get("intra_wg_overlap", True)]
     assert len(names) >= 6 and any("causal" in n for n in names)
-    assert devrun.VARIANTS["m192_ov"] == dict(tile_m=192, intra_wg_overlap=True)
+    assert devrun.VARIANTS["m192_ps"] == dict(head_dim=64, tile_m=192, persistent=True)
 
 
 def test_backward_tile_m_128_checked_and_benched():

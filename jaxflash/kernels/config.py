@@ -64,6 +64,11 @@ class FwdConfig:
       and hands (m_block, head, batch) to the consumers through a 2-slot shared-memory
       pipeline, so the consumers' tile loop carries no scheduler state and does no index
       division per tile (NOTES.md, "Persistent forward").
+    wg_epilogue: (persistent, O in its own buffer) each consumer warpgroup normalizes, stores
+      (stmatrix, then a TMA store of its own 64 rows issued by its first warp) and leaves its
+      half of the tile on its own, with a 128-thread barrier instead of the two 256-thread
+      ones: under pingpong the second warpgroup runs about half a key block behind the
+      first, which otherwise waits for it at every tile's end.
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last
@@ -93,6 +98,7 @@ class FwdConfig:
     pingpong: bool = True
     persistent: bool = False
     tile_pipe: bool = False
+    wg_epilogue: bool = False
     tile_order: str = "auto"
     l2_section_mb: int = 24
     m_align: str = "start"
@@ -134,6 +140,10 @@ class FwdConfig:
                            "overlap always use it; without overlap S is not live across P)")
         if self.tile_order not in ("auto", "lpt", "plain"):
             return False, f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain')"
+        if self.wg_epilogue and not (self.persistent and self.separate_o):
+            return False, ("wg_epilogue needs persistent=True with O in its own shared buffer "
+                           "(head dims <= 128): each warpgroup then stores its own rows and "
+                           "goes on to the next tile")
         if self.tile_pipe and not self.persistent:
             return False, "tile_pipe needs persistent=True (it feeds the persistent tile loop)"
         if not 1 <= self.l2_section_mb <= 64:
@@ -190,7 +200,7 @@ class FwdConfig:
         sched = (("ov" if self.intra_wg_overlap else "")
                  + ("fs" if self.fresh_s else "")
                  + ("pp" if self.pingpong else "") + ("ps" if self.persistent else "")
-                 + ("tp" if self.tile_pipe else ""))
+                 + ("tp" if self.tile_pipe else "") + ("we" if self.wg_epilogue else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
         if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)

@@ -182,6 +182,23 @@ CHECKS = [
     ("bf16 h64 m192 persist2 causal", dict(head_dim=64, tile_m=192, persistent=True,
                                            tile_pipe=True, is_causal=True),
      (8, 1000, 1000, 8, 8, {})),
+    # wg_epilogue (gated until these pass): each warpgroup stores its own 64 rows and moves
+    # on. More tiles than CTAs, GQA, odd lengths (the TMA clips each half), causal, lengths
+    # with an empty key length (rows past q_seqlen), 192-row tiles (3 warpgroups) with the
+    # end-aligned first tile, and bitwise repeats (a half stored late would show).
+    ("bf16 h128 we dense gqa odd", dict(head_dim=128, persistent=True, tile_pipe=True,
+                                        wg_epilogue=True), (2, 1000, 1111, 12, 4, {"repeat": 3})),
+    ("bf16 h128 we causal gqa", dict(head_dim=128, is_causal=True, persistent=True,
+                                     tile_pipe=True, wg_epilogue=True), (2, 999, 999, 12, 3, {})),
+    ("fp16 h128 we seqlens", dict(dtype="float16", head_dim=128, persistent=True,
+                                  tile_pipe=True, has_q_seqlen=True, has_kv_seqlen=True,
+                                  wg_epilogue=True),
+     (3, 1000, 1000, 8, 2, {"q_seqlen": [1000, 131, 17], "kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h64 m192 we causal mend", dict(head_dim=64, tile_m=192, persistent=True,
+                                          is_causal=True, m_align="end", wg_epilogue=True),
+     (4, 1000, 1000, 8, 8, {"repeat": 3})),
+    ("bf16 h64 m192 we dense gqa", dict(head_dim=64, tile_m=192, persistent=True,
+                                        wg_epilogue=True), (4, 1000, 1100, 12, 4, {})),
     # End-aligned query tiles v2 (m_align="end", clamped: tile 0 starts at row 0 and recomputes
     # rows [tile_m - shift, tile_m) that tile 1 owns; gated, never run on a GPU). T not a
     # multiple of the tile (1000: shift 152, 1024: 128, 1100: 52, 900: 60), more tiles than the
@@ -232,21 +249,19 @@ BENCH_S = (1024, 4096, 16384)
 # "persistent" before 2026-12-01 ran with every wgmma serialized at hdim 128 dense and hdim 256
 # (ptxas C7512; NOTES.md "Persistent forward"): its earlier numbers there are not comparable.
 # "stages3" (3 K/V stages) and "m192_no_overlap" lost in two 2026-12-01 runs: no longer timed.
-VARIANTS = {"persistent": dict(persistent=True),
-            "persist2": dict(persistent=True, tile_pipe=True),
-            "m192_ov": dict(tile_m=192, intra_wg_overlap=True),
-            # hd 64's 192-row tile on the persistent loop (S = 1k is where hd 64 still trails
-            # cuDNN: 0.78-0.88x; persistent helped the 128-row tile there)
+# From the evening of 2026-12-01 only the picks' neighbours are timed (persistent, m192_ov,
+# m192_p2, n160, n192, n80c and m192_ov_end were decided by the runs above).
+VARIANTS = {"persist2": dict(persistent=True, tile_pipe=True),
             "m192_ps": dict(head_dim=64, tile_m=192, persistent=True),
-            "m192_p2": dict(head_dim=64, tile_m=192, persistent=True, tile_pipe=True),
-            "n160": dict(head_dim=128, tile_n=160, fresh_s=True),
-            "n192": dict(head_dim=64, tile_n=192, fresh_s=True),
-            "n80c": dict(head_dim=256, is_causal=True, tile_n=80, fresh_s=True),
             # End-aligned tiles (hd 64 causal only): the partial tile first, where it is
             # cheapest (1k causal: 28 key-block iterations instead of 32).
             "m192_ps_end": dict(head_dim=64, tile_m=192, persistent=True, m_align="end",
                                 is_causal=True),
-            "m192_ov_end": dict(head_dim=64, tile_m=192, m_align="end", is_causal=True)}
+            # per-warpgroup epilogue on the persistent picks (hd 128 and hd 64 at S <= 1k)
+            "p2_we": dict(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True),
+            "m192_ps_we": dict(head_dim=64, tile_m=192, persistent=True, wg_epilogue=True),
+            "m192_ps_end_we": dict(head_dim=64, tile_m=192, persistent=True, m_align="end",
+                                   is_causal=True, wg_epilogue=True)}
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True), (64, 1024, True), (64, 1024, False),
                   (64, 4096, False),

@@ -56,6 +56,7 @@ LOG2_E = math.log2(math.e)
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1
 _BAR_WG_SCHED = 2  # 2 + consumer warpgroup index
+_BAR_EPILOGUE_WG = 4  # 4 + consumer warpgroup index (`wg_epilogue`)
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -122,6 +123,7 @@ class FlashFwdSm90:
         self.persistent = config.persistent
         self.tile_pipe = config.tile_pipe
         self.separate_o = config.separate_o
+        self.wg_epilogue = config.wg_epilogue
         self.m_end = config.m_align == "end"
 
     @classmethod
@@ -197,8 +199,14 @@ class FlashFwdSm90:
             g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hd), 1)
         tma_V, tma_mV = cpasync.make_tiled_tma_atom(
             g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdv), 1)
-        tma_O, tma_mO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdv))
+        if const_expr(self.wg_epilogue):
+            # One store per warpgroup: its 64 rows (in sO, whole 8-row swizzle atoms).
+            tma_O, tma_mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO,
+                layouts.smem_layout(self.dtype, 64, self.hdv), (64, self.hdv))
+        else:
+            tma_O, tma_mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdv))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
@@ -399,7 +407,8 @@ class FlashFwdSm90:
                     segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128, warp_idx,
                     pre_scale, scale_log2, window_left, window_right, T)
             if const_expr(self.separate_o):
-                if warp_idx == 4:
+                # the last stores read sO before the CTA's shared memory goes away
+                if warp_idx == 4 or (const_expr(self.wg_epilogue) and warp_idx % 4 == 0):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -672,6 +681,23 @@ class FlashFwdSm90:
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+        if const_expr(self.wg_epilogue):
+            # This warpgroup's rows only: its first warp issued (and waits for) its stores.
+            first = warp_idx == 4 + 4 * wg
+            if first:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous tile's rows read
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE_WG + wg, number_of_threads=128)
+            cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+            cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE_WG + wg, number_of_threads=128)
+            gO = blocks.row_box(mO[None, None, head, batch], m_block, self.hdv)
+            tOsO, tOgO = layouts.tma_tiles(tma_O, cute.local_tile(sO, (64, self.hdv), (wg, 0)),
+                                           cute.local_tile(gO, (64, self.hdv), (wg, 0)))
+            if first:
+                cute.copy(tma_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+            q_state.advance()
+            return q_state, kv_state
         if const_expr(self.separate_o):
             # The previous tile's TMA store must have finished reading sO.
             if warp_idx == 4:
