@@ -263,9 +263,7 @@ def test_forward_end_aligned_tiles_checked_and_picked():
     assert sum(1 for _, _, p in cases if p[-1].get("repeat", 0) >= 5) >= 2
     assert devrun.VARIANTS["m192_ps_end"] == dict(head_dim=64, tile_m=192, persistent=True,
                                                   m_align="end", is_causal=True)
-    assert devrun.VARIANTS["m192_ov_end"] == dict(head_dim=64, tile_m=192, m_align="end",
-                                                  is_causal=True)
-    for name in ("m192_ps_end", "m192_ov_end"):
+    for name in ("m192_ps_end", "m192_ps_end_we"):
         points = {p for p in devrun.VARIANT_POINTS
                   if devrun._variant(p[0], p[2], devrun.VARIANTS[name]) is not None}
         assert {(64, 1024, True), (64, 4096, True)} <= points
