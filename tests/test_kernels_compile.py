@@ -258,16 +258,17 @@ def test_config_for_problem():
 
 
 @pytest.mark.parametrize("D,S,causal,extra,want", [
-    (64, 1024, False, {}, dict(tile_m=192, intra_wg_overlap=True, persistent=True)),
-    (64, 1024, True, {}, dict(tile_m=192, persistent=True, m_align="end")),
+    (64, 1024, False, {}, dict(tile_m=192, intra_wg_overlap=True, persistent=True,
+                               wg_epilogue=False)),
+    (64, 1024, True, {}, dict(tile_m=192, persistent=True, m_align="end", wg_epilogue=True)),
     (64, 1024, True, {"softcap": 30.0}, dict(tile_m=192, persistent=True, m_align="start")),
-    (64, 4096, True, {}, dict(tile_m=192, persistent=True, m_align="start")),
+    (64, 4096, True, {}, dict(tile_m=192, persistent=True, m_align="start", wg_epilogue=False)),
     (64, 4096, False, {}, dict(tile_m=192, persistent=False)),
     (64, 16384, True, {}, dict(tile_m=192, intra_wg_overlap=True, num_stages=2,
                                persistent=False)),
-    (128, 1024, True, {}, dict(persistent=True, tile_pipe=True)),
-    (128, 1024, False, {}, dict(persistent=True, tile_pipe=True, num_stages=2)),
-    (128, 4096, False, {}, dict(persistent=True, tile_pipe=True)),
+    (128, 1024, True, {}, dict(persistent=True, tile_pipe=True, wg_epilogue=True)),
+    (128, 1024, False, {}, dict(persistent=True, tile_pipe=True, num_stages=2, wg_epilogue=True)),
+    (128, 4096, False, {}, dict(persistent=True, tile_pipe=True, wg_epilogue=False)),
     (128, 4096, True, {}, dict(persistent=False)),
     (256, 1024, True, {}, dict(persistent=False)),
     (256, 4096, False, {}, dict(persistent=True, tile_pipe=True)),

@@ -215,7 +215,8 @@ def test_forward_192_rows_persistent_checked_and_picked():
     from jaxflash.kernels.choose import schedule_for
     assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()
     assert schedule_for(64, 1024, False) == dict(tile_m=192, persistent=True)
-    assert schedule_for(64, 1024, True) == dict(tile_m=192, persistent=True, m_align="end")
+    assert schedule_for(64, 1024, True) == dict(tile_m=192, persistent=True, m_align="end",
+                                                wg_epilogue=True)
     assert schedule_for(64, 4096, True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 4096, False) == dict(tile_m=192)
     assert schedule_for(64, 16384, True) == dict(tile_m=192)
@@ -268,3 +269,24 @@ def test_forward_end_aligned_tiles_checked_and_picked():
                   if devrun._variant(p[0], p[2], devrun.VARIANTS[name]) is not None}
         assert {(64, 1024, True), (64, 4096, True)} <= points
         assert all(d == 64 and c for d, _, c in points)
+
+
+def test_forward_wg_epilogue_checked_and_picked():
+    """The per-warpgroup epilogue passed 8 float64 checks (bitwise repeats included), memcheck
+    and racecheck on the H200 (2026-12-01): not gated, picked where it was faster in both
+    runs (hd 128 S <= 1k, hd 64 causal S <= 1k), and only with persistent + its own O buffer."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import schedule_for
+    cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True)
+    assert verified.pending(cfg) == () and cfg.key.endswith("tpwe_dense")
+    assert schedule_for(128, 1024, False)["wg_epilogue"]
+    assert schedule_for(128, 1024, True)["wg_epilogue"]
+    assert "wg_epilogue" not in schedule_for(128, 4096, False)
+    assert "wg_epilogue" not in schedule_for(64, 1024, False)
+    with pytest.raises(ValueError, match="wg_epilogue needs persistent"):
+        FwdConfig(head_dim=128, wg_epilogue=True)
+    with pytest.raises(ValueError, match="wg_epilogue needs persistent"):
+        FwdConfig(head_dim=256, persistent=True, wg_epilogue=True)  # O shares Q's buffer
+    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("wg_epilogue")]
+    assert len(cases) >= 5 and {kw["head_dim"] for kw in cases} == {64, 128}
+    assert any(kw.get("tile_m") == 192 and kw.get("m_align") == "end" for kw in cases)

@@ -63,6 +63,15 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       iterations instead of 32 at 1k): 0.88 -> 0.93 in the kernel bench of 12:33 UTC
       (`cute-fwd-bench-mend-h200-2026-12-01.json`); at 4k causal 1.08 -> 1.07 (not picked).
       10 float64 checks + bitwise repeats + memcheck passed (`cute-fwd-check-mend-*`).
+    - S <= 1k at hdim 128, and hdim 64 causal S <= 1k: `wg_epilogue` on top (each consumer
+      warpgroup stores its own rows and goes on to the next tile; under pingpong the second
+      one otherwise holds the first at every tile's end). Two runs (15:25 UTC,
+      `cute-fwd-bench-we{1,2}-h200-2026-12-01.json`), ratio to cuDNN without -> with: hd 128 1k
+      dense 1.002 / 0.993 -> 1.014 / 1.010, causal 0.930 / 0.922 -> 0.950 / 0.924, hd 64 1k
+      causal (end-aligned) 0.943 / 0.921 -> 0.959 / 0.951. Not picked where it did not help:
+      hd 64 1k dense (0.950 / 0.949 -> 0.933 / 0.950), hd 64 4k causal (1.073 / 1.103 -> 1.060 /
+      1.102), hd 128 4k dense (1.093 / 1.138 -> 1.076 / 1.064). 8 float64 checks with bitwise
+      repeats, memcheck and racecheck clean (`cute-fwd-{check,we-*}-...`).
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
@@ -76,9 +85,11 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
         short = kv_len <= 1024 or (causal and kv_len <= 4096)
         if causal and kv_len <= 1024 and not softcap:
             # end-aligned tiles: the partial 192-row tile first, where causal makes it cheapest
-            return {"tile_m": 192, "persistent": True, "m_align": "end"}
+            return {"tile_m": 192, "persistent": True, "m_align": "end", "wg_epilogue": True}
         return {"tile_m": 192, "persistent": True} if short else {"tile_m": 192}
-    if head_dim == 128 and (kv_len <= 1024 or (not causal and kv_len <= 4096)):
+    if head_dim == 128 and kv_len <= 1024:
+        return {"persistent": True, "tile_pipe": True, "wg_epilogue": True}
+    if head_dim == 128 and not causal and kv_len <= 4096:
         return {"persistent": True, "tile_pipe": True}
     if head_dim == 256 and not causal and kv_len <= 4096:
         return {"persistent": True, "tile_pipe": True}
