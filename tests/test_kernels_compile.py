@@ -39,6 +39,9 @@ MATRIX = [
     FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, persistent=True),
     FwdConfig(dtype="bfloat16", head_dim=256, persistent=True, tile_order="lpt"),
     # the tile pipe (the producer hands tile coordinates to the consumers through smem)
+    FwdConfig(dtype="bfloat16", head_dim=128, lazy_rescale=True),  # FA4's conditional rescale
+    FwdConfig(dtype="float16", head_dim=64, tile_m=192, is_causal=True, has_softcap=True,
+              lazy_rescale=True),
     FwdConfig(dtype="float16", head_dim=128, persistent=True, tile_pipe=True, has_q_seqlen=True,
               has_kv_seqlen=True),
     # three consumer warpgroups (192-row tiles), opt-in for hdim 64 (with overlap: see below)

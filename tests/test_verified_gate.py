@@ -290,3 +290,16 @@ def test_forward_wg_epilogue_checked_and_picked():
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("wg_epilogue")]
     assert len(cases) >= 5 and {kw["head_dim"] for kw in cases} == {64, 128}
     assert any(kw.get("tile_m") == 192 and kw.get("m_align") == "end" for kw in cases)
+
+
+def test_forward_lazy_rescale_gated_with_checks():
+    """FA4's conditional O rescale (compiled 2026-12-01, GPU checks pending) is refused by the
+    gate; its check cases include inputs whose row max grows block after block (k_ramp), so
+    the rescale path runs, and the bench times it on top of each head dim's pick."""
+    from jaxflash.kernels import devrun
+    cfg = FwdConfig(head_dim=128, lazy_rescale=True)
+    assert verified.pending(cfg) == ("lazy_rescale",) and "lz" in cfg.key
+    cases = [(kw, p) for _, kw, p in devrun.CHECKS if kw.get("lazy_rescale")]
+    assert len(cases) >= 6 and sum(1 for _, p in cases if "k_ramp" in p[-1]) >= 3
+    assert {kw["head_dim"] for kw, _ in cases} == {64, 128, 256}
+    assert devrun.VARIANTS["lazy"] == dict(lazy_rescale=True)

@@ -69,6 +69,9 @@ class FwdConfig:
       half of the tile on its own, with a 128-thread barrier instead of the two 256-thread
       ones: under pingpong the second warpgroup runs about half a key block behind the
       first, which otherwise waits for it at every tile's end.
+    lazy_rescale: FlashAttention-4's conditional rescaling: a row's reference max moves (and
+      the output accumulator is rescaled) only when a block's max exceeds it by more than
+      2**8, so most blocks skip the 64 FMULs of the O rescale (`OnlineSoftmax.step_lazy`).
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last
@@ -99,6 +102,7 @@ class FwdConfig:
     persistent: bool = False
     tile_pipe: bool = False
     wg_epilogue: bool = False
+    lazy_rescale: bool = False
     tile_order: str = "auto"
     l2_section_mb: int = 24
     m_align: str = "start"
@@ -200,7 +204,8 @@ class FwdConfig:
         sched = (("ov" if self.intra_wg_overlap else "")
                  + ("fs" if self.fresh_s else "")
                  + ("pp" if self.pingpong else "") + ("ps" if self.persistent else "")
-                 + ("tp" if self.tile_pipe else "") + ("we" if self.wg_epilogue else ""))
+                 + ("tp" if self.tile_pipe else "") + ("we" if self.wg_epilogue else "")
+                 + ("lz" if self.lazy_rescale else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
         if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)

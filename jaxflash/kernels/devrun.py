@@ -199,6 +199,32 @@ CHECKS = [
      (4, 1000, 1000, 8, 8, {"repeat": 3})),
     ("bf16 h64 m192 we dense gqa", dict(head_dim=64, tile_m=192, persistent=True,
                                         wg_epilogue=True), (4, 1000, 1100, 12, 4, {})),
+    # lazy_rescale (gated until these pass): FA4's conditional O rescale. "k_ramp" makes the
+    # logits grow toward earlier keys by up to ~k_ramp x, so rows move their reference max
+    # block after block (the rescale path) while plain random inputs mostly skip it.
+    ("bf16 h128 lazy dense gqa odd", dict(head_dim=128, lazy_rescale=True),
+     (2, 1000, 1111, 12, 4, {})),
+    ("bf16 h128 lazy dense ramp", dict(head_dim=128, lazy_rescale=True),
+     (2, 700, 2000, 8, 8, {"k_ramp": 6.0, "cudnn": True})),
+    ("bf16 h128 lazy causal gqa T<S ramp", dict(head_dim=128, is_causal=True,
+                                                lazy_rescale=True),
+     (2, 500, 900, 8, 2, {"k_ramp": 4.0})),
+    ("fp16 h128 lazy window softcap seqlens", dict(dtype="float16", head_dim=128,
+                                                   has_window=True, has_softcap=True,
+                                                   has_q_seqlen=True, has_kv_seqlen=True,
+                                                   lazy_rescale=True),
+     (3, 600, 700, 4, 2, {"softcap": 30.0, "window": (200, 0), "q_seqlen": [600, 131, 17],
+                          "kv_seqlen": [700, 0, 255]})),
+    ("bf16 h64 m192 lazy ps mend causal", dict(head_dim=64, tile_m=192, persistent=True,
+                                               is_causal=True, m_align="end",
+                                               wg_epilogue=True, lazy_rescale=True),
+     (4, 1000, 1000, 8, 8, {"k_ramp": 5.0, "repeat": 2})),
+    ("bf16 h256 lazy causal ramp", dict(head_dim=256, is_causal=True, lazy_rescale=True),
+     (2, 700, 700, 8, 4, {"k_ramp": 4.0})),
+    ("bf16 h128 lazy causal alibi seg", dict(head_dim=128, is_causal=True,
+                                                   has_alibi=True, has_segments=True,
+                                                   lazy_rescale=True),
+     (2, 600, 600, 4, 2, {"alibi": 1, "random_segs": 3, "k_ramp": 4.0})),
     # End-aligned query tiles v2 (m_align="end", clamped: tile 0 starts at row 0 and recomputes
     # rows [tile_m - shift, tile_m) that tile 1 owns; gated, never run on a GPU). T not a
     # multiple of the tile (1000: shift 152, 1024: 128, 1100: 52, 900: 60), more tiles than the
@@ -261,7 +287,15 @@ VARIANTS = {"persist2": dict(persistent=True, tile_pipe=True),
             "p2_we": dict(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True),
             "m192_ps_we": dict(head_dim=64, tile_m=192, persistent=True, wg_epilogue=True),
             "m192_ps_end_we": dict(head_dim=64, tile_m=192, persistent=True, m_align="end",
-                                   is_causal=True, wg_epilogue=True)}
+                                   is_causal=True, wg_epilogue=True),
+            # lazy_rescale on top of each head dim's pick (FA4's conditional O rescale)
+            "lazy": dict(lazy_rescale=True),
+            "p2_we_lazy": dict(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True,
+                               lazy_rescale=True),
+            "m192_lazy": dict(head_dim=64, tile_m=192, lazy_rescale=True),
+            "m192_ps_end_we_lazy": dict(head_dim=64, tile_m=192, persistent=True,
+                                        m_align="end", is_causal=True, wg_epilogue=True,
+                                        lazy_rescale=True)}
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True), (64, 1024, True), (64, 1024, False),
                   (64, 4096, False),
@@ -534,7 +568,12 @@ def fresh_inputs(B, T, S, N, K, H, dtype, ex, with_do=False):
     dt = jnp.dtype(dtype)
     ks = jax.random.split(jax.random.key(int.from_bytes(os.urandom(4), "little")), 4)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dt)
-    k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dt)
+    k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32)
+    if "k_ramp" in ex:
+        # keys scaled from k_ramp (first) down to 1 (last): the kernel walks key blocks from
+        # the last, so every earlier block raises the row max (lazy_rescale's rescale path)
+        k = k * jnp.linspace(ex["k_ramp"], 1.0, S)[None, :, None, None]
+    k = k.astype(dt)
     v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dt)
     do = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dt) if with_do else None
     qs = jnp.asarray(ex["q_seqlen"], jnp.int32) if "q_seqlen" in ex else None

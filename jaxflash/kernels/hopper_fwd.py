@@ -124,6 +124,7 @@ class FlashFwdSm90:
         self.tile_pipe = config.tile_pipe
         self.separate_o = config.separate_o
         self.wg_epilogue = config.wg_epilogue
+        self.lazy_rescale = config.lazy_rescale
         self.m_end = config.m_align == "end"
 
     @classmethod
@@ -781,12 +782,12 @@ class FlashFwdSm90:
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
                         window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
-            row_scale = softmax.step(acc_S, is_first=False)
+            row_scale, moved = self.softmax_step(softmax, acc_S)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
             # P's registers are free only now that the PV GEMM reading them is done.
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
-            rescale_rows(acc_O, row_scale)
+            self.rescale_o(acc_O, row_scale, moved)
         else:
             seg_cmp = self.segment_compare_needed(mods, n_block)
             pipe_k.consumer_wait(kv_state)
@@ -798,15 +799,30 @@ class FlashFwdSm90:
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
                         window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
-            row_scale = softmax.step(acc_S, is_first=False)
+            row_scale, moved = self.softmax_step(softmax, acc_S)
             tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
-            rescale_rows(acc_O, row_scale)
+            self.rescale_o(acc_O, row_scale, moved)
             pipe_v.consumer_wait(kv_state)
             layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
                           zero_init=False, wait=0)
             pipe_v.consumer_release(kv_state)
             kv_state.advance()
         return kv_state
+
+    def softmax_step(self, softmax, acc_S):
+        """(row_scale, whether the warp must rescale O: None = always) of a non-first block.
+        Plain Python (inlined while tracing)."""
+        if const_expr(self.lazy_rescale):
+            return softmax.step_lazy(acc_S)
+        return softmax.step(acc_S, is_first=False), None
+
+    @cute.jit
+    def rescale_o(self, acc_O, row_scale, moved):
+        if const_expr(moved is None):
+            rescale_rows(acc_O, row_scale)
+        else:
+            if moved:  # warp-uniform: no row of the warp moved its reference, nothing to do
+                rescale_rows(acc_O, row_scale)
 
     @cute.jit
     def sched_sync(self, wg: Int32):

@@ -20,6 +20,9 @@ from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.layouts import acc_as_rows_cols
 
 LN2 = math.log(2.0)
+# `OnlineSoftmax.step_lazy`: how far (log2 units) a row's max may run ahead of its reference
+# before the output is rescaled (FlashAttention-4 uses 8: probabilities stay <= 256).
+LAZY_RESCALE_LOG2 = 8.0
 
 
 @cute.jit
@@ -87,6 +90,53 @@ class OnlineSoftmax(Carried):
                 self.row_sum[r] = self.row_sum[r] * sc + block_sum
             self.row_max[r] = m
         return row_scale
+
+    @cute.jit
+    def step_lazy(self, acc_s: cute.Tensor):
+        """`step` (not the first block) with FlashAttention-4's conditional rescaling: a row
+        keeps its reference max until the block's max exceeds it by more than
+        ``LAZY_RESCALE_LOG2`` (log2 units), so its probabilities may reach 2**8 instead of 1,
+        and the output / sum are rescaled only when a reference moves. Returns (row_scale,
+        whether any row of the warp moved: the caller skips the O rescale otherwise). The
+        final O / LSE are the same math (O / sum and m + log(sum) are invariant to the
+        reference); fp32 sums and bf16 / fp16 P have ample range for the factor 256."""
+        s = acc_as_rows_cols(acc_s)
+        row_scale = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
+        ncol = cute.size(s, mode=[1])
+        assert ncol % 4 == 0
+        moved = cutlass.Boolean(False)
+        for r in cutlass.range_constexpr(self.num_rows):
+            m0 = s[r, 0]
+            m1 = s[r, 1]
+            m2 = s[r, 2]
+            m3 = s[r, 3]
+            for c in cutlass.range_constexpr(1, ncol // 4):
+                m0 = cute.arch.fmax(m0, s[r, 4 * c])
+                m1 = cute.arch.fmax(m1, s[r, 4 * c + 1])
+                m2 = cute.arch.fmax(m2, s[r, 4 * c + 2])
+                m3 = cute.arch.fmax(m3, s[r, 4 * c + 3])
+            m = cute.arch.fmax(cute.arch.fmax(m0, m1), cute.arch.fmax(m2, m3))
+            m = quad_allreduce_max(cute.arch.fmax(m, self.row_max[r]))
+            prev = self.row_max[r]
+            # -inf reference (nothing visible yet) and a finite max: +inf > threshold, moves;
+            # both -inf: NaN, compares false, stays (its probabilities are exp2(-inf) = 0).
+            grow = (m - prev) * self.scale_log2 > Float32(LAZY_RESCALE_LOG2)
+            m_safe = Float32(cutlass.select_(m == -Float32.inf, Float32(0.0), m))
+            sc = Float32(cutlass.select_(
+                grow, cute.math.exp2((prev - m_safe) * self.scale_log2, fastmath=True),
+                Float32(1.0)))
+            ref = Float32(cutlass.select_(grow, m, prev))
+            self.row_max[r] = ref
+            moved = moved | grow
+            ref = Float32(cutlass.select_(ref == -Float32.inf, Float32(0.0), ref))
+            neg_ref_scaled = -ref * self.scale_log2
+            for c in cutlass.range_constexpr(ncol):
+                s[r, c] = cute.math.exp2(s[r, c] * self.scale_log2 + neg_ref_scaled,
+                                         fastmath=True)
+            block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            row_scale[r] = sc
+            self.row_sum[r] = self.row_sum[r] * sc + block_sum
+        return row_scale, cute.arch.vote_any_sync(moved)
 
     @cute.jit
     def finalize(self, lse_out: cute.Tensor) -> cute.Tensor:

@@ -40,7 +40,7 @@ def allowed() -> bool:
 # (`cute-bwd-*-ovl128-*`, `cute-bwd-*-dqw*`); `choose` picks neither (within noise of
 # early_dv in three benches).
 RULES = {
-    "FwdConfig": (),
+    "FwdConfig": (("lazy_rescale", lambda c: c.lazy_rescale),),
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
                   ("dq_arrive", lambda c: c.dq_arrive)),
 }
