@@ -292,13 +292,20 @@ def test_forward_wg_epilogue_checked_and_picked():
     assert any(kw.get("tile_m") == 192 and kw.get("m_align") == "end" for kw in cases)
 
 
-def test_forward_lazy_rescale_gated_with_checks():
-    """FA4's conditional O rescale (compiled 2026-12-01, GPU checks pending) is refused by the
-    gate; its check cases include inputs whose row max grows block after block (k_ramp), so
-    the rescale path runs, and the bench times it on top of each head dim's pick."""
-    from jaxflash.kernels import devrun
+def test_forward_lazy_rescale_exact_checked_not_picked():
+    """The skipped O rescale (threshold 0: bitwise the results without it, checked on the
+    H200 by `lazy_exact`) is not gated; dispatch does not pick it (grid cc4: slower at hd 128);
+    its float64 check cases include inputs whose row max grows block after block (k_ramp)."""
+    from jaxflash.kernels import devrun, lazy_exact, softmax
+    from jaxflash.kernels.choose import schedule_for
+    assert softmax.LAZY_RESCALE_LOG2 == 0.0
     cfg = FwdConfig(head_dim=128, lazy_rescale=True)
-    assert verified.pending(cfg) == ("lazy_rescale",) and "lz" in cfg.key
+    assert verified.pending(cfg) == () and "lz" in cfg.key
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            assert "lazy_rescale" not in schedule_for(d, s_, True)
+    assert {c.lazy_rescale for c in lazy_exact.configs()} == {False, True}
+    assert any("k_ramp" in ex for _, _, ex in lazy_exact.CASES)
     cases = [(kw, p) for _, kw, p in devrun.CHECKS if kw.get("lazy_rescale")]
     assert len(cases) >= 6 and sum(1 for _, p in cases if "k_ramp" in p[-1]) >= 3
     assert {kw["head_dim"] for kw, _ in cases} == {64, 128, 256}

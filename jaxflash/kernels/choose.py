@@ -72,6 +72,13 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       hd 64 1k dense (0.950 / 0.949 -> 0.933 / 0.950), hd 64 4k causal (1.073 / 1.103 -> 1.060 /
       1.102), hd 128 4k dense (1.093 / 1.138 -> 1.076 / 1.064). 8 float64 checks with bitwise
       repeats, memcheck and racecheck clean (`cute-fwd-{check,we-*}-...`).
+    Not picked: `lazy_rescale` (the O rescale skipped when no row of the warp raised its
+    max; exact, bitwise the results without it). With FA4's threshold 8 it measured +2-10% at
+    hd 64 / 256 (`cute-fwd-bench-lazy{1,2}-h200-2026-12-01.json`) but cost accuracy; picked
+    for every plain call with threshold 0, grid cc4 (16:05 UTC) read forward 1.031x cuDNN
+    against cc3's 1.038x: hd 128 lost 3-8% at every point (4k dense 610 -> 565 TFLOP/s), hd 64
+    16k and hd 256 16k causal gained (1.14 -> 1.15 / 1.17, 1.09 -> 1.22). Reverted to cc3's
+    picks; a per-head-dim pick needs its own measurement.
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 

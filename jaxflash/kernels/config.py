@@ -69,9 +69,10 @@ class FwdConfig:
       half of the tile on its own, with a 128-thread barrier instead of the two 256-thread
       ones: under pingpong the second warpgroup runs about half a key block behind the
       first, which otherwise waits for it at every tile's end.
-    lazy_rescale: FlashAttention-4's conditional rescaling: a row's reference max moves (and
-      the output accumulator is rescaled) only when a block's max exceeds it by more than
-      2**8, so most blocks skip the 64 FMULs of the O rescale (`OnlineSoftmax.step_lazy`).
+    lazy_rescale: skip the output rescale (64 FMULs per thread and block) when no row of the
+      warp raised its running max, through a warp-uniform branch (`OnlineSoftmax.step_lazy`;
+      FlashAttention-4's conditional rescaling with threshold 0, so the results are bitwise
+      those without it). The branch also lets ptxas keep most of the exp2 under the PV GEMM.
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last

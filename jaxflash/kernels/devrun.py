@@ -357,8 +357,10 @@ def bench_configs():
 
 
 def all_configs(cases=None):
+    from jaxflash.kernels import lazy_exact
     cfgs = {FwdConfig(**kw) for n, kw, _ in CHECKS if not cases or n in cases}
     cfgs.update(bench_configs())
+    cfgs.update(lazy_exact.configs())
     return sorted(cfgs, key=lambda c: c.key)
 
 

@@ -21,8 +21,12 @@ from jaxflash.kernels.layouts import acc_as_rows_cols
 
 LN2 = math.log(2.0)
 # `OnlineSoftmax.step_lazy`: how far (log2 units) a row's max may run ahead of its reference
-# before the output is rescaled (FlashAttention-4 uses 8: probabilities stay <= 256).
-LAZY_RESCALE_LOG2 = 8.0
+# before the output is rescaled. FlashAttention-4 uses 8 (probabilities <= 256); 0 here: a row
+# rescales whenever its max grows, exactly as `step`, so results are bitwise those of `step`
+# and only the multiplications by exactly 1 are skipped. With 8, the error against float64
+# was 1.04-1.16x cuDNN's on the H200 (2026-12-01): a stale reference leaves the dominant
+# probability rounded to bf16 instead of an exact 1 (NOTES.md, "Conditional rescaling").
+LAZY_RESCALE_LOG2 = 0.0
 
 
 @cute.jit
@@ -93,13 +97,11 @@ class OnlineSoftmax(Carried):
 
     @cute.jit
     def step_lazy(self, acc_s: cute.Tensor):
-        """`step` (not the first block) with FlashAttention-4's conditional rescaling: a row
-        keeps its reference max until the block's max exceeds it by more than
-        ``LAZY_RESCALE_LOG2`` (log2 units), so its probabilities may reach 2**8 instead of 1,
-        and the output / sum are rescaled only when a reference moves. Returns (row_scale,
-        whether any row of the warp moved: the caller skips the O rescale otherwise). The
-        final O / LSE are the same math (O / sum and m + log(sum) are invariant to the
-        reference); fp32 sums and bf16 / fp16 P have ample range for the factor 256."""
+        """`step` (not the first block) with conditional rescaling: a row keeps its reference
+        max until the block's max exceeds it by more than ``LAZY_RESCALE_LOG2`` (log2 units;
+        0: any growth), and the output / sum are rescaled only when a reference moves.
+        Returns (row_scale, whether any row of the warp moved: the caller skips the O
+        rescale otherwise; with threshold 0 the skipped factors are exactly 1)."""
         s = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
         ncol = cute.size(s, mode=[1])
