@@ -43,6 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from jaxflash.kernels import layouts
 from jaxflash.kernels.carry import Carried
 from jaxflash.kernels.config import FLOAT_SCALARS, INT_SCALARS, FwdConfig
+from jaxflash.kernels.fwd_epilogue import FwdEpilogue
 from jaxflash.kernels.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
                                    apply_segment_mask)
 from jaxflash.kernels.launch_args import LaunchArgs
@@ -53,10 +54,8 @@ from jaxflash.kernels.tile_handoff import announce_tile, make_tile_pipe, next_ti
 
 LOG2_E = math.log2(math.e)
 
-# Named barrier ids (0 is __syncthreads).
-_BAR_EPILOGUE = 1
+# Named barrier ids (0 is __syncthreads; 1 and 4 + wg are `fwd_epilogue`'s).
 _BAR_WG_SCHED = 2  # 2 + consumer warpgroup index
-_BAR_EPILOGUE_WG = 4  # 4 + consumer warpgroup index (`wg_epilogue`)
 
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
@@ -75,7 +74,7 @@ class _ScoreMods(Carried):
     Only the present ones are listed in ``_dynamic`` (set per instance)."""
 
 
-class FlashFwdSm90:
+class FlashFwdSm90(FwdEpilogue):
     """Hopper forward attention kernel for one `FwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), tensors in the canonical jaxflash layouts:
@@ -677,48 +676,8 @@ class FlashFwdSm90:
                 if row < blocks.own_end(m_block, T):
                     mLSE[row, head, batch] = lse[r]
 
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
-        if const_expr(self.wg_epilogue):
-            # This warpgroup's rows only: its first warp issued (and waits for) its stores.
-            first = warp_idx == 4 + 4 * wg
-            if first:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # previous tile's rows read
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE_WG + wg, number_of_threads=128)
-            cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
-            cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE_WG + wg, number_of_threads=128)
-            gO = blocks.row_box(mO[None, None, head, batch], m_block, self.hdv)
-            tOsO, tOgO = layouts.tma_tiles(tma_O, cute.local_tile(sO, (64, self.hdv), (wg, 0)),
-                                           cute.local_tile(gO, (64, self.hdv), (wg, 0)))
-            if first:
-                cute.copy(tma_O, tOsO, tOgO)
-                cute.arch.cp_async_bulk_commit_group()
-            q_state.advance()
-            return q_state, kv_state
-        if const_expr(self.separate_o):
-            # The previous tile's TMA store must have finished reading sO.
-            if warp_idx == 4:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        # (Aliased with Q: each warpgroup overwrites only the Q rows its own finished GEMMs read.)
-        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
-        cute.arch.fence_view_async_shared()  # make the smem writes visible to the TMA unit
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        gO = blocks.row_box(mO[None, None, head, batch], m_block, self.hdv)
-        tOsO, tOgO = layouts.tma_tiles(tma_O, sO, gO)
-        if warp_idx == 4:
-            cute.copy(tma_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(not self.separate_o):
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if const_expr(not self.separate_o):
-            # O's buffer is Q's: hand it back only once the store has read it.
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-            pipe_q.consumer_release(q_state)
+        self.store_o(acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx, warp_idx, wg,
+                     blocks, m_block, head, batch)
         q_state.advance()
         return q_state, kv_state
 

@@ -41,6 +41,22 @@ def quad_allreduce_sum(x: Float32) -> Float32:
     return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
+def _row_max(s: cute.Tensor, r: int, ncol: int):
+    """Max of row r of a (rows, cols) fragment view, this thread's columns only. 4 independent
+    partial maxima give the scheduler ILP over the FMNMX chain. Plain Python, inlined while
+    tracing (so a Python loop: the DSL rewrites range_constexpr only in jit functions)."""
+    m0 = s[r, 0]
+    m1 = s[r, 1]
+    m2 = s[r, 2]
+    m3 = s[r, 3]
+    for c in range(1, ncol // 4):
+        m0 = cute.arch.fmax(m0, s[r, 4 * c])
+        m1 = cute.arch.fmax(m1, s[r, 4 * c + 1])
+        m2 = cute.arch.fmax(m2, s[r, 4 * c + 2])
+        m3 = cute.arch.fmax(m3, s[r, 4 * c + 3])
+    return cute.arch.fmax(cute.arch.fmax(m0, m1), cute.arch.fmax(m2, m3))
+
+
 class OnlineSoftmax(Carried):
     """Running row max / row sum for the rows one thread owns."""
 
@@ -61,17 +77,7 @@ class OnlineSoftmax(Carried):
         ncol = cute.size(s, mode=[1])
         assert ncol % 4 == 0
         for r in cutlass.range_constexpr(self.num_rows):
-            # 4 independent partial maxima give the scheduler ILP over the FMNMX chain.
-            m0 = s[r, 0]
-            m1 = s[r, 1]
-            m2 = s[r, 2]
-            m3 = s[r, 3]
-            for c in cutlass.range_constexpr(1, ncol // 4):
-                m0 = cute.arch.fmax(m0, s[r, 4 * c])
-                m1 = cute.arch.fmax(m1, s[r, 4 * c + 1])
-                m2 = cute.arch.fmax(m2, s[r, 4 * c + 2])
-                m3 = cute.arch.fmax(m3, s[r, 4 * c + 3])
-            m = cute.arch.fmax(cute.arch.fmax(m0, m1), cute.arch.fmax(m2, m3))
+            m = _row_max(s, r, ncol)
             if cutlass.const_expr(not is_first):
                 m = cute.arch.fmax(m, self.row_max[r])
             m = quad_allreduce_max(m)
@@ -108,17 +114,7 @@ class OnlineSoftmax(Carried):
         assert ncol % 4 == 0
         moved = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(self.num_rows):
-            m0 = s[r, 0]
-            m1 = s[r, 1]
-            m2 = s[r, 2]
-            m3 = s[r, 3]
-            for c in cutlass.range_constexpr(1, ncol // 4):
-                m0 = cute.arch.fmax(m0, s[r, 4 * c])
-                m1 = cute.arch.fmax(m1, s[r, 4 * c + 1])
-                m2 = cute.arch.fmax(m2, s[r, 4 * c + 2])
-                m3 = cute.arch.fmax(m3, s[r, 4 * c + 3])
-            m = cute.arch.fmax(cute.arch.fmax(m0, m1), cute.arch.fmax(m2, m3))
-            m = quad_allreduce_max(cute.arch.fmax(m, self.row_max[r]))
+            m = quad_allreduce_max(cute.arch.fmax(_row_max(s, r, ncol), self.row_max[r]))
             prev = self.row_max[r]
             # -inf reference (nothing visible yet) and a finite max: +inf > threshold, moves;
             # both -inf: NaN, compares false, stays (its probabilities are exp2(-inf) = 0).
