@@ -41,6 +41,23 @@ from jaxflash.kernels.devrun import (_alibi_and_segments, _gpu_name, _rel, _time
                                      start_watchdog)
 from jaxflash.kernels.fwd_launch import fwd_launch
 
+def _hd128_edv_cases(tag: str, **flags):
+    """The four hd 128 early_dv cases every schedule opt-in of that step is checked on (name
+    "... h128 edv {tag} ..."): causal GQA T < S, dense 2k (also against cuDNN's error),
+    window T > S (more query blocks than key blocks), fp16 lengths with empty rows."""
+    kw = dict(head_dim=128, early_dv=True, **flags)
+    return [
+        (f"bf16 h128 edv {tag} causal gqa T<S", dict(kw, is_causal=True),
+         (2, 500, 700, 8, 2, {})),
+        (f"bf16 h128 edv {tag} dense 2k", kw, (1, 2048, 2048, 8, 8, {"cudnn": True})),
+        (f"bf16 h128 edv {tag} window T>S", dict(kw, is_causal=True, has_window=True),
+         (1, 400, 150, 2, 2, {"window": (70, 0)})),
+        (f"fp16 h128 edv {tag} seqlens empty rows",
+         dict(kw, dtype="float16", has_q_seqlen=True, has_kv_seqlen=True),
+         (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ]
+
+
 # (name, config kwargs (shared by the forward and backward configs), problem):
 # problem = (B, T, S, N, K, extras)
 CHECKS = [
@@ -227,17 +244,7 @@ CHECKS = [
     # for warp 4, so the warpgroups drift apart by up to a step. Many query blocks per key
     # block (long T) and GQA let them drift; odd T / S, causal T < S and T > S, windows,
     # lengths with empty rows, fp16, hd 64 at tile_m 128 and with overlap_dq.
-    ("bf16 h128 edv dqa causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
-                                              dq_arrive=True), (2, 500, 700, 8, 2, {})),
-    ("bf16 h128 edv dqa dense 2k", dict(head_dim=128, early_dv=True, dq_arrive=True),
-     (1, 2048, 2048, 8, 8, {"cudnn": True})),
-    ("bf16 h128 edv dqa window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
-                                          has_window=True, dq_arrive=True),
-     (1, 400, 150, 2, 2, {"window": (70, 0)})),
-    ("fp16 h128 edv dqa seqlens empty rows", dict(dtype="float16", head_dim=128,
-                                                  early_dv=True, has_q_seqlen=True,
-                                                  has_kv_seqlen=True, dq_arrive=True),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    *_hd128_edv_cases("dqa", dq_arrive=True),
     ("bf16 h64 m128 dqa dense odd", dict(head_dim=64, tile_m=128, dq_arrive=True),
      (2, 300, 333, 4, 4, {})),
     ("bf16 h64 m128 dqa causal gqa T<S", dict(head_dim=64, tile_m=128, is_causal=True,
@@ -253,19 +260,9 @@ CHECKS = [
     # before dK, its tile stored while dK runs). ptxas keeps 1-7 loop-invariant values in
     # local memory (one LDL each per step). Dense / causal GQA, window T > S, fp16 lengths
     # with empty rows, with dq_arrive, and a 2k case against cuDNN.
-    ("bf16 h128 edv ovl causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
-                                              overlap_dq=True), (2, 500, 700, 8, 2, {})),
+    *_hd128_edv_cases("ovl", overlap_dq=True),
     ("bf16 h128 edv ovl dense odd mqa", dict(head_dim=128, early_dv=True, overlap_dq=True),
      (2, 333, 301, 4, 1, {})),
-    ("bf16 h128 edv ovl dense 2k", dict(head_dim=128, early_dv=True, overlap_dq=True),
-     (1, 2048, 2048, 8, 8, {"cudnn": True})),
-    ("bf16 h128 edv ovl window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
-                                          has_window=True, overlap_dq=True),
-     (1, 400, 150, 2, 2, {"window": (70, 0)})),
-    ("fp16 h128 edv ovl seqlens empty rows", dict(dtype="float16", head_dim=128,
-                                                  early_dv=True, has_q_seqlen=True,
-                                                  has_kv_seqlen=True, overlap_dq=True),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
     ("bf16 h128 edv ovl dqa causal 2k", dict(head_dim=128, early_dv=True, overlap_dq=True,
                                              is_causal=True, dq_arrive=True),
      (1, 2048, 2048, 8, 2, {})),
@@ -273,23 +270,9 @@ CHECKS = [
     # per-warpgroup barrier pairs instead of BAR_DQ. Long T (many steps per CTA), GQA (the
     # head loop), odd lengths (clipped rows), T < S and T > S, window, fp16 lengths with
     # empty rows (CTAs with no step), hd 64 / 96, with and without overlap_dq / early_dv.
-    ("bf16 h128 edv ovl dqw causal gqa T<S", dict(head_dim=128, early_dv=True, is_causal=True,
-                                                  overlap_dq=True, dq_writer=True),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h128 edv ovl dqw dense 2k", dict(head_dim=128, early_dv=True, overlap_dq=True,
-                                            dq_writer=True),
-     (1, 2048, 2048, 8, 8, {"cudnn": True})),
+    *_hd128_edv_cases("ovl dqw", overlap_dq=True, dq_writer=True),
     ("bf16 h128 edv dqw dense odd mqa", dict(head_dim=128, early_dv=True, dq_writer=True),
      (2, 333, 301, 4, 1, {})),
-    ("bf16 h128 edv ovl dqw window T>S", dict(head_dim=128, early_dv=True, is_causal=True,
-                                              has_window=True, overlap_dq=True,
-                                              dq_writer=True),
-     (1, 400, 150, 2, 2, {"window": (70, 0)})),
-    ("fp16 h128 edv ovl dqw seqlens empty rows", dict(dtype="float16", head_dim=128,
-                                                      early_dv=True, has_q_seqlen=True,
-                                                      has_kv_seqlen=True, overlap_dq=True,
-                                                      dq_writer=True),
-     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
     ("bf16 h64 dqw causal gqa 1k", dict(head_dim=64, is_causal=True, dq_writer=True),
      (2, 1000, 1000, 8, 2, {})),
     ("fp16 h96 ovl dqw window kvlen", dict(dtype="float16", head_dim=96, has_window=True,
