@@ -82,10 +82,9 @@ class BwdConfig:
       (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
       of the step has finished (FA3 / FA4's order). hd 64 and 96; hd 128 only with early_dv:
       without it the dQ accumulator live beside dK, dV and the in-flight dS^T operand makes
-      ptxas spill 32-48 bytes; with it 4 B, one value stored before the step loop and
-      reloaded once per step (SASS, 2026-12-01: one STL outside, one LDL inside). With
-      tile_m 128 (hd 64)
-      the kernel zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified.
+      ptxas spill 32-48 bytes; with it 4-28 B, loop-invariant values stored before the step
+      loop and reloaded once per step (SASS, 2026-12-01). With tile_m 128 (hd 64) the kernel
+      zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified there.
     dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (BAR_DQ) becomes arrive for
       every consumer warp but warp 4 (which issues the reduce-add and still waits): a
       warpgroup goes on to its next step as soon as its own dQ half is stored, instead of both
