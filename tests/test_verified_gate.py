@@ -292,18 +292,24 @@ def test_forward_wg_epilogue_checked_and_picked():
     assert any(kw.get("tile_m") == 192 and kw.get("m_align") == "end" for kw in cases)
 
 
-def test_forward_lazy_rescale_exact_checked_not_picked():
+def test_forward_lazy_rescale_exact_checked_picked_on_long_keys():
     """The skipped O rescale (threshold 0: bitwise the results without it, checked on the
-    H200 by `lazy_exact`) is not gated; dispatch does not pick it (grid cc4: slower at hd 128);
-    its float64 check cases include inputs whose row max grows block after block (k_ramp)."""
+    H200 by `lazy_exact`) is not gated; dispatch picks it only where two benches of the pick
+    with / without it said so (kv_len > 8k at hd 64 dense and hd 256, no softcap; never at
+    hd 128, where it lost everywhere); its float64 check cases include inputs whose row max
+    grows block after block (k_ramp)."""
     from jaxflash.kernels import devrun, lazy_exact, softmax
-    from jaxflash.kernels.choose import schedule_for
+    from jaxflash.kernels.choose import LAZY_MIN_KV_LEN, schedule_for
     assert softmax.LAZY_RESCALE_LOG2 == 0.0
     cfg = FwdConfig(head_dim=128, lazy_rescale=True)
     assert verified.pending(cfg) == () and "lz" in cfg.key
-    for d in (64, 128, 256):
-        for s_ in (1024, 4096, 16384):
-            assert "lazy_rescale" not in schedule_for(d, s_, True)
+    picked = {(d, s_, c) for d in (64, 128, 256) for s_ in (1024, 4096, 8192, 16384)
+              for c in (False, True) if schedule_for(d, s_, c).get("lazy_rescale")}
+    assert picked == {(64, 16384, False), (256, 16384, False), (256, 16384, True)}
+    assert LAZY_MIN_KV_LEN == 8192
+    assert not schedule_for(256, 16384, True, softcap=True).get("lazy_rescale")
+    assert schedule_for(64, 16384, False) == {"tile_m": 192, "lazy_rescale": True}
+    assert "pick_lazy" in devrun.pick_columns(256, 16384, True)
     assert {c.lazy_rescale for c in lazy_exact.configs()} == {False, True}
     assert any("k_ramp" in ex for _, _, ex in lazy_exact.CASES)
     cases = [(kw, p) for _, kw, p in devrun.CHECKS if kw.get("lazy_rescale")]

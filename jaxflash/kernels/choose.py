@@ -13,6 +13,10 @@ from jaxflash.kernels.bwd_config import can_implement as bwd_can_implement
 from jaxflash.kernels.config import FwdConfig
 from jaxflash.kernels.config import can_implement as fwd_can_implement
 
+# `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
+# 16k grid points gained in two benches of 2026-12-01 (18:13 UTC), the 4k ones did not.
+LAZY_MIN_KV_LEN = 8192
+
 
 def forward_config(problem) -> FwdConfig:
     """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
@@ -72,13 +76,15 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       hd 64 1k dense (0.950 / 0.949 -> 0.933 / 0.950), hd 64 4k causal (1.073 / 1.103 -> 1.060 /
       1.102), hd 128 4k dense (1.093 / 1.138 -> 1.076 / 1.064). 8 float64 checks with bitwise
       repeats, memcheck and racecheck clean (`cute-fwd-{check,we-*}-...`).
-    Not picked: `lazy_rescale` (the O rescale skipped when no row of the warp raised its
-    max; exact, bitwise the results without it). With FA4's threshold 8 it measured +2-10% at
-    hd 64 / 256 (`cute-fwd-bench-lazy{1,2}-h200-2026-12-01.json`) but cost accuracy; picked
-    for every plain call with threshold 0, grid cc4 (16:05 UTC) read forward 1.031x cuDNN
-    against cc3's 1.038x: hd 128 lost 3-8% at every point (4k dense 610 -> 565 TFLOP/s), hd 64
-    16k and hd 256 16k causal gained (1.14 -> 1.15 / 1.17, 1.09 -> 1.22). Reverted to cc3's
-    picks; a per-head-dim pick needs its own measurement.
+    - `lazy_rescale` (the O rescale skipped when no row of the warp raised its max; exact:
+      bitwise the results without it) at kv_len > 8k for hd 64 dense and hd 256 (no softcap).
+      Two benches of every grid point, the pick with and without it (18:13 UTC,
+      `cute-fwd-bench-picklazy{1,2}-h200-2026-12-01.json`, ratio to cuDNN): hd 64 16k dense
+      1.151 / 1.183 -> 1.184 / 1.243, hd 256 16k dense 1.090 / 1.096 -> 1.175 / 1.218, hd 256
+      16k causal 1.271 / 1.299 -> 1.273 / 1.382; lost or mixed at 1k and 4k and at hd 128
+      everywhere (16k dense 1.125 / 1.118 -> 1.068 / 1.054), hd 64 16k causal mixed (1.149 /
+      1.225 -> 1.166 / 1.203). (With FA4's threshold 8 it had cost accuracy, and picked for
+      every plain call, grid cc4 read 1.031x against cc3's 1.038x.)
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
@@ -88,18 +94,25 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
     """
     if not plain:
         return {}
+    # FA4's conditional O rescale (exact here: threshold 0) pays only on long key loops at
+    # hd 64 dense and hd 256; measured at 16k, lost or mixed at 4k: the cut is half-way (log).
+    lazy = {"lazy_rescale": True} if kv_len > LAZY_MIN_KV_LEN and not softcap else {}
     if head_dim == 64:
         short = kv_len <= 1024 or (causal and kv_len <= 4096)
         if causal and kv_len <= 1024 and not softcap:
             # end-aligned tiles: the partial 192-row tile first, where causal makes it cheapest
             return {"tile_m": 192, "persistent": True, "m_align": "end", "wg_epilogue": True}
-        return {"tile_m": 192, "persistent": True} if short else {"tile_m": 192}
+        if short:
+            return {"tile_m": 192, "persistent": True}
+        return {"tile_m": 192, **({} if causal else lazy)}
     if head_dim == 128 and kv_len <= 1024:
         return {"persistent": True, "tile_pipe": True, "wg_epilogue": True}
     if head_dim == 128 and not causal and kv_len <= 4096:
         return {"persistent": True, "tile_pipe": True}
     if head_dim == 256 and not causal and kv_len <= 4096:
         return {"persistent": True, "tile_pipe": True}
+    if head_dim == 256:
+        return lazy
     return {}
 
 

@@ -18,6 +18,7 @@ process on the anchor grid (B*S = 16384, N*D = 2048, bf16, D in {64, 128, 256}, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -347,9 +348,24 @@ def grid_choices():
             for c in (False, True)]
 
 
+def pick_columns(D: int, S: int, causal: bool) -> dict:
+    """Bench columns timed at every grid point: the dispatch's pick ("pick") and the pick with
+    `lazy_rescale` on top ("pick_lazy"), so one run answers per point whether the exact
+    conditional rescale pays there (None where the pick refuses it)."""
+    from jaxflash.kernels.choose import forward_config
+    pick = forward_config(grid_problem(D, S, causal))
+    try:
+        lazy = dataclasses.replace(pick, lazy_rescale=True)
+    except ValueError:
+        lazy = None
+    return {"pick": pick, "pick_lazy": lazy}
+
+
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
     cfgs += grid_choices()
+    cfgs += [c for d in BENCH_DIMS for s in GRID_S for causal in (False, True)
+             for c in pick_columns(d, s, causal).values() if c is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:
         cfgs += [v for v in (_variant(d, c, kw) for kw in VARIANTS.values()) if v is not None]
@@ -659,7 +675,10 @@ def _time(fn, args, iters=None):  # iters: ignored (the harness picks n per rep)
     return time_throughput(fn, args, reps=5).median_s
 
 
-def bench(out_path: str, only=None) -> None:
+def bench(out_path: str, only=None, columns=None) -> None:
+    """Time the default config beside cuDNN at every grid point (or those in `only`), then
+    the `pick_columns` everywhere and the `VARIANTS` at `VARIANT_POINTS`; `columns` (names)
+    limits the extra columns to those."""
     import jax
     import jax.numpy as jnp
     rows = []
@@ -689,15 +708,16 @@ def bench(out_path: str, only=None) -> None:
                     row.update(config=cfg.key, ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
                                ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
                                ratio=t_c / t_o)
+                    extra = pick_columns(D, S, causal)
                     if (D, S, causal) in VARIANT_POINTS:
-                        for vname, vkw in VARIANTS.items():
-                            vcfg = _variant(D, causal, vkw)
-                            if vcfg is None:
-                                continue
-                            fv = jax.jit(lambda q, k, v, c=vcfg: ours(q, k, v, c, scale)[0])
-                            t_v = _time(fv, (q, k, v))
-                            row[f"{vname}_tflops"] = flops / t_v / 1e12
-                            row[f"{vname}_ratio"] = t_c / t_v
+                        extra.update((n, _variant(D, causal, kw)) for n, kw in VARIANTS.items())
+                    for vname, vcfg in extra.items():
+                        if vcfg is None or (columns and vname not in columns):
+                            continue
+                        fv = jax.jit(lambda q, k, v, c=vcfg: ours(q, k, v, c, scale)[0])
+                        t_v = _time(fv, (q, k, v))
+                        row[f"{vname}_tflops"] = flops / t_v / 1e12
+                        row[f"{vname}_ratio"] = t_c / t_v
                 except Exception as e:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 record_row(row, rows, out_path)
@@ -775,6 +795,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
     p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
+    p.add_argument("--columns", default="", help="bench: only these extra columns, "
+                   "','-separated (pick, pick_lazy, VARIANTS names)")
     a = p.parse_args(argv)
     if a.cmd == "build":
         build(a.out, {c for c in a.cases.split(";") if c} or None)
@@ -785,7 +807,8 @@ def main(argv=None):
         sys.exit(0 if check(a.out, cases or None) else 1)
     else:
         only = {tuple(int(x) for x in s.split(":")) for s in a.only.split(",") if s}
-        bench(a.out, {(d, s, bool(c)) for d, s, c in only} or None)
+        bench(a.out, {(d, s, bool(c)) for d, s, c in only} or None,
+              {c for c in a.columns.split(",") if c} or None)
 
 
 if __name__ == "__main__":
