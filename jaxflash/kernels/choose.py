@@ -14,7 +14,7 @@ from jaxflash.kernels.config import FwdConfig
 from jaxflash.kernels.config import can_implement as fwd_can_implement
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
-# 16k grid points gained in two benches of 2026-12-01 (18:13 UTC), the 4k ones did not.
+# 16k grid points gained in two benches of 2026-12-01 (16:53 UTC), the 4k ones did not.
 LAZY_MIN_KV_LEN = 8192
 
 
@@ -78,7 +78,7 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       repeats, memcheck and racecheck clean (`cute-fwd-{check,we-*}-...`).
     - `lazy_rescale` (the O rescale skipped when no row of the warp raised its max; exact:
       bitwise the results without it) at kv_len > 8k for hd 64 dense and hd 256 (no softcap).
-      Two benches of every grid point, the pick with and without it (18:13 UTC,
+      Two benches of every grid point, the pick with and without it (16:53 UTC,
       `cute-fwd-bench-picklazy{1,2}-h200-2026-12-01.json`, ratio to cuDNN): hd 64 16k dense
       1.151 / 1.183 -> 1.184 / 1.243, hd 256 16k dense 1.090 / 1.096 -> 1.175 / 1.218, hd 256
       16k causal 1.271 / 1.299 -> 1.273 / 1.382; lost or mixed at 1k and 4k and at hd 128
