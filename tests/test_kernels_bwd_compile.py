@@ -50,6 +50,10 @@ MATRIX = [
               overlap_dq=True),
     BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red", overlap_dq=True),
     # Head dims 192 / 256: FlashBwdSm90Wide (tile_n 64, the warpgroups split the head dim)
+    # dq_flat (fragment-ordered dQ tile, one bulk reduce): both kernels, with FA4's order
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, early_dv=True, overlap_dq=True,
+              dq_flat=True),
+    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, dq_flat=True),
     BwdConfig(dtype="bfloat16", head_dim=256),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True),
     BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True,

@@ -166,7 +166,7 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     import jax.numpy as jnp
 
     from jaxflash import ffi
-    from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
+    from jaxflash.kernels.bwd_launch import dq_acc_shape, dq_from_flat, num_q_blocks, padded_len
     from jaxflash.kernels.fwd_launch import fwd_scalars
     B, T, N, H = q.shape
     cfg = launch.config
@@ -198,7 +198,7 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
         kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
         inputs += [qs, ks, kv_blocks, q_blocks]
     fs, is_ = fwd_scalars(statics)
-    out_shapes = [jax.ShapeDtypeStruct(q.shape, jnp.float32),
+    out_shapes = [jax.ShapeDtypeStruct(dq_acc_shape(B, T, N, H, cfg), jnp.float32),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if cfg.has_alibi:  # per-warp partial sums of dS_ij |i - j|
@@ -210,6 +210,8 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
         out_shapes.append(jax.ShapeDtypeStruct((B, N, num_q_blocks(T, cfg)), jnp.int32))
     outs = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
     dq_acc, dk, dv = outs[:3]
+    if cfg.dq_flat:  # fragment order -> [B, T, N, H]; XLA fuses it with the scale and cast
+        dq_acc = dq_from_flat(dq_acc, T, cfg)
     dq = (dq_acc * jnp.float32(statics.scale)).astype(q.dtype)
     dslopes = None
     if cfg.has_alibi:

@@ -279,6 +279,24 @@ CHECKS = [
                                            has_kv_seqlen=True, overlap_dq=True,
                                            dq_writer=True),
      (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    # dq_flat (gated until these pass): the dQ tile in fragment order, one bulk reduce per
+    # step into the fragment-ordered accumulator that `bwd_launch.dq_from_flat` un-permutes
+    # (a wrong order shows as a large error): hd 128 early_dv with and without overlap_dq,
+    # hd 96 (6 chunks per part), hd 192 / 256 (the head-dim-split kernel), fp16, odd
+    # lengths (a partial last block), GQA, window, T > S.
+    *_hd128_edv_cases("dqf", dq_flat=True),
+    *_hd128_edv_cases("ovl dqf", overlap_dq=True, dq_flat=True),
+    ("bf16 h96 dqf causal gqa odd", dict(head_dim=96, is_causal=True, dq_flat=True),
+     (2, 333, 301, 4, 2, {})),
+    ("bf16 h256 dqf dense odd", dict(head_dim=256, dq_flat=True),
+     (2, 300, 333, 4, 4, {})),
+    ("bf16 h256 dqf causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True),
+     (2, 500, 700, 8, 2, {})),
+    ("fp16 h192 dqf window kvlen", dict(dtype="float16", head_dim=192, has_window=True,
+                                        has_kv_seqlen=True, dq_flat=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("bf16 h256 dqf dense 2k", dict(head_dim=256, dq_flat=True),
+     (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # 80 queries per step at hd 128 dense (opt-in, gated until these pass; `hopper_bwd_m80`:
     # dQ^T = K^T dS^T stored transposed into the reduce-add tile, LSE / delta padded to 320).
     # Partial last query blocks (1000 = 12.5 x 80), GQA, T < S and T > S (more query blocks
@@ -296,6 +314,12 @@ CHECKS = [
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
     ("bf16 h64 deterministic window", dict(head_dim=64, has_window=True, deterministic=True),
      (2, 700, 600, 4, 1, {"window": (150, 20)})),
+    ("bf16 h128 dqf deterministic causal gqa", dict(head_dim=128, is_causal=True,
+                                                    deterministic=True, dq_flat=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h256 dqf deterministic causal gqa", dict(head_dim=256, is_causal=True,
+                                                    deterministic=True, dq_flat=True),
+     (2, 500, 700, 8, 2, {})),
     ("bf16 h256 deterministic causal gqa", dict(head_dim=256, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
     ("bf16 h192 deterministic window", dict(head_dim=192, has_window=True, deterministic=True),
@@ -322,6 +346,8 @@ DETERMINISM = [
      (2, 1000, 1000, 4, 1, {"window": (300, 0)})),
     ("default (atomic order) causal gqa", dict(head_dim=128, is_causal=True),
      (2, 1000, 1000, 8, 2, {})),
+    ("deterministic causal gqa dqf", dict(head_dim=128, is_causal=True, deterministic=True,
+                                          dq_flat=True), (2, 1000, 1000, 8, 2, {})),
     ("deterministic window m128", dict(head_dim=64, tile_m=128, has_window=True,
                                        deterministic=True),
      (2, 1000, 1000, 4, 1, {"window": (300, 0)})),
@@ -353,9 +379,12 @@ BENCH_VARIANTS = {
     # dq_writer (the reduce-adds from warp 1, per-warpgroup barriers). (m80 lost to edv in two
     # runs on 2026-12-01, edv_dqa / edv_ovl_dqa were within noise of edv in the first run of
     # the evening (`cute-bwd-bench-ovl128-2026-12-01.json`): no longer timed.)
-    128: {"edv": dict(early_dv=True), "edv_ovl": dict(early_dv=True, overlap_dq=True),
-          "edv_dqw": dict(early_dv=True, dq_writer=True),
+    # "*_dqf": dq_flat (one bulk reduce of the fragment-ordered dQ tile per step). edv_ovl
+    # and edv_dqw alone were within noise of edv in three runs (2026-12-01): not timed.
+    128: {"edv": dict(early_dv=True), "edv_dqf": dict(early_dv=True, dq_flat=True),
+          "edv_ovl_dqf": dict(early_dv=True, overlap_dq=True, dq_flat=True),
           "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True)},
+    256: {"dqf": dict(dq_flat=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -373,7 +402,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive", "dq_writer")
+             "dq_arrive", "dq_writer", "dq_flat")
 
 
 def variant_config(D, causal, vkw):

@@ -11,7 +11,9 @@ rowsum(dO * O)), then q_seqlen / kv_seqlen [B] int32 when the config has them, a
 With ``has_alibi`` an output alibi_parts [B, N, ceil(S/tile_n), ALIBI_PARTS] float32 follows dv:
 per-warp partial sums of dS_ij |i - j| (the caller returns d(slopes) = -their sum over all but N).
 Outputs: dq_acc [B, T, N, H] float32 (the kernel zeroes it, then adds dS K into it; the caller
-multiplies by the softmax scale), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv].
+multiplies by the softmax scale), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv]. With
+``dq_flat`` dq_acc is [B, N, ceil(T / tile_m), tile_m * H] in the consumers' fragment order
+(`dq_acc_shape`; `dq_from_flat` turns it into [B, T, N, H]).
 With ``deterministic``, a fourth output dq_sem [B, N, ceil(T / tile_m)] int32: the kernel's
 key-block-order semaphores (zeroed by the kernel; the caller drops it).
 Scalars as the forward's: float32 (softmax_scale, softcap), int32 (window_left, window_right)
@@ -54,7 +56,9 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
     if config.has_segments:
         inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
                    TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
-    outputs = [TensorArg("float32", (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
+    dq_last = config.tile_m * h if config.dq_flat else h
+    outputs = [TensorArg("float32", (None, None, None, dq_last)),
+               TensorArg(dt, (None, None, None, h)),
                TensorArg(dt, (None, None, None, hv))]
     if config.has_alibi:
         outputs.append(TensorArg("float32", (None, None, None, ALIBI_PARTS)))
@@ -78,3 +82,27 @@ def num_q_blocks(t: int, config: BwdConfig) -> int:
 
 def num_k_blocks(s: int, config: BwdConfig) -> int:
     return -(-s // config.tile_n)
+
+
+def dq_acc_shape(B: int, T: int, N: int, H: int, config: BwdConfig) -> tuple[int, ...]:
+    """Shape of the kernel's float32 dQ accumulator output (see the module docstring)."""
+    if config.dq_flat:
+        return (B, N, num_q_blocks(T, config), config.tile_m * H)
+    return (B, T, N, H)
+
+
+def dq_from_flat(acc, T: int, config: BwdConfig):
+    """[B, T, N, H] from a `dq_flat` accumulator [B, N, blocks, 64 * H] (numpy or jax arrays).
+
+    A block is two warpgroup parts (each 64 rows x H/2 columns: the head-dim halves of the
+    dQ GEMM), each stored as C = H/16 chunks of 128 threads x 4 floats: float v of chunk c of
+    thread t = 32 w + 4 lq + lr is accumulator register r = 4 c + v of that thread, and the
+    wgmma accumulator puts register r = va + 2 vb + 4 c of warp w's lane (lq, lr) at row
+    16 w + 8 vb + lq, column 8 c + 2 lr + va of the part. So the flat index factors as
+    (wg, c, w, lq, lr, vb, va) and the tile as rows (w, vb, lq) x columns (wg, c, lr, va).
+    """
+    B, N, nblk, _ = acc.shape
+    H = config.head_dim
+    a = acc.reshape(B, N, nblk, 2, H // 16, 4, 8, 4, 2, 2)
+    a = a.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
+    return a.reshape(B, nblk * config.tile_m, N, H)[:, :T]

@@ -135,7 +135,24 @@ def backward_config(problem) -> BwdConfig:
                      tile_m=tile_m_for(problem.head_dim, st.softcap is not None,
                                        problem.has_alibi),
                      early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
-                                           st.deterministic))
+                                           st.deterministic),
+                     dq_flat=use_dq_flat(problem.head_dim, st.softcap is not None,
+                                         problem.has_alibi, problem.has_segments))
+
+
+def use_dq_flat(head_dim: int, softcap: bool, alibi: bool, segments: bool) -> bool:
+    """dq_flat (the dQ tile in fragment order, one bulk reduce per step; FA4's dQ path)
+    wherever the step is 64 queries (every head dim but hd 64's 128-query default): H200,
+    2026-12-01 17:05 UTC (`benchmarks/results/cute-bwd-bench-dqf1-h200-2026-12-01.json`),
+    backward alone vs the plain step, hd 256 1.061 / 1.084 / 1.095 / 1.072 / 1.080 (1k, 4k
+    dense, 4k causal, 16k dense, 16k causal), hd 128 with early_dv 1.054 / 0.990 / 1.005 /
+    1.060 / 1.030 against early_dv's 1.000 / 0.956 / 0.989 / 0.996 / 1.031; 17 float64 checks
+    (hd 96 / 128 / 192 / 256, fp16, windows, lengths with empty rows, deterministic; error
+    1.00x cuDNN's on the 2k case), bitwise determinism, memcheck and racecheck clean. Not with
+    ALiBi or segment ids (not checked with it), nor softcap at hd 128 (ptxas spills 24 B)."""
+    if tile_m_for(head_dim, softcap, alibi) != 64 or alibi or segments:
+        return False
+    return not (softcap and head_dim == 128)
 
 
 def use_early_dv(head_dim: int, softcap: bool, deterministic: bool) -> bool:

@@ -12,6 +12,8 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords
@@ -29,7 +31,8 @@ _WG_AND_WRITER = 128 + 32
 
 class DqAccumulation:
     """Mixin of `FlashBwdSm90` (and so `FlashBwdSm90Wide`): reads the kernel's ``tile_m``,
-    ``hd``, ``dq_tma``, ``dq_writer``, ``dq_cols``, ``num_mma_threads`` and ``cfg``."""
+    ``hd``, ``dq_tma``, ``dq_writer``, ``dq_flat``, ``dq_cols``, ``num_mma_threads`` and
+    ``cfg``."""
 
     @cute.jit
     def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
@@ -46,6 +49,24 @@ class DqAccumulation:
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg,
                                      number_of_threads=_WG_AND_WRITER)
+        elif const_expr(self.dq_flat):
+            # Fragment order, 16-byte stores (`consumer_tiles`), then one bulk reduce of the
+            # whole tile into its block of the fragment-ordered accumulator.
+            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                              tdQsdQ)
+            cute.arch.fence_view_async_shared()  # visible to the bulk copy unit
+            cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
+            if warp_idx == 4:
+                sem = None
+                if const_expr(self.cfg.deterministic):
+                    sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
+                    wait_turn(sem, n_block - blocks.n_block_first(m_block))
+                with cute.arch.elect_one():
+                    dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
+                    bulk_reduce_add_f32(dst, sdQ.iterator, self.tile_m * self.hd * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.cfg.deterministic):
+                    pass_turn(sem)
         elif const_expr(self.dq_tma):
             tdQsdQ.store(acc_dQ.load())
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
@@ -115,6 +136,19 @@ class DqAccumulation:
                     ptr = g.iterator + cute.crd2idx((r, c), g.layout)
                     cute.arch.red(ptr, a[r, c], op="add", dtype=Float32, sem="relaxed",
                                   scope="gpu")
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, size: int, *, loc=None,
+                        ip=None):
+    """dst[i] += src[i] over `size` bytes (global float32 <- shared float32), one
+    cp.reduce.async.bulk in the calling thread's bulk group (commit / wait as for TMA). The
+    DSL wraps only the tensor (TMA) form of this PTX instruction, hence the inline asm."""
+    llvm.inline_asm(
+        None, [dst.llvm_ptr, src.toint(loc=loc, ip=ip).ir_value(), Int32(size).ir_value()],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @cute.jit

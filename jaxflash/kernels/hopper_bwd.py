@@ -116,6 +116,9 @@ class FlashBwdSm90(DqAccumulation):
         self.has_left = config.has_window
         self.dq_tma = config.dq_accum == "tma"
         self.dq_writer = config.dq_writer
+        # `dq_flat`: the staging tile in fragment order, one bulk reduce (no TMA tensor map)
+        self.dq_flat = config.dq_flat
+        self.dq_box = self.dq_tma and not self.dq_flat
         # How the two warpgroups split the tile_m x hd dQ tile of a step: at tile_m 64 (one
         # wgmma M atom) by head-dim halves; at tile_m 128 by 64-query row halves, each with the
         # whole head dim: wgmma N = hd instead of hd/2 (half the instructions) and each
@@ -210,9 +213,12 @@ class FlashBwdSm90(DqAccumulation):
         if const_expr(self.cfg.has_alibi):
             self.zero_fill(mdAlibi, stream)  # key blocks no query sees write nothing
 
-        # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want.
-        mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
-                                          for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV)]
+        # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want (the
+        # dq_flat accumulator [B, N, blocks, tile_m * H] is addressed as it is).
+        mQ, mK, mV, mdO, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
+                                     for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        if const_expr(not self.dq_flat):
+            mdQ = layouts.select_modes(mdQ, [1, 3, 2, 0])
         mLSE, mDelta = [layouts.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]  # (Tp, N, B)
 
         tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq = self.tiled_mmas()
@@ -233,7 +239,10 @@ class FlashBwdSm90(DqAccumulation):
         tma_Dl, tma_mDelta = cpasync.make_tiled_tma_atom(g2s, mDelta, row1, (self.tile_m,), 1)
         tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
         tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
-        if const_expr(self.dq_writer):
+        tma_dQ, tma_mdQ = None, mdQ
+        if const_expr(self.dq_flat):
+            pass  # one flat bulk reduce per step (`flush_dq`): no tensor map
+        elif const_expr(self.dq_writer):
             # One reduce-add per warpgroup half (`write_dq`): the box is that half, whose
             # shared-memory layout is the whole tile's restricted to its (whole) atoms.
             tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
@@ -266,7 +275,7 @@ class FlashBwdSm90(DqAccumulation):
         num_n_blocks = (S + self.tile_n - 1) // self.tile_n
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
-            tma_mdQ if self.dq_tma else mdQ, mQSeqlen, mKVSeqlen,
+            tma_mdQ if self.dq_box else mdQ, mQSeqlen, mKVSeqlen,
             (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi), tma_Q, tma_K, tma_V, tma_dO,
             tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
@@ -314,10 +323,18 @@ class FlashBwdSm90(DqAccumulation):
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv)
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
         sRow_layout = self.row_layout()
-        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd,
-                                         atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
+        sdQ_layout = self.dq_flat_layout() if self.dq_flat else layouts.smem_layout(
+            Float32, self.tile_m, self.hd, atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
+
+    def dq_flat_layout(self):
+        """`dq_flat`'s staging tile: tile_m x hd floats in fragment order, one part per
+        warpgroup ([part size, warpgroups]; identity swizzle, so both kernels allocate and
+        view it like the others)."""
+        part = self.tile_m * self.hd // self.num_mma_wg
+        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0,
+                                         cute.make_layout((part, self.num_mma_wg)))
 
     def dq_part_layout(self):
         """Shared-memory layout of one warpgroup's half of the dQ tile (`dq_writer`, tile_m
@@ -371,7 +388,7 @@ class FlashBwdSm90(DqAccumulation):
         if warp_idx == 0:
             for atom in (tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, tma_dK, tma_dV):
                 cpasync.prefetch_descriptor(atom)
-            if const_expr(self.dq_tma):
+            if const_expr(self.dq_box):
                 cpasync.prefetch_descriptor(tma_dQ)
 
         smem = cutlass.utils.SmemAllocator()
@@ -715,10 +732,20 @@ class FlashBwdSm90(DqAccumulation):
         thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
         tdQsdQ = None
-        if const_expr(self.dq_tma):
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
+        if const_expr(self.dq_flat):
+            # 16-byte stores: chunk c of thread t of warpgroup w at w * part + (128 c + t) * 4
+            # (`bwd_launch.dq_from_flat` undoes this order); one warp's store is 512
+            # contiguous bytes, so no bank conflicts.
+            r2s = cute.make_tiled_copy_tv(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                    num_bits_per_copy=128),
+                cute.make_layout((128, self.num_mma_wg)), cute.make_layout(4))
+            flat = cute.make_tensor(sdQ.iterator, self.dq_flat_layout().outer)
+            tdQsdQ = r2s.get_slice(tidx).partition_D(flat)
+        elif const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(layouts.transpose_mn(sdQ) if self.dq_transposed
                                         else sdQ)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
         return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds,
                 tdSsdS, tdQsdQ)
 

@@ -97,7 +97,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
                                          2 * self.pds_bufs)
         sRow_layout = self.row_layout()
-        sdQ_layout = layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half)
+        sdQ_layout = (self.dq_flat_layout() if self.dq_flat
+                      else layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half))
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
 

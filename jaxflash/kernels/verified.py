@@ -45,6 +45,8 @@ RULES = {
     # same code path, results bitwise those without it (6 configs on the H200, 16:03 UTC,
     # `cute-fwd-lazy0-exact-*`). Cleared; `choose` does not pick it (grid cc4).
     "FwdConfig": (),
+    # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
+    # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
                   ("dq_arrive", lambda c: c.dq_arrive)),
 }
