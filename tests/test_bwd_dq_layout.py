@@ -16,22 +16,27 @@ def _flatten_like_the_kernel(dq: np.ndarray, tile_m: int) -> np.ndarray:
     nblk = -(-T // tile_m)
     pad = np.zeros((B, nblk * tile_m, N, H), dq.dtype)
     pad[:, :T] = dq
-    cols = H // 2
-    regs = tile_m * cols // 128
+    cols = H // 2 if tile_m == 64 else H  # a warpgroup's part: head-dim half, or 64 rows
+    regs = 64 * cols // 128
     out = np.zeros((B, N, nblk, tile_m * H), dq.dtype)
     for wg in range(2):
         for t in range(128):
             for r in range(regs):
                 row = 16 * (t // 32) + 8 * (r // 2 % 2) + t % 32 // 4
-                col = wg * cols + 8 * (r // 4) + 2 * (t % 4) + r % 2
-                idx = wg * tile_m * cols + (128 * (r // 4) + t) * 4 + r % 4
+                col = 8 * (r // 4) + 2 * (t % 4) + r % 2
+                if tile_m == 64:
+                    col += wg * cols
+                else:
+                    row += 64 * wg
+                idx = wg * 64 * cols + (128 * (r // 4) + t) * 4 + r % 4
                 out[:, :, :, idx] = pad[:, row::tile_m][:, :nblk, :, col].transpose(0, 2, 1)
     return out
 
 
-@pytest.mark.parametrize("H,T", [(128, 200), (96, 64), (256, 130), (192, 1)])
-def test_dq_from_flat_inverts_the_kernels_store_order(H, T):
-    cfg = BwdConfig(head_dim=H, dq_flat=True)
+@pytest.mark.parametrize("H,T,tile_m", [(128, 200, 64), (96, 64, 64), (256, 130, 64),
+                                         (192, 1, 64), (64, 300, 128), (64, 128, 128)])
+def test_dq_from_flat_inverts_the_kernels_store_order(H, T, tile_m):
+    cfg = BwdConfig(head_dim=H, dq_flat=True, tile_m=tile_m)
     B, N = 2, 3
     dq = np.random.default_rng(H + T).standard_normal((B, T, N, H)).astype(np.float32)
     acc = _flatten_like_the_kernel(dq, cfg.tile_m)
@@ -41,7 +46,7 @@ def test_dq_from_flat_inverts_the_kernels_store_order(H, T):
 
 def test_dq_flat_refusals():
     with pytest.raises(ValueError, match="dq_flat needs"):
-        BwdConfig(head_dim=64, tile_m=128, dq_flat=True)
+        BwdConfig(head_dim=128, tile_m=80, dq_flat=True)
     with pytest.raises(ValueError, match="dq_flat needs"):
         BwdConfig(head_dim=128, dq_writer=True, dq_flat=True)
     with pytest.raises(ValueError, match="dq_flat needs"):

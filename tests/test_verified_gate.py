@@ -320,22 +320,28 @@ def test_forward_lazy_rescale_exact_checked_picked_on_long_keys():
 
 def test_backward_dq_flat_checked_benched_and_picked():
     """dq_flat (the dQ tile in fragment order, one bulk reduce per step) passed its checks on
-    the H200 (2026-12-01) and is picked wherever the step is 64 queries, except with ALiBi,
-    segment ids, or softcap at hd 128; its check cases cover both kernels (hd 96 / 128 / 192
+    the H200 (2026-12-01) and is picked wherever the step is 64 queries and on hd 64's
+    128-query step without a mask, except with ALiBi, segment ids, or softcap at hd 128; its
+    check cases cover both kernels (hd 96 / 128 / 192
     / 256), fp16, deterministic, and a bench column sits beside hd 128's and hd 256's
     defaults."""
     from jaxflash.kernels import bwd_devrun
     from jaxflash.kernels.choose import use_dq_flat
     cfg = BwdConfig(head_dim=128, early_dv=True, dq_flat=True)
     assert cfg.check()[0] and verified.pending(cfg) == () and "_dqf" in cfg.key
-    assert use_dq_flat(128, False, False, False) and use_dq_flat(256, True, False, False)
-    assert use_dq_flat(96, True, False, False) and use_dq_flat(192, False, False, False)
-    assert not use_dq_flat(64, False, False, False)  # 128-query step there
-    assert use_dq_flat(64, True, False, False)  # softcap keeps hd 64 at 64 queries
-    assert not use_dq_flat(128, True, False, False)  # ptxas spills 24 B
-    assert not use_dq_flat(96, False, True, False) and not use_dq_flat(128, False, False, True)
+    for masked in (False, True):
+        assert use_dq_flat(128, False, False, False, masked)
+        assert use_dq_flat(256, True, False, False, masked)
+        assert use_dq_flat(96, True, False, False, masked)
+        assert use_dq_flat(192, False, False, False, masked)
+        assert use_dq_flat(64, True, False, False, masked)  # softcap: 64-query step at hd 64
+        assert not use_dq_flat(128, True, False, False, masked)  # ptxas spills 24 B
+        assert not use_dq_flat(96, False, True, False, masked)
+        assert not use_dq_flat(128, False, False, True, masked)
+    assert use_dq_flat(64, False, False, False, False)  # 128-query step, dense: picked
+    assert not use_dq_flat(64, False, False, False, True)  # causal: slower there
     cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_flat")]
-    assert {kw["head_dim"] for kw in cases} == {96, 128, 192, 256} and len(cases) >= 12
+    assert {kw["head_dim"] for kw in cases} == {64, 96, 128, 192, 256} and len(cases) >= 18
     assert any(kw.get("deterministic") for kw in cases)
     assert any(kw.get("dq_flat") for _, kw, _ in bwd_devrun.DETERMINISM)
     assert bwd_devrun.BENCH_VARIANTS[128]["edv_dqf"] == dict(early_dv=True, dq_flat=True)

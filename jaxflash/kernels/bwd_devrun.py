@@ -297,6 +297,18 @@ CHECKS = [
      (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
     ("bf16 h256 dqf dense 2k", dict(head_dim=256, dq_flat=True),
      (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    # dq_flat at tile_m 128 (hd 64: the warpgroups' parts are 64-row halves, whole head dim)
+    ("bf16 h64 m128 dqf dense odd", dict(head_dim=64, tile_m=128, dq_flat=True),
+     (2, 300, 333, 4, 4, {})),
+    ("bf16 h64 m128 dqf causal gqa T<S", dict(head_dim=64, tile_m=128, is_causal=True,
+                                              dq_flat=True), (2, 500, 700, 8, 2, {})),
+    ("fp16 h64 m128 dqf window kvlen", dict(dtype="float16", head_dim=64, tile_m=128,
+                                            has_window=True, has_kv_seqlen=True, dq_flat=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("bf16 h64 m128 dqf causal T>S", dict(head_dim=64, tile_m=128, is_causal=True,
+                                          dq_flat=True), (1, 400, 150, 2, 2, {})),
+    ("bf16 h64 m128 dqf dense 2k", dict(head_dim=64, tile_m=128, dq_flat=True),
+     (1, 2048, 2048, 8, 8, {"cudnn": True})),
     # 80 queries per step at hd 128 dense (opt-in, gated until these pass; `hopper_bwd_m80`:
     # dQ^T = K^T dS^T stored transposed into the reduce-add tile, LSE / delta padded to 320).
     # Partial last query blocks (1000 = 12.5 x 80), GQA, T < S and T > S (more query blocks
@@ -319,6 +331,10 @@ CHECKS = [
      (2, 500, 700, 8, 2, {})),
     ("bf16 h256 dqf deterministic causal gqa", dict(head_dim=256, is_causal=True,
                                                     deterministic=True, dq_flat=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h64 m128 dqf deterministic causal gqa", dict(head_dim=64, tile_m=128,
+                                                        is_causal=True, deterministic=True,
+                                                        dq_flat=True),
      (2, 500, 700, 8, 2, {})),
     ("bf16 h256 deterministic causal gqa", dict(head_dim=256, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
@@ -369,6 +385,7 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 # beside the schedule it modifies ("edv" is hd 128's default); unverified until checked.
 BENCH_VARIANTS = {
     64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
+         "m128_dqf": dict(tile_m=128, dq_flat=True),
          "m128_det": dict(tile_m=128, deterministic=True),
          "m128_ovl": dict(tile_m=128, overlap_dq=True),
          "m128_dqa": dict(tile_m=128, dq_arrive=True),
@@ -419,11 +436,16 @@ def _configs(kw):
 
 
 def all_launches(cases=None):
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
     launches = []
-    for name, kw, _ in CHECKS + DETERMINISM:
+    for name, kw, (_, T, _, _, _, _) in CHECKS + DETERMINISM:
         if not cases or name in cases:
             f, b = _configs(kw)
             launches += [fwd_launch(f), bwd_launch(b)]
+            if "via jax.grad" in name:  # runs what dispatch picks for it (plain bf16 calls)
+                launches.append(bwd_launch(backward_config(
+                    grid_problem(kw["head_dim"], T, kw.get("is_causal", False)))))
     if not cases:
         for d in BENCH_DIMS:
             for c in (False, True):
@@ -434,8 +456,7 @@ def all_launches(cases=None):
                                                              dq_accum=acc)))
                     except ValueError:
                         pass  # a variant the config refuses (none at the bench dims now)
-        from jaxflash.kernels.choose import backward_config
-        from jaxflash.kernels.devrun import GRID_S, grid_choices, grid_problem
+        from jaxflash.kernels.devrun import GRID_S, grid_choices
         launches += [fwd_launch(f) for f in grid_choices()]  # the forward the grad runs first
         launches += [bwd_launch(backward_config(grid_problem(d, s, c)))
                      for d in BENCH_DIMS for s in GRID_S for c in (False, True)]

@@ -92,17 +92,23 @@ def dq_acc_shape(B: int, T: int, N: int, H: int, config: BwdConfig) -> tuple[int
 
 
 def dq_from_flat(acc, T: int, config: BwdConfig):
-    """[B, T, N, H] from a `dq_flat` accumulator [B, N, blocks, 64 * H] (numpy or jax arrays).
+    """[B, T, N, H] from a `dq_flat` accumulator [B, N, blocks, tile_m * H] (numpy or jax).
 
-    A block is two warpgroup parts (each 64 rows x H/2 columns: the head-dim halves of the
-    dQ GEMM), each stored as C = H/16 chunks of 128 threads x 4 floats: float v of chunk c of
-    thread t = 32 w + 4 lq + lr is accumulator register r = 4 c + v of that thread, and the
-    wgmma accumulator puts register r = va + 2 vb + 4 c of warp w's lane (lq, lr) at row
-    16 w + 8 vb + lq, column 8 c + 2 lr + va of the part. So the flat index factors as
-    (wg, c, w, lq, lr, vb, va) and the tile as rows (w, vb, lq) x columns (wg, c, lr, va).
+    A block is two warpgroup parts, each 64 rows x P columns (tile_m 64: the head-dim halves
+    of the dQ GEMM, P = H/2; tile_m 128: the 64-row halves, P = H), stored as C = P/8 chunks
+    of 128 threads x 4 floats: float v of chunk c of thread t = 32 w + 4 lq + lr is
+    accumulator register r = 4 c + v of that thread, and the wgmma accumulator puts register
+    r = va + 2 vb + 4 c of warp w's lane (lq, lr) at row 16 w + 8 vb + lq, column
+    8 c + 2 lr + va of the part. So the flat index factors as (wg, c, w, lq, lr, vb, va) and
+    the tile as rows (w, vb, lq) x columns (wg, c, lr, va) at tile_m 64, rows
+    (wg, w, vb, lq) x columns (c, lr, va) at tile_m 128.
     """
     B, N, nblk, _ = acc.shape
     H = config.head_dim
-    a = acc.reshape(B, N, nblk, 2, H // 16, 4, 8, 4, 2, 2)
-    a = a.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
+    by_rows = config.tile_m == 128
+    a = acc.reshape(B, N, nblk, 2, H // (8 if by_rows else 16), 4, 8, 4, 2, 2)
+    if by_rows:
+        a = a.transpose(0, 2, 3, 5, 8, 6, 1, 4, 7, 9)
+    else:
+        a = a.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
     return a.reshape(B, nblk * config.tile_m, N, H)[:, :T]

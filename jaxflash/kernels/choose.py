@@ -137,22 +137,27 @@ def backward_config(problem) -> BwdConfig:
                      early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
                                            st.deterministic),
                      dq_flat=use_dq_flat(problem.head_dim, st.softcap is not None,
-                                         problem.has_alibi, problem.has_segments))
+                                         problem.has_alibi, problem.has_segments,
+                                         st.is_causal or st.window is not None))
 
 
-def use_dq_flat(head_dim: int, softcap: bool, alibi: bool, segments: bool) -> bool:
+def use_dq_flat(head_dim: int, softcap: bool, alibi: bool, segments: bool,
+                masked: bool) -> bool:
     """dq_flat (the dQ tile in fragment order, one bulk reduce per step; FA4's dQ path)
-    wherever the step is 64 queries (every head dim but hd 64's 128-query default): H200,
-    2026-12-01 17:05 UTC (`benchmarks/results/cute-bwd-bench-dqf1-h200-2026-12-01.json`),
-    backward alone vs the plain step, hd 256 1.061 / 1.084 / 1.095 / 1.072 / 1.080 (1k, 4k
-    dense, 4k causal, 16k dense, 16k causal), hd 128 with early_dv 1.054 / 0.990 / 1.005 /
-    1.060 / 1.030 against early_dv's 1.000 / 0.956 / 0.989 / 0.996 / 1.031; 17 float64 checks
-    (hd 96 / 128 / 192 / 256, fp16, windows, lengths with empty rows, deterministic; error
-    1.00x cuDNN's on the 2k case), bitwise determinism, memcheck and racecheck clean. Not with
-    ALiBi or segment ids (not checked with it), nor softcap at hd 128 (ptxas spills 24 B)."""
-    if tile_m_for(head_dim, softcap, alibi) != 64 or alibi or segments:
+    wherever the step is 64 queries, and on hd 64's 128-query step without a causal / window
+    mask. H200, 2026-12-01, backward alone vs the plain 64-query step
+    (`benchmarks/results/cute-bwd-bench-dqf{1,64}-h200-2026-12-01.json`; 1k, 4k dense, 4k
+    causal, 16k dense, 16k causal): hd 256 1.061 / 1.084 / 1.095 / 1.072 / 1.080 (the default
+    is the plain step there); hd 128 with early_dv 1.054 / 0.990 / 1.005 / 1.060 / 1.030
+    against early_dv's 1.000 / 0.956 / 0.989 / 0.996 / 1.031; hd 64 at 128 queries 1.206 /
+    1.205 / 1.192 / 1.222 / 1.209 against 1.133 / 1.156 / 1.201 / 1.149 / 1.238 (the causal
+    points a little slower: not picked there). 23 float64 checks (hd 64 / 96 / 128 / 192 /
+    256, fp16, windows, lengths with empty rows, deterministic; error 1.00x cuDNN's on the 2k
+    cases), bitwise determinism, memcheck and racecheck clean. Not with ALiBi or segment ids
+    (not checked with them), nor softcap at hd 128 (ptxas spills 24 B)."""
+    if alibi or segments or (softcap and head_dim == 128):
         return False
-    return not (softcap and head_dim == 128)
+    return tile_m_for(head_dim, softcap, alibi) == 64 or not masked
 
 
 def use_early_dv(head_dim: int, softcap: bool, deterministic: bool) -> bool:
