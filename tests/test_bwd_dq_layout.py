@@ -48,7 +48,7 @@ def test_dq_flat_refusals():
     with pytest.raises(ValueError, match="dq_flat needs"):
         BwdConfig(head_dim=128, tile_m=80, dq_flat=True)
     with pytest.raises(ValueError, match="dq_flat needs"):
-        BwdConfig(head_dim=128, dq_writer=True, dq_flat=True)
+        BwdConfig(head_dim=128, dq_arrive=True, dq_flat=True)
     with pytest.raises(ValueError, match="dq_flat needs"):
         BwdConfig(head_dim=128, dq_accum="red", dq_flat=True)
     assert dq_acc_shape(1, 5, 2, 128, BwdConfig(head_dim=128)) == (1, 5, 2, 128)

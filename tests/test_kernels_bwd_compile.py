@@ -54,6 +54,8 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, early_dv=True, overlap_dq=True,
               dq_flat=True),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, dq_flat=True),
+    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True, dq_writer=True,
+              dq_flat=True),
     BwdConfig(dtype="bfloat16", head_dim=256),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True),
     BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True,
@@ -131,11 +133,12 @@ def test_compiles_for_sm90a(cfg, tmp_path):
             assert shapes == {"80", str(cfg.head_dim)}, shapes
         else:
             assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
-        if cfg.tile_m in (80, 128) and cfg.dq_accum == "tma":  # one reduce-add per 8-col slab
-            assert ptx.count("cp.reduce.async.bulk.tensor") == cfg.head_dim // 8
-        if cfg.dq_writer:  # the same boxes for each warpgroup half (one swizzle atom each)
+        if cfg.tile_m in (80, 128) and cfg.dq_accum == "tma" and not cfg.dq_flat:
+            assert ptx.count("cp.reduce.async.bulk.tensor") == cfg.head_dim // 8  # 8-col slabs
+        if cfg.dq_writer and not cfg.dq_flat:  # the same boxes for each warpgroup half
             n = ptx.count("cp.reduce.async.bulk.tensor")
             assert n >= 2 and n % 2 == 0, n
+        if cfg.dq_writer:
             assert "bar.sync 3," not in ptx and "bar.arrive 3," not in ptx  # no BAR_DQ
     else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
@@ -143,7 +146,14 @@ def test_compiles_for_sm90a(cfg, tmp_path):
         assert ".shared" in ptx and "wgmma" in ptx
     red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
     tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
-    assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
+    # dq_flat: flat bulk reduces of the fragment-ordered tile (one per step, or one per
+    # warpgroup part from the dq_writer warp), no tensor-map reduce at all
+    flat = ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
+    assert flat == ((2 if cfg.dq_writer else 1) if cfg.dq_flat else 0), flat
+    if cfg.dq_flat:
+        assert not red and not tma_reduce
+    else:
+        assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
     assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
     assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
     assert ("bar.arrive 3, 256" in ptx) == cfg.dq_arrive  # BAR_DQ arrive-only

@@ -101,14 +101,15 @@ class BwdConfig:
       stored / half read back) between that warpgroup and the writer. A consumer warpgroup
       then never waits for the other one at the dQ flush (BAR_DQ and warp 4's reduce are
       gone), only for its own half of the previous step to have been read.
-    dq_flat: (dq_accum "tma", tile_m 64 / 128; not with dq_writer / dq_arrive) FA4's dQ path: each
+    dq_flat: (dq_accum "tma", tile_m 64 / 128; not with dq_arrive) FA4's dQ path: each
       consumer thread stores its dQ fragment to shared memory in fragment order (16-byte
       vector stores, conflict-free) and warp 4 adds the whole tile with one flat bulk
       reduce (cp.reduce.async.bulk .add.f32, tile_m x hd x 4 bytes) into a fragment-ordered
       accumulator [B, N, ceil(T / tile_m), tile_m x hd] that the caller un-permutes in XLA
       (`bwd_launch.dq_from_flat`, fused with the scale and cast), instead of hd / 32 TMA
       tensor boxes of tile_m x 128 B per step (4 at hd 128, 8 at hd 256), or at tile_m 128
-      hd / 8 boxes of 128 x 32 B. Both kernels.
+      hd / 8 boxes of 128 x 32 B. Both kernels. With dq_writer, that warp issues one bulk
+      reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`).
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
@@ -215,11 +216,10 @@ class BwdConfig:
                            "(head-dim halves per warpgroup) and neither deterministic (whose "
                            "ordered adds stay with warp 4) nor dq_arrive")
         if self.dq_flat and (self.dq_accum != "tma" or self.tile_m not in (64, 128)
-                             or self.dq_writer or self.dq_arrive):
+                             or self.dq_arrive):
             return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
                            "dQ part is its head-dim half, or its 64 query rows), without "
-                           "dq_writer or dq_arrive (warp 4 issues the one bulk reduce after "
-                           "BAR_DQ)")
+                           "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":

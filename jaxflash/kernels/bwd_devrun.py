@@ -297,6 +297,14 @@ CHECKS = [
      (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
     ("bf16 h256 dqf dense 2k", dict(head_dim=256, dq_flat=True),
      (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    # dq_flat with dq_writer (gated until these pass): the writer warp adds each warpgroup's
+    # part with its own bulk reduce (FA4's scheme), with and without overlap_dq; hd 96 too.
+    *_hd128_edv_cases("ovl dqw dqf", overlap_dq=True, dq_writer=True, dq_flat=True),
+    ("bf16 h128 edv dqw dqf dense odd mqa", dict(head_dim=128, early_dv=True, dq_writer=True,
+                                                 dq_flat=True), (2, 333, 301, 4, 1, {})),
+    ("fp16 h96 dqw dqf window kvlen", dict(dtype="float16", head_dim=96, has_window=True,
+                                           has_kv_seqlen=True, dq_writer=True, dq_flat=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
     # dq_flat at tile_m 128 (hd 64: the warpgroups' parts are 64-row halves, whole head dim)
     ("bf16 h64 m128 dqf dense odd", dict(head_dim=64, tile_m=128, dq_flat=True),
      (2, 300, 333, 4, 4, {})),
@@ -400,7 +408,9 @@ BENCH_VARIANTS = {
     # and edv_dqw alone were within noise of edv in three runs (2026-12-01): not timed.
     128: {"edv": dict(early_dv=True), "edv_dqf": dict(early_dv=True, dq_flat=True),
           "edv_ovl_dqf": dict(early_dv=True, overlap_dq=True, dq_flat=True),
-          "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True)},
+          "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True),
+          "edv_ovl_dqw_dqf": dict(early_dv=True, overlap_dq=True, dq_writer=True,
+                                  dq_flat=True)},
     256: {"dqf": dict(dq_flat=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)

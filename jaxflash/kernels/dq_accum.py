@@ -45,7 +45,11 @@ class DqAccumulation:
         if const_expr(self.dq_writer):
             wg = (warp_idx - 4) // 4
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=_WG_AND_WRITER)
-            tdQsdQ.store(acc_dQ.load())
+            if const_expr(self.dq_flat):
+                cute.autovec_copy(
+                    cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
+            else:
+                tdQsdQ.store(acc_dQ.load())
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg,
                                      number_of_threads=_WG_AND_WRITER)
@@ -108,15 +112,28 @@ class DqAccumulation:
             for step in cutlass.range(num_steps, unroll=1):
                 g = step // num_m
                 m_block = m_min + step - g * num_m
-                gdQ = mdQ[None, None, kv_head * group + g, batch]
+                gdQ = None
+                if const_expr(not self.dq_flat):
+                    gdQ = mdQ[None, None, kv_head * group + g, batch]
                 for w in cutlass.range_constexpr(2):
-                    sPart = cute.local_tile(sdQ, (self.tile_m, self.dq_cols), (0, w))
-                    gPart = cute.local_tile(gdQ, (self.tile_m, self.dq_cols), (m_block, w))
-                    tQs, tQg = layouts.tma_tiles(tma_dQ, sPart, gPart)
-                    cute.arch.barrier(barrier_id=BAR_DQ_FULL + w,
-                                      number_of_threads=_WG_AND_WRITER)
-                    cute.copy(tma_dQ, tQs, tQg)  # rows past T: clipped by the TMA unit
-                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(self.dq_flat):
+                        # the part is contiguous in both places: one bulk reduce of it
+                        part = self.tile_m * self.dq_cols
+                        cute.arch.barrier(barrier_id=BAR_DQ_FULL + w,
+                                          number_of_threads=_WG_AND_WRITER)
+                        with cute.arch.elect_one():
+                            dst = mdQ.iterator + cute.crd2idx(
+                                (batch, kv_head * group + g, m_block, w * part), mdQ.layout)
+                            bulk_reduce_add_f32(dst, sdQ.iterator + w * part, part * 4)
+                            cute.arch.cp_async_bulk_commit_group()
+                    else:
+                        sPart = cute.local_tile(sdQ, (self.tile_m, self.dq_cols), (0, w))
+                        gPart = cute.local_tile(gdQ, (self.tile_m, self.dq_cols), (m_block, w))
+                        tQs, tQg = layouts.tma_tiles(tma_dQ, sPart, gPart)
+                        cute.arch.barrier(barrier_id=BAR_DQ_FULL + w,
+                                          number_of_threads=_WG_AND_WRITER)
+                        cute.copy(tma_dQ, tQs, tQg)  # rows past T: clipped by the TMA unit
+                        cute.arch.cp_async_bulk_commit_group()
                 for w in cutlass.range_constexpr(2):
                     cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,

@@ -48,7 +48,9 @@ RULES = {
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
-                  ("dq_arrive", lambda c: c.dq_arrive)),
+                  ("dq_arrive", lambda c: c.dq_arrive),
+                  # (2026-12-01, compiled only) the writer warp's bulk reduces of dq_flat parts
+                  ("dq_flat with dq_writer", lambda c: c.dq_flat and c.dq_writer)),
 }
 
 
