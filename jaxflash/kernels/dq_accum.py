@@ -30,9 +30,36 @@ _WG_AND_WRITER = 128 + 32
 
 
 class DqAccumulation:
-    """Mixin of `FlashBwdSm90` (and so `FlashBwdSm90Wide`): reads the kernel's ``tile_m``,
-    ``hd``, ``dq_tma``, ``dq_writer``, ``dq_flat``, ``dq_cols``, ``num_mma_threads`` and
+    """Mixin of `FlashBwdSm90` (and so `FlashBwdSm90Wide`): the dQ staging layouts and the
+    flush. Reads the kernel's ``tile_m``, ``hd``, ``dq_tma``, ``dq_writer``, ``dq_flat``,
+    ``dq_cols``, ``dq_atom_cols``, ``dq_swizzle``, ``num_mma_wg``, ``num_mma_threads`` and
     ``cfg``."""
+
+    def dq_part_layout(self):
+        """Shared-memory layout of one warpgroup's half of the dQ tile (`dq_writer`, tile_m
+        64: tile_m x hd/2, whole swizzle atoms; the whole tile's atoms are tiled rows first,
+        so half w is the contiguous w-th half of the buffer)."""
+        return layouts.smem_layout(Float32, self.tile_m, self.dq_cols,
+                                   atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
+
+    def dq_flat_layout(self):
+        """`dq_flat`'s staging tile: tile_m x hd floats in fragment order, one part per
+        warpgroup ([part size, warpgroups]; identity swizzle, so both kernels allocate and
+        view it like the others)."""
+        part = self.tile_m * self.hd // self.num_mma_wg
+        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0,
+                                         cute.make_layout((part, self.num_mma_wg)))
+
+    def dq_flat_partition(self, sdQ, tidx):
+        """A consumer thread's view of the `dq_flat` staging tile for 16-byte stores: chunk c
+        of thread t of warpgroup w at w * part + (128 c + t) * 4 (`bwd_launch.dq_from_flat`
+        undoes this order); one warp's store is 512 contiguous bytes, so no bank conflicts.
+        Plain Python (inlined while `consume` is traced)."""
+        r2s = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout((128, self.num_mma_wg)), cute.make_layout(4))
+        flat = cute.make_tensor(sdQ.iterator, self.dq_flat_layout().outer)
+        return r2s.get_slice(tidx).partition_D(flat)
 
     @cute.jit
     def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,

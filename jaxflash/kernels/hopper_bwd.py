@@ -328,21 +328,6 @@ class FlashBwdSm90(DqAccumulation):
         return (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
                 sdQ_layout)
 
-    def dq_flat_layout(self):
-        """`dq_flat`'s staging tile: tile_m x hd floats in fragment order, one part per
-        warpgroup ([part size, warpgroups]; identity swizzle, so both kernels allocate and
-        view it like the others)."""
-        part = self.tile_m * self.hd // self.num_mma_wg
-        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0,
-                                         cute.make_layout((part, self.num_mma_wg)))
-
-    def dq_part_layout(self):
-        """Shared-memory layout of one warpgroup's half of the dQ tile (`dq_writer`, tile_m
-        64: tile_m x hd/2, whole swizzle atoms; the whole tile's atoms are tiled rows first,
-        so half w is the contiguous w-th half of the buffer)."""
-        return layouts.smem_layout(Float32, self.tile_m, self.dq_cols,
-                                   atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
-
     # ------------------------------------------------------------------------------------
     # device
     # ------------------------------------------------------------------------------------
@@ -734,15 +719,7 @@ class FlashBwdSm90(DqAccumulation):
         tdQsdQ = None
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
         if const_expr(self.dq_flat):
-            # 16-byte stores: chunk c of thread t of warpgroup w at w * part + (128 c + t) * 4
-            # (`bwd_launch.dq_from_flat` undoes this order); one warp's store is 512
-            # contiguous bytes, so no bank conflicts.
-            r2s = cute.make_tiled_copy_tv(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
-                                    num_bits_per_copy=128),
-                cute.make_layout((128, self.num_mma_wg)), cute.make_layout(4))
-            flat = cute.make_tensor(sdQ.iterator, self.dq_flat_layout().outer)
-            tdQsdQ = r2s.get_slice(tidx).partition_D(flat)
+            tdQsdQ = self.dq_flat_partition(sdQ, tidx)
         elif const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(layouts.transpose_mn(sdQ) if self.dq_transposed
                                         else sdQ)
