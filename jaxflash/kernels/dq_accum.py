@@ -61,30 +61,35 @@ class DqAccumulation:
         flat = cute.make_tensor(sdQ.iterator, self.dq_flat_layout().outer)
         return r2s.get_slice(tidx).partition_D(flat)
 
+    def stage_dq(self, acc_dQ, tdQsdQ):
+        """The thread's dQ accumulator into its part of the staging tile: register order for
+        `dq_flat` (`dq_flat_partition`), else the MMA's C partition. Plain Python (inlined)."""
+        if const_expr(self.dq_flat):
+            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
+                              tdQsdQ)
+        else:
+            tdQsdQ.store(acc_dQ.load())
+
     @cute.jit
     def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
                  m_block: Int32, head: Int32, batch: Int32, n_block: Int32, T: Int32,
                  warp_idx: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
         """Add one step's dQ partial (acc_dQ, complete) to the float32 accumulator in global
-        memory: through sdQ and one TMA reduce-add issued by warp 4, or per-element atomics.
-        sdQ must be free: warp 4 waited for the previous reduce's reads before the last
-        _BAR_DS that every consumer thread passed since."""
+        memory: through sdQ and TMA reduce-adds (or with `dq_flat` one bulk reduce) issued by
+        warp 4 or the `dq_writer` warp, or per-element atomics. sdQ must be free: warp 4 (or
+        the writer, through BAR_DQ_EMPTY) waited for the previous reduce's reads before the
+        last _BAR_DS that every consumer thread passed since."""
         if const_expr(self.dq_writer):
             wg = (warp_idx - 4) // 4
             cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=_WG_AND_WRITER)
-            if const_expr(self.dq_flat):
-                cute.autovec_copy(
-                    cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)), tdQsdQ)
-            else:
-                tdQsdQ.store(acc_dQ.load())
+            self.stage_dq(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg,
                                      number_of_threads=_WG_AND_WRITER)
         elif const_expr(self.dq_flat):
-            # Fragment order, 16-byte stores (`consumer_tiles`), then one bulk reduce of the
-            # whole tile into its block of the fragment-ordered accumulator.
-            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, cute.make_layout(tdQsdQ.shape)),
-                              tdQsdQ)
+            # Fragment order, 16-byte stores, then one bulk reduce of the whole tile into its
+            # block of the fragment-ordered accumulator.
+            self.stage_dq(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()  # visible to the bulk copy unit
             cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
             if warp_idx == 4:
@@ -99,7 +104,7 @@ class DqAccumulation:
                 if const_expr(self.cfg.deterministic):
                     pass_turn(sem)
         elif const_expr(self.dq_tma):
-            tdQsdQ.store(acc_dQ.load())
+            self.stage_dq(acc_dQ, tdQsdQ)
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
             if const_expr(self.cfg.dq_arrive):
                 # Only warp 4 (the reduce's issuer) waits for the whole tile; see `BwdConfig`.
