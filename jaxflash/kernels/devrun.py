@@ -136,9 +136,9 @@ def pick_columns(D: int, S: int, causal: bool) -> dict:
 
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
-    cfgs += grid_choices()
-    cfgs += [c for d in BENCH_DIMS for s in GRID_S for causal in (False, True)
-             for c in pick_columns(d, s, causal).values() if c is not None]
+    cfgs += grid_choices()  # the "pick" column; its lazy twin for the points `bench` times:
+    cfgs += [c for d in BENCH_DIMS for s in BENCH_S for causal in (False, True)
+             if (c := pick_columns(d, s, causal)["pick_lazy"]) is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:
         cfgs += [v for v in (_variant(d, c, kw) for kw in VARIANTS.values()) if v is not None]
