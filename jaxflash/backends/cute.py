@@ -157,6 +157,33 @@ class CuteBackend(Backend):
         return cute_backward(launch, q, k, v, arrays, statics, out, lse, dout)
 
 
+def bwd_prepare(lse, dout, out, q_seqlen, Tp: int):
+    """(lse2, delta) [B, N, Tp] float32, the backward kernel's O(T) inputs (see `cute_backward`)."""
+    import jax.numpy as jnp
+    T = lse.shape[-1]
+    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    # Rows that saw no key have LSE -inf; rows past q_seqlen get no gradient: +inf makes
+    # P = exp2(s - lse2) exactly 0 there (never NaN).
+    valid = lse > -jnp.inf
+    if q_seqlen is not None:
+        rows = jnp.arange(T, dtype=jnp.int32)
+        valid &= rows[None, None, :] < q_seqlen.astype(jnp.int32)[:, None, None]
+    lse2 = jnp.where(valid, lse * jnp.float32(math.log2(math.e)), jnp.inf)
+    pad = ((0, 0), (0, 0), (0, Tp - T))
+    lse2 = jnp.pad(lse2.astype(jnp.float32), pad, constant_values=jnp.inf)
+    return lse2, jnp.pad(delta, pad)
+
+
+def bwd_finish(dq_acc, T: int, cfg, scale: float, dtype):
+    """dQ [B, T, N, H] from the kernel's float32 accumulator: un-permuted (`dq_flat`), scaled
+    and cast, in one XLA fusion."""
+    import jax.numpy as jnp
+    from jaxflash.kernels.bwd_launch import dq_from_flat
+    if cfg.dq_flat:  # fragment order -> [B, T, N, H]
+        dq_acc = dq_from_flat(dq_acc, T, cfg)
+    return (dq_acc * jnp.float32(scale)).astype(dtype)
+
+
 def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     """(dq, dk, dv, None, dslopes or None) by `FlashBwdSm90`: O(T) preprocessing (delta, log2
     LSE with +inf on rows that must get no gradient, padded for the kernel's TMA boxes; segment
@@ -166,23 +193,13 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     import jax.numpy as jnp
 
     from jaxflash import ffi
-    from jaxflash.kernels.bwd_launch import dq_acc_shape, dq_from_flat, num_q_blocks, padded_len
+    from jaxflash.kernels.bwd_launch import dq_acc_shape, num_q_blocks, padded_len
     from jaxflash.kernels.fwd_launch import fwd_scalars
     B, T, N, H = q.shape
     cfg = launch.config
     Tp = padded_len(T, cfg)
     dout = dout.astype(q.dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
-    # Rows that saw no key have LSE -inf; rows past q_seqlen get no gradient: +inf makes
-    # P = exp2(s - lse2) exactly 0 there (never NaN).
-    valid = lse > -jnp.inf
-    if arrays.q_seqlen is not None:
-        rows = jnp.arange(T, dtype=jnp.int32)
-        valid &= rows[None, None, :] < arrays.q_seqlen.astype(jnp.int32)[:, None, None]
-    lse2 = jnp.where(valid, lse * jnp.float32(math.log2(math.e)), jnp.inf)
-    pad = ((0, 0), (0, 0), (0, Tp - T))
-    lse2 = jnp.pad(lse2.astype(jnp.float32), pad, constant_values=jnp.inf)
-    delta = jnp.pad(delta, pad)
+    lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
     inputs = [q, k, v, dout, lse2, delta]
     if cfg.has_q_seqlen:
         inputs.append(arrays.q_seqlen.astype(jnp.int32))
@@ -210,9 +227,7 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
         out_shapes.append(jax.ShapeDtypeStruct((B, N, num_q_blocks(T, cfg)), jnp.int32))
     outs = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
     dq_acc, dk, dv = outs[:3]
-    if cfg.dq_flat:  # fragment order -> [B, T, N, H]; XLA fuses it with the scale and cast
-        dq_acc = dq_from_flat(dq_acc, T, cfg)
-    dq = (dq_acc * jnp.float32(statics.scale)).astype(q.dtype)
+    dq = bwd_finish(dq_acc, T, cfg, statics.scale, q.dtype)
     dslopes = None
     if cfg.has_alibi:
         # The logit holds -slope * |i - j|: d(slope) = -sum dS_ij |i - j| over b, i, j.
