@@ -9,10 +9,12 @@ own 128-thread barriers, so a warpgroup never waits for the other at a tile's en
 """
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from jaxflash.kernels import layouts
+from jaxflash.kernels.softmax import rescale_rows
 
 # Named barrier ids (`hopper_fwd` has the others: 0 is __syncthreads, 2 / 3 the pingpong pair).
 BAR_EPILOGUE = 1
@@ -20,6 +22,36 @@ BAR_EPILOGUE_WG = 4  # 4 + consumer warpgroup index (`wg_epilogue`)
 
 
 class FwdEpilogue:
+    @cute.jit
+    def finish_tile(self, c, mO, mLSE, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx: Int32,
+                    warp_idx: Int32, blocks, m_block: Int32, head: Int32, batch: Int32,
+                    seqlen_q: Int32, T: Int32):
+        """A tile's epilogue: O scaled by 1 / rowsum, LSE written, O stored (`store_o`). ``c``
+        is the consumer's fragments (`hopper_fwd._ConsumerCtx`)."""
+        num_rows = c.num_rows
+        tOcO = c.tOcO
+        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
+        inv = c.softmax.finalize(lse)
+        if const_expr(self.cfg.has_q_seqlen):
+            # Rows past the query length: output 0 and LSE -inf (they attend to nothing).
+            for r in cutlass.range_constexpr(num_rows):
+                if m_block * self.tile_m + tOcO.row(r) >= seqlen_q:
+                    inv[r] = Float32(0.0)
+                    lse[r] = -Float32.inf
+        rescale_rows(c.acc_O, inv)
+
+        if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
+            for r in cutlass.range_constexpr(num_rows):
+                # End-aligned: rows tile 0 shares with tile 1 are tile 1's (own_end), one LSE
+                # writer per row; both store the shared O rows, bitwise equal (NOTES.md,
+                # "End-aligned query tiles v2"). Start-aligned: own_end is T.
+                row = blocks.first_row(m_block) + tOcO.row(r)
+                if row < blocks.own_end(m_block, T):
+                    mLSE[row, head, batch] = lse[r]
+
+        self.store_o(c.acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx, warp_idx,
+                     c.wg, blocks, m_block, head, batch)
+
     @cute.jit
     def store_o(self, acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx: Int32,
                 warp_idx: Int32, wg: Int32, blocks, m_block: Int32, head: Int32, batch: Int32):

@@ -599,8 +599,6 @@ class FlashFwdSm90(FwdEpilogue):
         tSrQ, tSrK, tOrVt = c.tSrQ, c.tSrK, c.tOrVt
         acc_S, acc_O, tOrP, tScS = c.acc_S, c.acc_O, c.tOrP, c.tScS
         softmax = c.softmax
-        num_rows = c.num_rows
-        tOcO = c.tOcO
         acc_O.fill(0.0)
         softmax.row_max.fill(-Float32.inf)
         softmax.row_sum.fill(0.0)
@@ -656,28 +654,8 @@ class FlashFwdSm90(FwdEpilogue):
             if const_expr(self.separate_o):
                 pipe_q.consumer_release(q_state)
 
-        # ---- epilogue ----
-        lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
-        inv = softmax.finalize(lse)
-        if const_expr(self.cfg.has_q_seqlen):
-            # Rows past the query length: output 0 and LSE -inf (they attend to nothing).
-            for r in cutlass.range_constexpr(num_rows):
-                if m_block * self.tile_m + tOcO.row(r) >= seqlen_q:
-                    inv[r] = Float32(0.0)
-                    lse[r] = -Float32.inf
-        rescale_rows(acc_O, inv)
-
-        if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
-            for r in cutlass.range_constexpr(num_rows):
-                # End-aligned: rows tile 0 shares with tile 1 are tile 1's (own_end), one LSE
-                # writer per row; both store the shared O rows, bitwise equal (NOTES.md,
-                # "End-aligned query tiles v2"). Start-aligned: own_end is T.
-                row = blocks.first_row(m_block) + tOcO.row(r)
-                if row < blocks.own_end(m_block, T):
-                    mLSE[row, head, batch] = lse[r]
-
-        self.store_o(acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx, warp_idx, wg,
-                     blocks, m_block, head, batch)
+        self.finish_tile(c, mO, mLSE, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx, warp_idx,
+                         blocks, m_block, head, batch, seqlen_q, T)
         q_state.advance()
         return q_state, kv_state
 
