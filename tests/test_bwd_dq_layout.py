@@ -52,3 +52,53 @@ def test_dq_flat_refusals():
     with pytest.raises(ValueError, match="dq_flat needs"):
         BwdConfig(head_dim=128, dq_accum="red", dq_flat=True)
     assert dq_acc_shape(1, 5, 2, 128, BwdConfig(head_dim=128)) == (1, 5, 2, 128)
+
+
+def test_backward_prepare_and_finish_against_numpy():
+    """`backends.cute.bwd_prepare` / `bwd_finish` (the XLA halves of the CuTe backward, which
+    `kernels/bwd_phases.py` also times): log2 LSE with +inf where a row saw no key or is past
+    its query length or is padding, delta = rowsum(dO * O), and dQ un-permuted, scaled, cast."""
+    import jax.numpy as jnp
+
+    from jaxflash.backends.cute import bwd_finish, bwd_prepare
+    rng = np.random.default_rng(3)
+    B, T, N, H = 2, 70, 3, 64
+    out = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    dout = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    lse = rng.standard_normal((B, N, T)).astype(np.float32)
+    lse[0, 1, 5] = -np.inf
+    q_seqlen = np.array([70, 33], np.int32)
+    lse2, delta = bwd_prepare(jnp.asarray(lse), jnp.asarray(dout), jnp.asarray(out),
+                              jnp.asarray(q_seqlen), 128)
+    lse2, delta = np.asarray(lse2), np.asarray(delta)
+    assert lse2.shape == delta.shape == (B, N, 128)
+    want = lse * np.log2(np.e)
+    want[0, 1, 5] = np.inf
+    want[1, :, 33:] = np.inf
+    np.testing.assert_allclose(lse2[:, :, :T], want, rtol=1e-6)
+    assert np.isinf(lse2[:, :, T:]).all() and (lse2[:, :, T:] > 0).all()
+    np.testing.assert_allclose(delta[:, :, :T], np.einsum("btnh,btnh->bnt", dout, out),
+                               rtol=1e-5, atol=1e-5)
+    assert not delta[:, :, T:].any()
+    for cfg in (BwdConfig(head_dim=H, tile_m=128, dq_flat=True), BwdConfig(head_dim=H)):
+        dq = rng.standard_normal((B, T, N, H)).astype(np.float32)
+        acc = _flatten_like_the_kernel(dq, cfg.tile_m) if cfg.dq_flat else dq
+        assert acc.shape == dq_acc_shape(B, T, N, H, cfg)
+        got = np.asarray(bwd_finish(jnp.asarray(acc), T, cfg, 0.5, jnp.bfloat16)
+                         .astype(jnp.float32))
+        np.testing.assert_allclose(got, (dq * 0.5), rtol=1e-2, atol=1e-2)
+
+
+def test_bwd_phases_probe_times_what_dispatch_runs(monkeypatch):
+    """The GPU probe (`kernels/bwd_phases.py`) times the backward config dispatch picks."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash import dispatch
+    from jaxflash.kernels import bwd_phases
+    from jaxflash.kernels.choose import use_dq_flat
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+    q = jax.ShapeDtypeStruct((16, 1024, 16, 128), jnp.bfloat16)
+    cfg = bwd_phases._problem_config(q, q, q, False)
+    assert cfg.head_dim == 128 and cfg.early_dv
+    assert cfg.dq_flat == use_dq_flat(128, False, False, False, False)
