@@ -353,10 +353,13 @@ def test_backward_dq_flat_with_writer_cleared_not_picked():
     checks and the sanitizers on the H200 (2026-12-01): cleared by the gate, not picked (two
     benches: within noise of dq_flat alone); its check cases and an hd 128 bench column stay."""
     from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config  # noqa: F401 (dispatch's one door)
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
     cfg = BwdConfig(head_dim=128, early_dv=True, overlap_dq=True, dq_writer=True,
                     dq_flat=True)
     assert cfg.check()[0] and verified.pending(cfg) == ()
+    assert not any(backward_config(grid_problem(d, s, c)).dq_writer
+                   for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True))
     cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_flat") and kw.get("dq_writer")]
     assert {kw["head_dim"] for kw in cases} == {96, 128} and len(cases) >= 6
     assert bwd_devrun.BENCH_VARIANTS[128]["edv_ovl_dqw_dqf"]["dq_writer"]

@@ -24,14 +24,12 @@ from jaxflash.kernels.devrun import _gpu_name, _time
 
 def _problem_config(q, k, v, causal):
     """The BwdConfig dispatch picks for these arrays (what `cute_backward` runs)."""
-    import jaxflash
     from jaxflash._types import Problem
     from jaxflash.api import _prepare_abstract
     from jaxflash.dispatch import current_platform
     from jaxflash.kernels import choose
     qq, kk, vv, arrays, statics, _ = _prepare_abstract(q, k, v, None, None,
                                                        implementation="cute", is_causal=causal)
-    del jaxflash
     return choose.backward_config(Problem.from_arrays(qq, kk, vv, arrays, statics,
                                                       current_platform()))
 
