@@ -154,7 +154,7 @@ def test_forward_tile_pipe_checked():
     assert verified.pending(cfg) == ()
     assert verified.pending(FwdConfig(head_dim=128, persistent=True)) == ()
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_pipe")]
-    assert {kw["head_dim"] for kw in cases} == {64, 128, 256}
+    assert {kw["head_dim"] for kw in cases} >= {64, 128, 256}
     assert any(kw.get("is_causal") for kw in cases)
     assert any(kw.get("dtype") == "float16" and kw.get("has_q_seqlen") for kw in cases)
     assert devrun.VARIANTS["persist2"] == dict(persistent=True, tile_pipe=True)
@@ -363,3 +363,29 @@ def test_backward_dq_flat_with_writer_cleared_not_picked():
     cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_flat") and kw.get("dq_writer")]
     assert {kw["head_dim"] for kw in cases} == {96, 128} and len(cases) >= 6
     assert bwd_devrun.BENCH_VARIANTS[128]["edv_ovl_dqw_dqf"]["dq_writer"]
+
+
+def test_forward_pairs_gated_checked_and_benched(monkeypatch):
+    """tile_order "pairs" (persistent causal tiles two by two, tile m with tile nm - 1 - m;
+    compiled 2026-12-01, no GPU run yet) is refused by the gate and never picked; its check
+    cases cover hd 64 (192 rows, end-aligned too) / 96 / 128 / 256, odd and even tile counts,
+    T < S and T > S, window with lengths, fp16, repeats, and a "pick_pairs" bench column sits
+    beside the pick at every causal grid point."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import schedule_for
+    cfg = FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_pipe=True,
+                    tile_order="pairs")
+    assert verified.pending(cfg) == ("tile_order pairs",)
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tile_order pairs"):
+        verified.require_verified(cfg, "forward")
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (False, True):
+                assert schedule_for(d, s_, c).get("tile_order", "auto") != "pairs"
+                col = devrun.pick_columns(d, s_, c)["pick_pairs"]
+                assert (col is None) == (not c) and (col is None or col.tile_order == "pairs")
+    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_order") == "pairs"]
+    assert {kw["head_dim"] for kw in cases} == {64, 96, 128, 256} and len(cases) >= 10
+    assert any(kw.get("m_align") == "end" for kw in cases)
+    assert any(kw.get("has_window") and kw.get("has_q_seqlen") for kw in cases)

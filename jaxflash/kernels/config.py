@@ -73,7 +73,9 @@ class FwdConfig:
       warp raised its running max, through a warp-uniform branch (`OnlineSoftmax.step_lazy`;
       FlashAttention-4's conditional rescaling with threshold 0, so the results are bitwise
       those without it). The branch also lets ptxas keep most of the exp2 under the PV GEMM.
-    tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt" or "plain".
+    tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt", "plain", or
+      "pairs" (persistent with tile_pipe, causal / window: tile m with tile nm - 1 - m of the
+      same head on one CTA, pairs dealt round-robin; `scheduler.TileScheduler`).
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last
       row so the partial tile is the first (cheapest under a causal bound) instead of the last
@@ -143,8 +145,14 @@ class FwdConfig:
         if self.fresh_s and (self.tile_m != 128 or not self.intra_wg_overlap):
             return False, ("fresh_s is the 128-row opt-in with intra_wg_overlap (192 rows with "
                            "overlap always use it; without overlap S is not live across P)")
-        if self.tile_order not in ("auto", "lpt", "plain"):
-            return False, f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain')"
+        if self.tile_order not in ("auto", "lpt", "plain", "pairs"):
+            return False, (f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain', "
+                           "'pairs')")
+        if self.tile_order == "pairs" and not (self.tile_pipe
+                                               and (self.is_causal or self.has_window)):
+            return False, ("tile_order 'pairs' needs tile_pipe=True (the producer skips empty "
+                           "slots; the consumers see only real tiles) and a causal or window "
+                           "mask (without one every tile costs the same)")
         if self.wg_epilogue and not (self.persistent and self.separate_o):
             return False, ("wg_epilogue needs persistent=True with O in its own shared buffer "
                            "(head dims <= 128): each warpgroup then stores its own rows and "
@@ -209,6 +217,8 @@ class FwdConfig:
                  + ("lz" if self.lazy_rescale else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
+        if self.tile_order == "pairs":
+            sched += "_pairs"
         if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)
             sched += f"_m{self.m_align}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"

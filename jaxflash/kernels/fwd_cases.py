@@ -178,6 +178,45 @@ CHECKS = [
      (4, 1000, 1000, 8, 8, {"repeat": 3})),
     ("bf16 h64 m192 we dense gqa", dict(head_dim=64, tile_m=192, persistent=True,
                                         wg_epilogue=True), (4, 1000, 1100, 12, 4, {})),
+    # tile_order "pairs" (gated until these pass): a CTA takes tile m and tile nm - 1 - m of a
+    # head; the producer skips the empty slot of an odd nm's middle tile. More tiles than CTAs
+    # (CTAs loop), odd and even nm (5: T = 640; 8), GQA, T < S and T > S, window, lengths with
+    # an empty query length, fp16, 192-row tiles (end-aligned too), hd 96 / 256, bitwise
+    # repeats, a 2k case against cuDNN's error.
+    ("bf16 h128 pairs causal gqa", dict(head_dim=128, is_causal=True, persistent=True,
+                                        tile_pipe=True, wg_epilogue=True, tile_order="pairs"),
+     (4, 999, 999, 12, 3, {"repeat": 2})),
+    ("bf16 h128 pairs causal odd nm", dict(head_dim=128, is_causal=True, persistent=True,
+                                           tile_pipe=True, tile_order="pairs"),
+     (5, 640, 640, 12, 4, {})),
+    ("bf16 h128 pairs causal 2k", dict(head_dim=128, is_causal=True, persistent=True,
+                                       tile_pipe=True, tile_order="pairs"),
+     (2, 2048, 2048, 8, 8, {"cudnn": True})),
+    ("bf16 h128 pairs causal T<S", dict(head_dim=128, is_causal=True, persistent=True,
+                                        tile_pipe=True, wg_epilogue=True, tile_order="pairs"),
+     (3, 700, 1500, 12, 4, {})),
+    ("bf16 h128 pairs causal T>S", dict(head_dim=128, is_causal=True, persistent=True,
+                                        tile_pipe=True, tile_order="pairs"),
+     (4, 1500, 300, 12, 4, {})),
+    ("fp16 h128 pairs window seqlens", dict(dtype="float16", head_dim=128, has_window=True,
+                                            has_q_seqlen=True, has_kv_seqlen=True,
+                                            persistent=True, tile_pipe=True,
+                                            tile_order="pairs"),
+     (3, 1000, 1000, 8, 2, {"window": (200, 0), "q_seqlen": [1000, 131, 0],
+                            "kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h64 m192 pairs causal", dict(head_dim=64, tile_m=192, is_causal=True,
+                                        persistent=True, tile_pipe=True, wg_epilogue=True,
+                                        tile_order="pairs"), (8, 1000, 1000, 8, 8, {})),
+    ("bf16 h64 m192 pairs mend causal", dict(head_dim=64, tile_m=192, is_causal=True,
+                                             persistent=True, tile_pipe=True, m_align="end",
+                                             wg_epilogue=True, tile_order="pairs"),
+     (8, 1000, 1000, 8, 8, {"repeat": 2})),
+    ("bf16 h96 pairs causal gqa odd", dict(head_dim=96, is_causal=True, persistent=True,
+                                           tile_pipe=True, tile_order="pairs"),
+     (3, 777, 801, 12, 4, {})),
+    ("bf16 h256 pairs causal", dict(head_dim=256, is_causal=True, persistent=True,
+                                    tile_pipe=True, tile_order="pairs"),
+     (4, 1000, 1000, 8, 8, {})),
     # lazy_rescale (gated until these pass): FA4's conditional O rescale. "k_ramp" makes the
     # logits grow toward earlier keys by up to ~k_ramp x, so rows move their reference max
     # block after block (the rescale path) while plain random inputs mostly skip it.

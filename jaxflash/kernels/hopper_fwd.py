@@ -235,7 +235,8 @@ class FlashFwdSm90(FwdEpilogue):
         batch = mQ.shape[3]
         num_tiles = num_m_blocks * num_heads * batch
         scheduler = TileScheduler(lpt=self.cfg.lpt,
-                                  section_bytes=self.cfg.l2_section_mb * 1024 * 1024)
+                                  section_bytes=self.cfg.l2_section_mb * 1024 * 1024,
+                                  pairs=self.cfg.tile_order == "pairs")
         grid = num_tiles
         if const_expr(self.persistent):
             grid = cutlass.min(num_tiles, NUM_SMS)
@@ -338,15 +339,25 @@ class FlashFwdSm90(FwdEpilogue):
                         pipeline.PipelineUserType.Producer, 2)
                     r = Int32(0)
                     tile = scheduler.tile_of_round(r, bid, grid)
-                    while tile < num_tiles:
+                    # tile_order "pairs": slots, the empty ones (m_block -1) never announced
+                    num_slots = num_tiles
+                    if const_expr(scheduler.pairs):
+                        num_slots = scheduler.num_slots(num_m_blocks, mQ.shape[2], mQ.shape[3])
+                    while tile < num_slots:
                         m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks,
                                                                 mQ, mK)
-                        tile_state = announce_tile(pipe_tile, sTile, tile_state, m_block, head,
-                                                   batch)
-                        q_state, kv_state = self.produce_at(
-                            m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
-                            blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
-                            q_state, kv_state)
+                        if const_expr(scheduler.pairs):
+                            if m_block >= 0:
+                                tile_state, q_state, kv_state = self.announce_and_produce(
+                                    m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen,
+                                    mQBlk, blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q,
+                                    pipe_k, pipe_v, q_state, kv_state, pipe_tile, sTile,
+                                    tile_state)
+                        else:
+                            tile_state, q_state, kv_state = self.announce_and_produce(
+                                m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
+                                blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                                q_state, kv_state, pipe_tile, sTile, tile_state)
                         r += 1
                         tile = scheduler.tile_of_round(r, bid, grid)
                     # m_block -1: no more tiles (the consumers leave their loop).
@@ -410,6 +421,18 @@ class FlashFwdSm90(FwdEpilogue):
                 # the last stores read sO before the CTA's shared memory goes away
                 if warp_idx == 4 or (const_expr(self.wg_epilogue) and warp_idx % 4 == 0):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def announce_and_produce(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mV,
+                             mQSeqlen, mKVSeqlen, mQBlk, blocks: BlockRange, sQ, sK, sV, tma_Q,
+                             tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state, pipe_tile,
+                             sTile, tile_state):
+        """Tile pipe: hand the consumers a tile's coordinates, then issue its loads."""
+        tile_state = announce_tile(pipe_tile, sTile, tile_state, m_block, head, batch)
+        q_state, kv_state = self.produce_at(m_block, head, batch, mQ, mK, mV, mQSeqlen,
+                                            mKVSeqlen, mQBlk, blocks, sQ, sK, sV, tma_Q, tma_K,
+                                            tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state)
+        return tile_state, q_state, kv_state
 
     @cute.jit
     def produce_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,

@@ -44,7 +44,9 @@ RULES = {
     # 15:55 UTC); that threshold cost accuracy (error 1.04-1.16x cuDNN's), so it is 0 now: the
     # same code path, results bitwise those without it (6 configs on the H200, 16:03 UTC,
     # `cute-fwd-lazy0-exact-*`). Cleared; `choose` does not pick it (grid cc4).
-    "FwdConfig": (),
+    # tile_order "pairs" (2026-12-01, compiled only): tile m and tile nm - 1 - m of a head on
+    # one persistent CTA (balanced causal work).
+    "FwdConfig": (("tile_order pairs", lambda c: c.tile_order == "pairs"),),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     # dq_flat with dq_writer passed 6 float64 checks (hd 96 / 128, fp16, windows, lengths with

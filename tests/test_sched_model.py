@@ -1,0 +1,51 @@
+"""The persistent forward's tile orders (`kernels/sched_model.py`, the plain-Python mirror of
+`scheduler.TileScheduler`): every tile exactly once, and the balance that motivates "pairs"."""
+import collections
+
+import pytest
+
+from jaxflash.kernels.config import FwdConfig
+from jaxflash.kernels.sched_model import balance, cta_tiles
+
+
+@pytest.mark.parametrize("order", ["auto", "pairs"])
+@pytest.mark.parametrize("T,heads,batch,tile_m", [(1024, 16, 16, 128), (640, 12, 3, 128),
+                                                   (999, 7, 2, 128), (100, 3, 1, 128),
+                                                   (1000, 8, 8, 192), (4096, 2, 1, 128)])
+def test_every_tile_once(order, T, heads, batch, tile_m):
+    cfg = FwdConfig(head_dim=64 if tile_m == 192 else 128, tile_m=tile_m, is_causal=True,
+                    persistent=True, tile_pipe=True, tile_order=order)
+    nm = -(-T // tile_m)
+    seen = collections.Counter(t for tiles in cta_tiles(cfg, T, T, heads, batch)
+                               for t in tiles)
+    want = {(m, h, b) for m in range(nm) for h in range(heads) for b in range(batch)}
+    assert set(seen) == want and max(seen.values()) == 1
+
+
+def test_pairs_take_both_ends_of_a_head():
+    cfg = FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_pipe=True,
+                    tile_order="pairs")
+    tiles = cta_tiles(cfg, 1024, 1024, 16, 16)[5]
+    for (m0, h0, b0), (m1, h1, b1) in zip(tiles[::2], tiles[1::2]):
+        assert (h0, b0) == (h1, b1) and m0 + m1 == 7 and m0 > m1  # the long tile first
+
+
+def test_pairs_balance_the_causal_grid_where_lpt_does_not():
+    """The model's busiest-CTA / mean work at D=128 causal: LPT dealt round-robin to 132
+    persistent CTAs ~1.19-1.21x, pairs ~1.03x (NOTES.md, "Persistent causal balance")."""
+    for S in (1024, 4096):
+        lpt, pairs = (balance(FwdConfig(head_dim=128, is_causal=True, persistent=True,
+                                        tile_pipe=True, tile_order=o), S, S, 16, 16384 // S)
+                      for o in ("auto", "pairs"))
+        assert lpt > 1.15 and pairs < 1.05
+
+
+def test_pairs_needs_the_tile_pipe_and_a_mask():
+    with pytest.raises(ValueError, match="pairs"):
+        FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_order="pairs")
+    with pytest.raises(ValueError, match="pairs"):
+        FwdConfig(head_dim=128, persistent=True, tile_pipe=True, tile_order="pairs")
+    cfg = FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_pipe=True,
+                    tile_order="pairs")
+    assert "_pairs" in cfg.key and not cfg.lpt
+    assert "_pairs" not in FwdConfig(head_dim=128, is_causal=True).key
