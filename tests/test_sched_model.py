@@ -49,3 +49,24 @@ def test_pairs_needs_the_tile_pipe_and_a_mask():
                     tile_order="pairs")
     assert "_pairs" in cfg.key and not cfg.lpt
     assert "_pairs" not in FwdConfig(head_dim=128, is_causal=True).key
+
+
+@pytest.mark.parametrize("nn,K,B,T", [(8, 16, 16, 1024), (32, 16, 4, 4096), (3, 5, 2, 300),
+                                      (128, 16, 1, 16384), (1, 1, 1, 64)])
+def test_backward_tail_order_launches_every_block_once(nn, K, B, T):
+    from jaxflash.kernels.sched_model import bwd_block_coords
+    got = [bwd_block_coords(i, nn, K, B, T, 128 * 8, True) for i in range(nn * K * B)]
+    assert sorted(got) == sorted((n, k, b) for n in range(nn) for k in range(K)
+                                 for b in range(B))
+    # lower key blocks of a head always launch first (deterministic mode waits on them)
+    first = {}
+    for i, (n, k, b) in enumerate(got):
+        first[(n, k, b)] = i
+    assert all(first[(n - 1, k, b)] < first[(n, k, b)] for (n, k, b) in first if n > 0)
+
+
+def test_backward_tail_order_balances_causal():
+    from jaxflash.kernels.sched_model import bwd_balance
+    for D, tile_m, tile_n in ((128, 64, 128), (256, 64, 64)):
+        plain, tail = (bwd_balance(D, 1024, tile_m, tile_n, t) for t in (False, True))
+        assert plain > 1.05 and tail < 1.03

@@ -389,3 +389,27 @@ def test_forward_pairs_gated_checked_and_benched(monkeypatch):
     assert {kw["head_dim"] for kw in cases} == {64, 96, 128, 256} and len(cases) >= 10
     assert any(kw.get("m_align") == "end" for kw in cases)
     assert any(kw.get("has_window") and kw.get("has_q_seqlen") for kw in cases)
+
+
+def test_backward_tail_lpt_gated_checked_and_benched(monkeypatch):
+    """tail_lpt (the last heads' backward CTAs launched key-block-major; compiled 2026-12-01,
+    no GPU run yet) is refused by the gate and never picked; its check cases cover hd 64 /
+    128 / 256, deterministic, lengths with empty rows, fp16, T < S and T > S, and bench
+    columns sit beside each head dim's default at the causal points (1k included)."""
+    from jaxflash.kernels import bwd_devrun
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = BwdConfig(head_dim=128, is_causal=True, early_dv=True, dq_flat=True, tail_lpt=True)
+    assert verified.pending(cfg) == ("tail_lpt",) and "_tl" in cfg.key
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tail_lpt"):
+        verified.require_verified(cfg, "backward")
+    with pytest.raises(ValueError, match="tail_lpt"):
+        BwdConfig(head_dim=128, tail_lpt=True)
+    assert not any(backward_config(grid_problem(d, s, c)).tail_lpt
+                   for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True))
+    cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("tail_lpt")]
+    assert {kw["head_dim"] for kw in cases} == {64, 128, 256} and len(cases) >= 8
+    assert any(kw.get("deterministic") for kw in cases)
+    assert bwd_devrun.BENCH_VARIANTS[128]["edv_dqf_tl"]["tail_lpt"]
+    assert {(128, 1024, True), (256, 1024, True), (64, 1024, True)} <= bwd_devrun.VARIANT_POINTS

@@ -110,6 +110,8 @@ class BwdConfig:
       tensor boxes of tile_m x 128 B per step (4 at hd 128, 8 at hd 256), or at tile_m 128
       hd / 8 boxes of 128 x 32 B. Both kernels. With dq_writer, that warp issues one bulk
       reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`).
+    tail_lpt: (causal) launch the last heads' CTAs key-block-major, longest first, so the final
+      wave ends with short CTAs (`jaxflash.kernels.bwd_order`).
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
@@ -136,6 +138,7 @@ class BwdConfig:
     dq_arrive: bool = False
     dq_writer: bool = False
     dq_flat: bool = False
+    tail_lpt: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -220,6 +223,8 @@ class BwdConfig:
             return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
                            "dQ part is its head-dim half, or its 64 query rows), without "
                            "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
+        if self.tail_lpt and not self.is_causal:
+            return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
             return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
         if self.deterministic and self.dq_accum != "tma":
@@ -290,6 +295,7 @@ class BwdConfig:
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
+                f"{'_tl' if self.tail_lpt else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

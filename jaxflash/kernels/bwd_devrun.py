@@ -60,6 +60,7 @@ RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16
 BENCH_VARIANTS = {
     64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
          "m128_dqf": dict(tile_m=128, dq_flat=True),
+         "m128_dqf_tl": dict(tile_m=128, dq_flat=True, tail_lpt=True),
          "m128_det": dict(tile_m=128, deterministic=True),
          "m128_ovl": dict(tile_m=128, overlap_dq=True),
          "m128_dqa": dict(tile_m=128, dq_arrive=True),
@@ -76,14 +77,16 @@ BENCH_VARIANTS = {
           "edv_ovl_dqf": dict(early_dv=True, overlap_dq=True, dq_flat=True),
           "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True),
           "edv_ovl_dqw_dqf": dict(early_dv=True, overlap_dq=True, dq_writer=True,
-                                  dq_flat=True)},
-    256: {"dqf": dict(dq_flat=True)},
+                                  dq_flat=True),
+          # tail_lpt (causal points only): the last heads launched key-block-major
+          "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True)},
+    256: {"dqf": dict(dq_flat=True), "dqf_tl": dict(dq_flat=True, tail_lpt=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
-VARIANT_POINTS = {(64, 1024, False), (64, 4096, False), (64, 4096, True), (64, 16384, False),
-                  (64, 16384, True),
-                  (128, 1024, False), (128, 4096, False), (128, 4096, True),
+VARIANT_POINTS = {(64, 1024, False), (64, 1024, True), (64, 4096, False), (64, 4096, True),
+                  (64, 16384, False), (64, 16384, True),
+                  (128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True),
                   (256, 1024, False), (256, 1024, True), (256, 4096, False), (256, 4096, True),
                   (256, 16384, False), (256, 16384, True)}
@@ -95,7 +98,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive", "dq_writer", "dq_flat")
+             "dq_arrive", "dq_writer", "dq_flat", "tail_lpt")
 
 
 def variant_config(D, causal, vkw):

@@ -74,6 +74,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, BwdConfig
+from jaxflash.kernels.bwd_order import block_coords
 from jaxflash.kernels.dq_accum import DqAccumulation
 from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords,
@@ -86,7 +87,6 @@ LOG2_E = math.log2(math.e)
 # Named barrier ids (0 is __syncthreads; 3 is `dq_accum.BAR_DQ`).
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
-
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 _ZERO_THREADS = 256
 _ZERO_PER_THREAD = 4
@@ -411,8 +411,10 @@ class FlashBwdSm90(DqAccumulation):
             if const_expr(self.cfg.is_causal):
                 window_right = cutlass.min(window_right, Int32(0))
 
-        n_block, kv_head, batch = cute.arch.block_idx()
         T = mQ.shape[0]
+        n_block, kv_head, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.tail_lpt):  # the last heads key-block-major (`bwd_order`)
+            n_block, kv_head, batch = block_coords(T, (self.hd + self.hdv) * 2 + self.hd * 4)
         S = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
         seqlen_q = T

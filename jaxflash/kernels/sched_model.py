@@ -5,6 +5,9 @@ versions are DSL code and run only on the device; the GPU check cases confirm th
 tile once).
 
     python3 -m jaxflash.kernels.sched_model      # busiest CTA / mean work on the anchor grid
+
+The backward's launch order (`bwd_order.block_coords`) is modelled the same way, with the
+hardware's in-order start of CTAs on the first free SM.
 """
 from __future__ import annotations
 
@@ -82,6 +85,41 @@ def balance(cfg: FwdConfig, T: int, S: int, heads: int, batch: int,
     return max(loads) / (sum(loads) / len(loads))
 
 
+def bwd_block_coords(linear: int, nn: int, K: int, B: int, T: int, row_bytes: int,
+                     tail_lpt: bool) -> tuple[int, int, int]:
+    """`bwd_order.block_coords` (or the plain x / y / z order): the (n_block, kv_head, batch)
+    of the backward CTA launched `linear`-th."""
+    from jaxflash.kernels.bwd_order import TAIL_L2_BYTES
+    heads = K * B
+    hb, n = divmod(linear, nn)
+    if tail_lpt:
+        tail = min(max(TAIL_L2_BYTES // max(T * row_bytes, 1), 1), heads)
+        start = (heads - tail) * nn
+        if linear >= start:
+            n, rest = divmod(linear - start, tail)
+            hb = heads - tail + rest
+    return n, hb % K, hb // K
+
+
+def bwd_balance(D: int, S: int, tile_m: int, tile_n: int, tail_lpt: bool,
+                per_cta: float = 2.0, sms: int = NUM_SMS) -> float:
+    """Busiest SM / mean work of the causal backward's grid (T = S, B = 16384 / S, H = 2048 /
+    D): CTAs start in launch order on the first free SM (one per SM), CTA n costs its query
+    blocks (from the diagonal on) + `per_cta` steps of fixed cost."""
+    import heapq
+    B, K = 16384 // S, 2048 // D
+    nn, nm = -(-S // tile_n), -(-S // tile_m)
+    free = [(0.0, i) for i in range(sms)]
+    total = 0.0
+    for linear in range(nn * K * B):
+        n, _, _ = bwd_block_coords(linear, nn, K, B, S, D * 8, tail_lpt)
+        w = nm - n * tile_n // tile_m + per_cta
+        t, i = heapq.heappop(free)
+        heapq.heappush(free, (t + w, i))
+        total += w
+    return max(t for t, _ in free) / (total / sms)
+
+
 def main():
     for D, tile_m in ((64, 192), (128, 128), (256, 128)):
         for S in (1024, 4096, 16384):
@@ -91,6 +129,11 @@ def main():
                                 tile_pipe=True, tile_order=order)
                 row.append(balance(cfg, S, S, 2048 // D, 16384 // S))
             print(f"D={D} S={S} causal: busiest CTA / mean  lpt {row[0]:.3f}  pairs {row[1]:.3f}")
+    for D, tile_m, tile_n in ((64, 128, 128), (128, 64, 128), (256, 64, 64)):
+        for S in (1024, 4096, 16384):
+            plain, tail = (bwd_balance(D, S, tile_m, tile_n, t) for t in (False, True))
+            print(f"backward D={D} S={S} causal: busiest SM / mean  launch order {plain:.3f}  "
+                  f"tail_lpt {tail:.3f}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,9 @@ RULES = {
     # H200 (2026-12-01 18:50 UTC, `cute-bwd-check-dqwf-*`): cleared; not picked (two benches:
     # within noise of dq_flat alone but at dense 4k, 5% slower at dense 16k).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
-                  ("dq_arrive", lambda c: c.dq_arrive)),
+                  ("dq_arrive", lambda c: c.dq_arrive),
+                  # (2026-12-01, compiled only) the last heads launched key-block-major
+                  ("tail_lpt", lambda c: c.tail_lpt)),
 }
 
 
