@@ -13,6 +13,8 @@
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 #   pairs   tile_order "pairs" (gated): its forward check cases, the sanitizers on two, and
 #           a bench of the pick against the pick with pairs at every causal point  (~4 min?)
+#   taillpt backward tail_lpt (gated): its check cases, the sanitizers on two, and a bench of
+#           the causal points (columns *_tl beside each head dim's default)        (~4 min?)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
 # benchmarks/results/ with the date. Variants not yet checked on a GPU are admitted here
 # (JAXFLASH_CUTE_UNVERIFIED=1): these runs are what checks them.
@@ -56,6 +58,18 @@ pairs)
   rm -f $OUT/san-*.json
   timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:1,64:4096:1,64:16384:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
     --columns pick,pick_pairs --out $OUT/cute-fwd-bench-pairs-$D.json 2>&1 | tail -12 ;;
+taillpt)
+  # the backward launch order built 2026-12-01 evening (NOTES.md "Backward launch order")
+  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('tail_lpt')))")
+  timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" --out $OUT/cute-bwd-check-tl-$D.json 2>&1 | grep -v -i warn | tail -12
+  for tool in memcheck racecheck; do
+    timeout 80 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun check \
+      --cases "bf16 h128 edv dqf tl causal gqa T<S;bf16 h128 tl deterministic causal gqa" --out $OUT/san-$tool.json \
+      > $OUT/cute-bwd-tl-$tool-$D.log 2>&1; echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-tl-$tool-$D.log
+  done
+  rm -f $OUT/san-*.json
+  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench --only 64:1024:1,64:4096:1,128:1024:1,128:4096:1,256:1024:1,256:4096:1 \
+    --out $OUT/cute-bwd-bench-tl-$D.json 2>&1 | tail -8 ;;
 gridcc)
   # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
   timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;
