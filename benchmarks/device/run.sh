@@ -24,6 +24,27 @@ export CUTE_DSL_RUNTIME_LIB=$(bash .device/unpack.sh)
 export JAXFLASH_KERNEL_DIR=$PWD/.device/kernels JAXFLASH_CUTE_UNVERIFIED=1
 D=$(date -u +%F)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# A gated feature's first GPU run: gated MODULE FILTER TAG SANITIZER_CASES POINTS [BENCH ARGS]
+# (MODULE devrun = forward, bwd_devrun = backward; FILTER a Python test on a check case's
+# config kwargs `kw`): its float64 check cases, memcheck + racecheck on SANITIZER_CASES, and a
+# bench of POINTS.
+gated() {
+  local mod=$1 filter=$2 tag=$3 san=$4 points=$5; shift 5
+  local side=${mod%devrun}; side=${side:-fwd-}; side=${side/bwd_/bwd-}
+  local cases
+  cases=$(python3 -c "from jaxflash.kernels.$mod import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if $filter))")
+  timeout 150 python3 -m jaxflash.kernels.$mod check --cases "$cases" \
+    --out $OUT/cute-${side}check-$tag-$D.json 2>&1 | grep -v -i warn | tail -12
+  for tool in memcheck racecheck; do
+    timeout 80 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.$mod \
+      check --cases "$san" --out $OUT/san-$tool.json > $OUT/cute-${side}$tag-$tool-$D.log 2>&1
+    echo "$tool rc=$?"; tail -1 $OUT/cute-${side}$tag-$tool-$D.log
+  done
+  rm -f $OUT/san-*.json
+  timeout 240 python3 -m jaxflash.kernels.$mod bench --only "$points" "$@" \
+    --out $OUT/cute-${side}bench-$tag-$D.json 2>&1 | tail -12
+}
+
 for stage in "$@"; do case $stage in
 checks)
   # backward cases never yet run on a GPU first (NEW_RE, a regex over case names: none
@@ -48,28 +69,15 @@ lm)
     --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
 pairs)
   # the persistent causal order built 2026-12-01 evening (NOTES.md "Persistent causal balance")
-  C=$(python3 -c "from jaxflash.kernels.devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('tile_order') == 'pairs'))")
-  timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$C" --out $OUT/cute-fwd-check-pairs-$D.json 2>&1 | grep -v -i warn | tail -12
-  for tool in memcheck racecheck; do
-    timeout 80 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.devrun check \
-      --cases "bf16 h128 pairs causal odd nm;fp16 h128 pairs window seqlens" --out $OUT/san-$tool.json \
-      > $OUT/cute-fwd-pairs-$tool-$D.log 2>&1; echo "$tool rc=$?"; tail -1 $OUT/cute-fwd-pairs-$tool-$D.log
-  done
-  rm -f $OUT/san-*.json
-  timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:1,64:4096:1,64:16384:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
-    --columns pick,pick_pairs --out $OUT/cute-fwd-bench-pairs-$D.json 2>&1 | tail -12 ;;
+  gated devrun "kw.get('tile_order') == 'pairs'" pairs \
+    "bf16 h128 pairs causal odd nm;fp16 h128 pairs window seqlens" \
+    64:1024:1,64:4096:1,64:16384:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
+    --columns pick,pick_pairs ;;
 taillpt)
   # the backward launch order built 2026-12-01 evening (NOTES.md "Backward launch order")
-  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('tail_lpt')))")
-  timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" --out $OUT/cute-bwd-check-tl-$D.json 2>&1 | grep -v -i warn | tail -12
-  for tool in memcheck racecheck; do
-    timeout 80 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun check \
-      --cases "bf16 h128 edv dqf tl causal gqa T<S;bf16 h128 tl deterministic causal gqa" --out $OUT/san-$tool.json \
-      > $OUT/cute-bwd-tl-$tool-$D.log 2>&1; echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-tl-$tool-$D.log
-  done
-  rm -f $OUT/san-*.json
-  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench --only 64:1024:1,64:4096:1,128:1024:1,128:4096:1,256:1024:1,256:4096:1 \
-    --out $OUT/cute-bwd-bench-tl-$D.json 2>&1 | tail -8 ;;
+  gated bwd_devrun "kw.get('tail_lpt')" tl \
+    "bf16 h128 edv dqf tl causal gqa T<S;bf16 h128 tl deterministic causal gqa" \
+    64:1024:1,64:4096:1,128:1024:1,128:4096:1,256:1024:1,256:4096:1 ;;
 gridcc)
   # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
   timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;
