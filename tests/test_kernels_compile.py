@@ -269,14 +269,19 @@ def test_config_for_problem():
     (64, 4096, False, {}, dict(tile_m=192, persistent=False)),
     (64, 16384, True, {}, dict(tile_m=192, intra_wg_overlap=True, num_stages=2,
                                persistent=False)),
-    (128, 1024, True, {}, dict(persistent=True, tile_pipe=True, wg_epilogue=True)),
+    (128, 1024, True, {}, dict(persistent=True, tile_pipe=True, wg_epilogue=True,
+                               tile_order="pairs")),
+    (128, 1024, True, {"softcap": 30.0}, dict(persistent=True, tile_order="auto")),
     (128, 1024, False, {}, dict(persistent=True, tile_pipe=True, num_stages=2, wg_epilogue=True)),
     (128, 4096, False, {}, dict(persistent=True, tile_pipe=True, wg_epilogue=False)),
-    (128, 4096, True, {}, dict(persistent=False)),
-    (256, 1024, True, {}, dict(persistent=False)),
+    (128, 4096, True, {}, dict(persistent=True, tile_pipe=True, tile_order="pairs")),
+    (128, 4096, True, {"softcap": 30.0}, dict(persistent=False)),
+    (256, 1024, True, {}, dict(persistent=True, tile_pipe=True, tile_order="pairs")),
+    (256, 16384, True, {}, dict(persistent=False, lazy_rescale=True)),
     (256, 4096, False, {}, dict(persistent=True, tile_pipe=True)),
     (256, 16384, False, {}, dict(persistent=False)),
-    (128, 16384, True, {}, dict(num_stages=2, persistent=False)),   # 3 stages lost 2026-12-01
+    # 3 stages lost 2026-12-01; pairs not picked at 16k
+    (128, 16384, True, {}, dict(num_stages=2, persistent=False, tile_order="auto")),
     (64, 1024, True, {"has_kv_seqlen": True}, dict(tile_m=128, m_align="start")),  # default
     (64, 1024, True, {"has_segments": True}, dict(tile_m=128, persistent=False)),
 ])

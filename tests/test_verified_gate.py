@@ -365,49 +365,58 @@ def test_backward_dq_flat_with_writer_cleared_not_picked():
     assert bwd_devrun.BENCH_VARIANTS[128]["edv_ovl_dqw_dqf"]["dq_writer"]
 
 
-def test_forward_pairs_gated_checked_and_benched(monkeypatch):
-    """tile_order "pairs" (persistent causal tiles two by two, tile m with tile nm - 1 - m;
-    compiled 2026-12-01, no GPU run yet) is refused by the gate and never picked; its check
-    cases cover hd 64 (192 rows, end-aligned too) / 96 / 128 / 256, odd and even tile counts,
-    T < S and T > S, window with lengths, fp16, repeats, and a "pick_pairs" bench column sits
+def test_forward_pairs_cleared_and_picked_where_measured():
+    """tile_order "pairs" (persistent causal tiles two by two, tile m with tile nm - 1 - m)
+    passed its GPU checks (2026-12-01) and is picked at causal hd 128 / 256 up to 4k (won both
+    benches there), not at 16k, hd 64, dense, softcap or masks it was not measured with; its
+    check cases cover hd 64 (192 rows, end-aligned too) / 96 / 128 / 256, odd and even tile
+    counts, T < S and T > S, window with lengths, fp16, and a "pick_pairs" bench column sits
     beside the pick at every causal grid point."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import schedule_for
     cfg = FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_pipe=True,
                     tile_order="pairs")
-    assert verified.pending(cfg) == ("tile_order pairs",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tile_order pairs"):
-        verified.require_verified(cfg, "forward")
+    assert verified.pending(cfg) == ()
     for d in (64, 128, 256):
         for s_ in (1024, 4096, 16384):
             for c in (False, True):
-                assert schedule_for(d, s_, c).get("tile_order", "auto") != "pairs"
+                picked = schedule_for(d, s_, c).get("tile_order", "auto") == "pairs"
+                assert picked == (c and d in (128, 256) and s_ <= 4096), (d, s_, c)
+                assert schedule_for(d, s_, c, softcap=True).get("tile_order") != "pairs"
                 col = devrun.pick_columns(d, s_, c)["pick_pairs"]
                 assert (col is None) == (not c) and (col is None or col.tile_order == "pairs")
+    assert schedule_for(128, 4096, True, plain=False) == {}  # windows etc.: the default
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_order") == "pairs"]
     assert {kw["head_dim"] for kw in cases} == {64, 96, 128, 256} and len(cases) >= 10
     assert any(kw.get("m_align") == "end" for kw in cases)
     assert any(kw.get("has_window") and kw.get("has_q_seqlen") for kw in cases)
 
 
-def test_backward_tail_lpt_gated_checked_and_benched(monkeypatch):
-    """tail_lpt (the last heads' backward CTAs launched key-block-major; compiled 2026-12-01,
-    no GPU run yet) is refused by the gate and never picked; its check cases cover hd 64 /
-    128 / 256, deterministic, lengths with empty rows, fp16, T < S and T > S, and bench
-    columns sit beside each head dim's default at the causal points (1k included)."""
+def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
+    """tail_lpt (the last heads' backward CTAs launched key-block-major) passed its GPU checks
+    (2026-12-01) and is picked on every plain causal backward (faster in both benches at every
+    causal point), with dq_flat at hd 64 (which pays there only with it); never dense,
+    deterministic, windowed, softcapped; its check cases cover hd 64 / 128 / 256,
+    deterministic, lengths with empty rows, fp16, T < S and T > S, and bench columns sit beside
+    each head dim's default at the causal points (1k included)."""
+    import dataclasses
     from jaxflash.kernels import bwd_devrun
     from jaxflash.kernels.choose import backward_config
     from jaxflash.kernels.devrun import grid_problem
     cfg = BwdConfig(head_dim=128, is_causal=True, early_dv=True, dq_flat=True, tail_lpt=True)
-    assert verified.pending(cfg) == ("tail_lpt",) and "_tl" in cfg.key
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tail_lpt"):
-        verified.require_verified(cfg, "backward")
+    assert verified.pending(cfg) == () and "_tl" in cfg.key
     with pytest.raises(ValueError, match="tail_lpt"):
         BwdConfig(head_dim=128, tail_lpt=True)
-    assert not any(backward_config(grid_problem(d, s, c)).tail_lpt
-                   for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True))
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (False, True):
+                p = grid_problem(d, s_, c)
+                b = backward_config(p)
+                assert b.tail_lpt == c and b.dq_flat, (d, s_, c)
+                for st in (dict(deterministic=True), dict(softcap=30.0)):
+                    q = dataclasses.replace(p, statics=dataclasses.replace(p.statics, **st))
+                    assert not backward_config(q).tail_lpt
+    assert backward_config(grid_problem(64, 4096, True)).dq_flat
     cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("tail_lpt")]
     assert {kw["head_dim"] for kw in cases} == {64, 128, 256} and len(cases) >= 8
     assert any(kw.get("deterministic") for kw in cases)

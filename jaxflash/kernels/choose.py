@@ -85,6 +85,15 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       everywhere (16k dense 1.125 / 1.118 -> 1.068 / 1.054), hd 64 16k causal mixed (1.149 /
       1.225 -> 1.166 / 1.203). (With FA4's threshold 8 it had cost accuracy, and picked for
       every plain call, grid cc4 read 1.031x against cc3's 1.038x.)
+    - causal hdim 128 (S <= 4k) and 256 (S <= 4k), no softcap: the persistent loop with the
+      tile pipe taking a head's tiles two by two, m with nm - 1 - m (`tile_order="pairs"`:
+      every pair holds the same causal work; LPT order left the busiest SM 1.19-1.21x the mean,
+      `sched_model`). Two benches (21:40 / 21:50 UTC, `cute-fwd-bench-pairs{,2}-h200-
+      2026-12-01.json`, ratio to cuDNN, pick -> pairs): hd 128 1k 0.946 / 0.958 -> 1.039 /
+      0.946, 4k 1.068 / 1.065 -> 1.174 / 1.194; hd 256 1k 1.071 / 1.048 -> 1.146 / 1.119, 4k
+      1.126 / 1.160 -> 1.223 / 1.227. Not at 16k (hd 128 1.108 / 1.213 -> 1.141 / 1.164, hd 256
+      1.315 / 1.401 -> 1.293 / 1.231) nor hdim 64 (1k 0.958 / 0.918 -> 0.950 / 0.971, 4k
+      1.123 -> 1.079).
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
@@ -105,12 +114,12 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
         if short:
             return {"tile_m": 192, "persistent": True}
         return {"tile_m": 192, **({} if causal else lazy)}
+    # causal hd 128 / 256 up to 4k: the persistent loop with paired tiles (m, nm - 1 - m)
+    pairs = {"tile_order": "pairs"} if causal and not softcap else {}
     if head_dim == 128 and kv_len <= 1024:
-        return {"persistent": True, "tile_pipe": True, "wg_epilogue": True}
-    if head_dim == 128 and not causal and kv_len <= 4096:
-        return {"persistent": True, "tile_pipe": True}
-    if head_dim == 256 and not causal and kv_len <= 4096:
-        return {"persistent": True, "tile_pipe": True}
+        return {"persistent": True, "tile_pipe": True, "wg_epilogue": True, **pairs}
+    if head_dim in (128, 256) and kv_len <= 4096 and (pairs or not causal):
+        return {"persistent": True, "tile_pipe": True, **pairs}
     if head_dim == 256:
         return lazy
     return {}
@@ -122,6 +131,7 @@ def backward_config(problem) -> BwdConfig:
         raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
                          f"kv_len {problem.kv_len}, heads {problem.num_heads})")
     st = problem.statics
+    tail = use_tail_lpt(problem)
     ok, why = bwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
                                 head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:
@@ -138,7 +148,23 @@ def backward_config(problem) -> BwdConfig:
                                            st.deterministic),
                      dq_flat=use_dq_flat(problem.head_dim, st.softcap is not None,
                                          problem.has_alibi, problem.has_segments,
-                                         st.is_causal or st.window is not None))
+                                         (st.is_causal and not tail) or st.window is not None),
+                     tail_lpt=tail)
+
+
+def use_tail_lpt(problem) -> bool:
+    """tail_lpt (the last heads' CTAs launched key-block-major, so the causal grid does not end
+    on long CTAs; `bwd_order`) on plain causal calls (lengths allowed), not deterministic.
+    H200, 2026-12-01, backward alone, two benches each (`cute-bwd-bench-tl{,2}-h200-
+    2026-12-01.json`, ms without -> with): hd 128 (early_dv + dq_flat) 1k 0.754 / 0.772 ->
+    0.743 / 0.734, 4k 1.980 / 1.929 -> 1.938 / 1.919; hd 256 (dq_flat) 1k 0.779 / 0.776 ->
+    0.765 / 0.768, 4k 2.247 / 2.256 -> 2.217 / 2.222; hd 64 (128-query step) 1k 0.956 /
+    0.965 -> 0.949 / 0.948, 4k 2.398 -> 2.377 with dq_flat, which pays there only with
+    tail_lpt (0.952 / 0.969 without). 8 float64 checks, memcheck and racecheck clean. Not with
+    windows, softcap, ALiBi or segment ids (not checked with them)."""
+    st = problem.statics
+    return (st.is_causal and st.window is None and st.softcap is None and not st.deterministic
+            and not problem.has_alibi and not problem.has_segments)
 
 
 def use_dq_flat(head_dim: int, softcap: bool, alibi: bool, segments: bool,

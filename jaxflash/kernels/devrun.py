@@ -201,7 +201,7 @@ def np_probs(q, k, scale, causal=False, window=None, softcap=None, q_seqlen=None
     B, T, N, _ = q.shape
     S, K = k.shape[1], k.shape[2]
     kr = np.repeat(k, N // K, axis=2)
-    s = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    s = np.einsum("btnh,bsnh->bnts", q, kr, optimize=True) * scale
     dcap = 1.0
     if softcap:
         t = np.tanh(s / softcap)
@@ -239,7 +239,7 @@ def np_reference(q, k, v, scale, causal=False, window=None, softcap=None, q_seql
                             alibi_slopes, q_seg, kv_seg)
     N = np.shape(q)[2]
     v = np.repeat(np.asarray(v, np.float64), N // np.shape(v)[2], axis=2)
-    return np.einsum("bnts,bsnh->btnh", p, v), lse
+    return np.einsum("bnts,bsnh->btnh", p, v, optimize=True), lse
 
 
 def _runs(runs, length):
