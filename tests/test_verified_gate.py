@@ -422,35 +422,3 @@ def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
     assert any(kw.get("deterministic") for kw in cases)
     assert bwd_devrun.BENCH_VARIANTS[128]["edv_dqf_tl"]["tail_lpt"]
     assert {(128, 1024, True), (256, 1024, True), (64, 1024, True)} <= bwd_devrun.VARIANT_POINTS
-
-
-def test_forward_wg_skip_gated_checked_and_benched(monkeypatch):
-    """wg_skip (a warpgroup whose rows all lie past the query length issues no GEMM; compiled
-    2026-12-01, no GPU run yet) is refused by the gate and never picked, is refused with
-    pingpong (turn barriers), keeps the default key, and has check cases (one and two dead
-    warpgroups, hd 64 / 256, persistent or not, lengths, window, fp16) and a bench column at
-    the 192-row grid points."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config
-    from jaxflash.kernels.devrun import grid_problem
-    cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True, wg_skip=True)
-    assert verified.pending(cfg) == ("wg_skip",) and "_wskip" in cfg.key
-    assert "_wskip" not in FwdConfig(head_dim=64, tile_m=192, persistent=True).key
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="wg_skip"):
-        verified.require_verified(cfg, "forward")
-    with pytest.raises(ValueError, match="wg_skip"):
-        FwdConfig(head_dim=128, wg_skip=True)  # 2 warpgroups with pingpong
-    FwdConfig(head_dim=128, pingpong=False, wg_skip=True)
-    FwdConfig(head_dim=256, wg_skip=True)  # pingpong is off above hd 128
-    for d in (64, 128, 256):
-        for s_ in (1024, 4096, 16384):
-            for c in (False, True):
-                assert not forward_config(grid_problem(d, s_, c)).wg_skip
-                col = devrun.pick_columns(d, s_, c)["pick_wskip"]
-                assert (col is None) == (d != 64) and (col is None or col.wg_skip)
-    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("wg_skip")]
-    assert {kw["head_dim"] for kw in cases} == {64, 256} and len(cases) >= 6
-    assert any(kw.get("has_q_seqlen") for kw in cases)
-    assert any(kw.get("persistent") for kw in cases) and any(not kw.get("persistent")
-                                                             for kw in cases)

@@ -13,8 +13,6 @@
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 #   pairs   tile_order "pairs" (gated): its forward check cases, the sanitizers on two, and
 #           a bench of the pick against the pick with pairs at every causal point  (~4 min?)
-#   wskip   wg_skip (gated): its forward check cases, the sanitizers on two, and a bench of the
-#           pick against the pick with wg_skip at the D=64 points (192-row tiles)  (~4 min)
 #   taillpt backward tail_lpt (gated): its check cases, the sanitizers on two, and a bench of
 #           the causal points (columns *_tl beside each head dim's default)        (~4 min?)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
@@ -80,11 +78,6 @@ taillpt)
   gated bwd_devrun "kw.get('tail_lpt')" tl \
     "bf16 h128 edv dqf tl causal gqa T<S;bf16 h128 tl deterministic causal gqa" \
     64:1024:1,64:4096:1,128:1024:1,128:4096:1,256:1024:1,256:4096:1 ;;
-wskip)
-  # warpgroups past the query length skip their GEMMs (built 2026-12-01 22:20 UTC)
-  gated devrun "kw.get('wg_skip')" wskip \
-    "bf16 h64 m192 ps wskip dense;fp16 h64 m192 ps wskip window seqlens" \
-    64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0,64:16384:1 --columns pick,pick_wskip ;;
 gridcc)
   # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
   timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;

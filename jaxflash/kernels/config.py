@@ -76,11 +76,6 @@ class FwdConfig:
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt", "plain", or
       "pairs" (persistent with tile_pipe, causal / window: tile m with tile nm - 1 - m of the
       same head on one CTA, pairs dealt round-robin; `scheduler.TileScheduler`).
-    wg_skip: a consumer warpgroup whose 64 rows all lie past the query length (the partial
-      last tile of a start-aligned grid, e.g. the 64 valid rows of a 192-row tile at T=1k)
-      issues no GEMM or softmax for that tile: it only passes through the K / V stages (their
-      release counts every consumer warp) and the epilogue's barriers, leaving the tensor
-      cores to the live warpgroups. Not with pingpong (its turn barriers need both).
     l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
     m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last
       row so the partial tile is the first (cheapest under a causal bound) instead of the last
@@ -111,7 +106,6 @@ class FwdConfig:
     tile_pipe: bool = False
     wg_epilogue: bool = False
     lazy_rescale: bool = False
-    wg_skip: bool = False
     tile_order: str = "auto"
     l2_section_mb: int = 24
     m_align: str = "start"
@@ -163,11 +157,6 @@ class FwdConfig:
             return False, ("wg_epilogue needs persistent=True with O in its own shared buffer "
                            "(head dims <= 128): each warpgroup then stores its own rows and "
                            "goes on to the next tile")
-        if self.wg_skip and (self.tile_m == 64 or (self.pingpong and self.tile_m == 128
-                                                     and self.head_dim <= 128)):
-            return False, ("wg_skip needs several consumer warpgroups without pingpong "
-                           "(tile_m 192, or 128 with pingpong=False / head_dim > 128): a "
-                           "skipping warpgroup would leave pingpong's turn barriers unpaired")
         if self.tile_pipe and not self.persistent:
             return False, "tile_pipe needs persistent=True (it feeds the persistent tile loop)"
         if not 1 <= self.l2_section_mb <= 64:
@@ -230,8 +219,6 @@ class FwdConfig:
             sched += f"_lpt{self.l2_section_mb}"
         if self.tile_order == "pairs":
             sched += "_pairs"
-        if self.wg_skip:
-            sched += "_wskip"
         if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)
             sched += f"_m{self.m_align}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"

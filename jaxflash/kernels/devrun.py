@@ -124,9 +124,8 @@ def grid_choices():
 def pick_columns(D: int, S: int, causal: bool) -> dict:
     """Bench columns timed at every grid point: the dispatch's pick ("pick"), the pick with
     `lazy_rescale` on top ("pick_lazy") and, causal only, the pick on the persistent loop with
-    paired tiles ("pick_pairs"), and, with 192-row tiles, the pick whose warpgroups past the
-    query length skip their GEMMs ("pick_wskip"), so one run answers per point whether each
-    pays there (None where the pick refuses it)."""
+    paired tiles ("pick_pairs"), so one run answers per point whether each pays there (None
+    where the pick refuses it)."""
     from jaxflash.kernels.choose import forward_config
     pick = forward_config(grid_problem(D, S, causal))
     try:
@@ -137,17 +136,14 @@ def pick_columns(D: int, S: int, causal: bool) -> dict:
         pairs = dataclasses.replace(pick, persistent=True, tile_pipe=True, tile_order="pairs")
     except ValueError:
         pairs = None
-    # warpgroups past the query length skip their GEMMs: only 192-row tiles have a partial
-    # last tile on the grid (its lengths are multiples of 128)
-    skip = dataclasses.replace(pick, wg_skip=True) if pick.tile_m == 192 else None
-    return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs, "pick_wskip": skip}
+    return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs}
 
 
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
     cfgs += grid_choices()  # the "pick" column; its lazy twin for the points `bench` times:
     cfgs += [c for d in BENCH_DIMS for s in BENCH_S for causal in (False, True)
-             for name in ("pick_lazy", "pick_pairs", "pick_wskip")
+             for name in ("pick_lazy", "pick_pairs")
              if (c := pick_columns(d, s, causal)[name]) is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:
@@ -579,7 +575,7 @@ def main(argv=None):
     p.add_argument("--only", default="", help="bench points 'D:S:causal,...'")
     p.add_argument("--cases", default="", help="check cases by name, ';'-separated")
     p.add_argument("--columns", default="", help="bench: only these extra columns, "
-                   "','-separated (pick, pick_lazy, pick_pairs, pick_wskip, VARIANTS names)")
+                   "','-separated (pick, pick_lazy, pick_pairs, VARIANTS names)")
     a = p.parse_args(argv)
     if a.cmd == "build":
         build(a.out, {c for c in a.cases.split(";") if c} or None)

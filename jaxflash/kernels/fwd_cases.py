@@ -217,28 +217,6 @@ CHECKS = [
     ("bf16 h256 pairs causal", dict(head_dim=256, is_causal=True, persistent=True,
                                     tile_pipe=True, tile_order="pairs"),
      (4, 1000, 1000, 8, 8, {})),
-    # wg_skip (gated until these pass): a warpgroup whose rows all lie past the query length
-    # issues no GEMM, only passes through the K / V stages. Partial last tiles with one and
-    # two dead warpgroups of three (T = 1000, 777, 500), two warpgroups (hd 256, T = 950),
-    # persistent and not, the per-warpgroup epilogue, causal T < S, GQA, lengths with an empty
-    # query length (whole tiles dead), window, fp16, bitwise repeats, 2k against cuDNN.
-    ("bf16 h64 m192 ps wskip dense", dict(head_dim=64, tile_m=192, persistent=True,
-                                          wg_skip=True), (8, 1000, 1000, 8, 8, {"repeat": 2})),
-    ("bf16 h64 m192 wskip dense odd gqa", dict(head_dim=64, tile_m=192, wg_skip=True),
-     (3, 777, 801, 12, 4, {})),
-    ("bf16 h64 m192 ps we wskip causal T<S", dict(head_dim=64, tile_m=192, persistent=True,
-                                                  is_causal=True, wg_epilogue=True,
-                                                  wg_skip=True), (3, 500, 700, 8, 2, {})),
-    ("fp16 h64 m192 ps wskip window seqlens", dict(dtype="float16", head_dim=64, tile_m=192,
-                                                   persistent=True, has_window=True,
-                                                   has_q_seqlen=True, has_kv_seqlen=True,
-                                                   wg_skip=True),
-     (3, 1000, 1000, 8, 2, {"window": (200, 0), "q_seqlen": [1000, 131, 0],
-                            "kv_seqlen": [1000, 0, 255]})),
-    ("bf16 h64 m192 wskip causal 2k+", dict(head_dim=64, tile_m=192, is_causal=True,
-                                            wg_skip=True), (2, 2100, 2100, 8, 8, {"cudnn": True})),
-    ("bf16 h256 wskip causal odd", dict(head_dim=256, is_causal=True, wg_skip=True),
-     (3, 950, 950, 8, 4, {})),
     # lazy_rescale (gated until these pass): FA4's conditional O rescale. "k_ramp" makes the
     # logits grow toward earlier keys by up to ~k_ramp x, so rows move their reference max
     # block after block (the rescale path) while plain random inputs mostly skip it.

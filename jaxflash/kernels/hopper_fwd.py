@@ -13,7 +13,8 @@ Shape of the kernel (FlashAttention-3's design, written here from the paper and 
   ``intra_wg_overlap`` the QK GEMM of block j and the PV GEMM of block j+1 are in flight while
   the softmax of block j runs (FA3 Alg. 2); with ``pingpong`` the two warpgroups take turns
   issuing GEMMs (named barriers), so one's softmax hides under the other's GEMMs.
-- Epilogue (`fwd_epilogue`): O / rowsum through shared memory, stored by TMA; LSE per row.
+- Epilogue: O scaled by 1/rowsum, converted, written to shared memory (Q's buffer) with stmatrix
+  and stored by TMA (which clips rows past T); LSE (natural log, float32) written per row.
 
 GQA/MQA: query head n reads K/V head n // (N // K); K/V are never copied. Batch, T, S, heads,
 scale, softcap, window bounds, ALiBi slopes and segment ids are runtime values: only `FwdConfig`
@@ -46,7 +47,7 @@ from jaxflash.kernels.fwd_epilogue import FwdEpilogue
 from jaxflash.kernels.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
                                    apply_segment_mask)
 from jaxflash.kernels.launch_args import LaunchArgs
-from jaxflash.kernels.pipes import TmaPipelines, pass_through
+from jaxflash.kernels.pipes import TmaPipelines
 from jaxflash.kernels.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.softmax import OnlineSoftmax, rescale_rows
 from jaxflash.kernels.tile_handoff import announce_tile, make_tile_pipe, next_tile
@@ -626,11 +627,6 @@ class FlashFwdSm90(FwdEpilogue):
         softmax.row_sum.fill(0.0)
 
         pipe_q.consumer_wait(q_state)
-        if const_expr(self.cfg.wg_skip):  # rows all past the query length: no GEMMs
-            if blocks.first_row(m_block) + wg * 64 >= seqlen_q:
-                if n_max > n_min:
-                    kv_state = pass_through(pipe_k, pipe_v, kv_state, n_max - n_min)
-                    n_max = n_min
         if n_max > n_min:
             step = lambda st, n, ms, mr, ml: self.one_block(
                 st, n, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S,

@@ -3,10 +3,7 @@ backward: K/V, Q, dO): one producing thread (the TMA warp's elected lane) arrive
 transaction bytes, every consumer warp releases the slot."""
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32
 
 
 class TmaPipelines:
@@ -29,18 +26,3 @@ class TmaPipelines:
     @staticmethod
     def init_done():
         pipeline.pipeline_init_arrive()
-
-
-@cute.jit
-def pass_through(pipe_a, pipe_b, state, count: Int32):
-    """A consumer with no work in `count` stages of two pipelines that share one state (the
-    forward's K and V): wait for each stage to fill, then release it, so the producer's empty
-    barriers still count this consumer's warps. Waiting before releasing keeps each arrival in
-    its own round's phase. Returns the advanced state."""
-    for _ in cutlass.range(count, unroll=1):
-        pipe_a.consumer_wait(state)
-        pipe_a.consumer_release(state)
-        pipe_b.consumer_wait(state)
-        pipe_b.consumer_release(state)
-        state.advance()
-    return state
