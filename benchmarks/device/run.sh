@@ -11,10 +11,10 @@
 #   gridcc  the same grid, ours and cuDNN only                        (~2.5 min)
 #   kbench  kernel-level fwd and bwd timings beside cuDNN                (~4 min)
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
-#   pairs   tile_order "pairs" (gated): its forward check cases, the sanitizers on two, and
-#           a bench of the pick against the pick with pairs at every causal point  (~4 min?)
-#   taillpt backward tail_lpt (gated): its check cases, the sanitizers on two, and a bench of
-#           the causal points (columns *_tl beside each head dim's default)        (~4 min?)
+#   pairs   tile_order "pairs" (cleared and picked 2026-12-01): its forward check cases, the
+#           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
+#   taillpt backward tail_lpt (cleared and picked 2026-12-01): its check cases, the sanitizers
+#           on two, a bench of the causal points (*_tl beside the variants)         (~3 min)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
 # benchmarks/results/ with the date. Variants not yet checked on a GPU are admitted here
 # (JAXFLASH_CUTE_UNVERIFIED=1): these runs are what checks them.
