@@ -156,6 +156,27 @@ def test_end_aligned_tiles_are_ptxas_clean(cfg, tmp_path):
     assert set(loads) & clamped, (loads, clamped)
 
 
+# 64-row tiles at two CTAs per SM (`ctas_per_sm=2`, 2026-12-01): the launch bound makes ptxas
+# fit 128 registers per thread at launch (two 256-thread CTAs fill the register file) and the
+# consumer warpgroup raises itself to 232; 0 spills at hd 64 / 128, dense and causal pairs.
+PTXAS_CLEAN_TWO_CTAS = [
+    FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
+              tile_pipe=True),
+    FwdConfig(head_dim=64, tile_m=64, ctas_per_sm=2, is_causal=True, persistent=True,
+              tile_pipe=True, tile_order="pairs"),
+]
+
+
+@pytest.mark.parametrize("cfg", PTXAS_CLEAN_TWO_CTAS, ids=lambda c: c.key)
+def test_two_ctas_per_sm_tiles_are_ptxas_clean(cfg, tmp_path):
+    _ptxas_clean(cfg, tmp_path, 232)
+    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    assert ".minnctapersm 2" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
+    report = open(tmp_path / "ptxas.txt").read()
+    assert re.search(r"Used (\d+) registers", report) and \
+        int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
+
+
 @pytest.mark.parametrize("cfg", PTXAS_CLEAN_WIDE, ids=lambda c: c.key)
 def test_wide_key_tiles_with_fresh_s_are_ptxas_clean(cfg, tmp_path):
     _ptxas_clean(cfg, tmp_path, 240)

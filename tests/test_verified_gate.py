@@ -422,3 +422,33 @@ def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
     assert any(kw.get("deterministic") for kw in cases)
     assert bwd_devrun.BENCH_VARIANTS[128]["edv_dqf_tl"]["tail_lpt"]
     assert {(128, 1024, True), (256, 1024, True), (64, 1024, True)} <= bwd_devrun.VARIANT_POINTS
+
+
+def test_forward_two_ctas_per_sm_gated_checked_and_benched(monkeypatch):
+    """64-row tiles at two CTAs per SM (compiled 2026-12-01, no GPU run yet) are refused by
+    the gate and never picked; tile_m 64 and ctas_per_sm 2 come together; shared memory is
+    held to half the SM's; check cases cover hd 64 / 96 / 128, persistent or not, pairs,
+    window with lengths, softcap, fp16, and bench variants sit at the 1k / 4k points."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import forward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
+                    tile_pipe=True)
+    assert verified.pending(cfg) == ("ctas_per_sm 2",) and "_c2" in cfg.key
+    assert cfg.smem_bytes() <= cfg.smem_limit == 228 * 1024 // 2 - 1024
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="ctas_per_sm"):
+        verified.require_verified(cfg, "forward")
+    for bad in (dict(tile_m=64), dict(ctas_per_sm=2), dict(tile_m=64, ctas_per_sm=3)):
+        with pytest.raises(ValueError, match="ctas_per_sm"):
+            FwdConfig(head_dim=128, **bad)
+    with pytest.raises(ValueError, match="shared memory"):  # two 128-key stages: too big
+        FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2)
+    assert not any(forward_config(grid_problem(d, s_, c)).ctas_per_sm != 1
+                   for d in (64, 128, 256) for s_ in (1024, 4096, 16384) for c in (0, 1))
+    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("ctas_per_sm") == 2]
+    assert {kw["head_dim"] for kw in cases} == {64, 96, 128} and len(cases) >= 9
+    assert any(kw.get("tile_order") == "pairs" for kw in cases)
+    assert any(not kw.get("persistent") for kw in cases)
+    assert devrun._variant(128, False, devrun.VARIANTS["m64c2_s1"]).ctas_per_sm == 2
+    assert devrun._variant(128, True, devrun.VARIANTS["m64c2_s1_pairs"]).tile_order == "pairs"

@@ -13,6 +13,8 @@
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 #   pairs   tile_order "pairs" (cleared and picked 2026-12-01): its forward check cases, the
 #           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
+#   c2      64-row forward tiles at two CTAs per SM (gated): its check cases, the sanitizers
+#           on two, the pick against the variants at the 1k / 4k points           (~4 min)
 #   taillpt backward tail_lpt (cleared and picked 2026-12-01): its check cases, the sanitizers
 #           on two, a bench of the causal points (*_tl beside the variants)         (~3 min)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
@@ -78,6 +80,12 @@ taillpt)
   gated bwd_devrun "kw.get('tail_lpt')" tl \
     "bf16 h128 edv dqf tl causal gqa T<S;bf16 h128 tl deterministic causal gqa" \
     64:1024:1,64:4096:1,128:1024:1,128:4096:1,256:1024:1,256:4096:1 ;;
+c2)
+  # 64-row tiles at two CTAs per SM (built 2026-12-01 evening; NOTES.md "Two CTAs per SM")
+  gated devrun "kw.get('ctas_per_sm') == 2" c2 \
+    "bf16 h128 m64c2 ps dense gqa odd;fp16 h128 m64c2 ps window seqlens" \
+    64:1024:0,64:1024:1,128:1024:0,128:1024:1,128:4096:0,128:4096:1 \
+    --columns pick,m64c2_s1,m64c2_n64,m64c2_s1_pairs,m64c2_n64_pairs,m64c2_d64,m64c2_d64_pairs ;;
 gridcc)
   # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
   timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;

@@ -17,6 +17,7 @@ from typing import Optional
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
+SMEM_PER_SM_BYTES = 228 * 1024
 # Per head dim: (tile_m, tile_n). hdim 64/96/128: 128x128. 192: 128x112 and 256: 128x80 keep
 # Q + 2 K + 2 V stages inside the shared-memory limit (O reuses Q), and the 64 x hdim fp32
 # O accumulator + 64 x tile_n S accumulator inside 240 registers per consumer thread.
@@ -56,6 +57,11 @@ class FwdConfig:
       tile_m 192 with overlap always does this (it spills otherwise), so the field is only the
       128-row opt-in.
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
+    ctas_per_sm: 2 with tile_m 64 (the only pairing): one consumer warpgroup per CTA, two
+      CTAs resident per SM (128 registers per thread at launch, setmaxnreg 24 / 232; shared
+      memory at most half the SM's), so one CTA's tile start and epilogue run under the other's
+      key loop instead of a warpgroup waiting at the tile boundary. The persistent grid is two
+      CTAs per SM.
     persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
       epilogue (and causal tiles are dealt longest-first in a balanced order). Off by default:
       measured slower on the H200 (2026-11-30) where ptxas had serialized its wgmma (hdim 128
@@ -101,6 +107,7 @@ class FwdConfig:
     num_stages: int = 2
     intra_wg_overlap: bool = True
     fresh_s: bool = False
+    ctas_per_sm: int = 1
     pingpong: bool = True
     persistent: bool = False
     tile_pipe: bool = False
@@ -135,9 +142,12 @@ class FwdConfig:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m not in (128, 192):
-            return False, (f"tile_m {self.tile_m} must be 128 or 192 (two or three 64-row "
-                           "consumer warpgroups)")
+        if self.tile_m not in (64, 128, 192):
+            return False, (f"tile_m {self.tile_m} must be 64, 128 or 192 (one, two or three "
+                           "64-row consumer warpgroups)")
+        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2) != (self.tile_m == 64):
+            return False, (f"ctas_per_sm {self.ctas_per_sm} with tile_m {self.tile_m}: 64-row "
+                           "tiles run two CTAs per SM (one warpgroup each), the others one")
         if self.tile_m == 192 and self.head_dim > 64:
             return False, f"tile_m 192 (160 registers per thread) only for head_dim <= 64"
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
@@ -173,8 +183,8 @@ class FwdConfig:
                     return False, f"m_align 'end' not supported with {flag}"
         if self.num_stages < 1 or self.num_stages > 4:
             return False, f"num_stages {self.num_stages} must be in [1, 4]"
-        if self.smem_bytes() > SMEM_LIMIT_BYTES:
-            return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
+        if self.smem_bytes() > self.smem_limit:
+            return False, (f"shared memory {self.smem_bytes()} B exceeds {self.smem_limit} B "
                            f"(tile {self.tile_m}x{self.tile_n}, {self.num_stages} stages)")
         return True, ""
 
@@ -190,7 +200,13 @@ class FwdConfig:
     def separate_o(self) -> bool:
         """O gets its own shared buffer (instead of Q's) when persistent and it fits: the next
         tile's Q then loads while this tile's epilogue runs."""
-        return self.persistent and self.smem_bytes(separate_o=True) <= SMEM_LIMIT_BYTES
+        return self.persistent and self.smem_bytes(separate_o=True) <= self.smem_limit
+
+    @property
+    def smem_limit(self) -> int:
+        """Shared memory one CTA may use: all of it, or with two CTAs per SM half the SM's
+        228 KB less the 1 KB the hardware reserves per CTA."""
+        return SMEM_LIMIT_BYTES if self.ctas_per_sm == 1 else SMEM_PER_SM_BYTES // 2 - 1024
 
     @property
     def lpt(self) -> bool:
@@ -219,6 +235,8 @@ class FwdConfig:
             sched += f"_lpt{self.l2_section_mb}"
         if self.tile_order == "pairs":
             sched += "_pairs"
+        if self.ctas_per_sm != 1:
+            sched += f"_c{self.ctas_per_sm}"
         if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)
             sched += f"_m{self.m_align}"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"

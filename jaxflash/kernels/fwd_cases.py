@@ -217,6 +217,42 @@ CHECKS = [
     ("bf16 h256 pairs causal", dict(head_dim=256, is_causal=True, persistent=True,
                                     tile_pipe=True, tile_order="pairs"),
      (4, 1000, 1000, 8, 8, {})),
+    # 64-row tiles at two CTAs per SM (gated until these pass): one consumer warpgroup per
+    # CTA. Persistent (grid 2 x SMs) and not, one stage of 128 keys and two of 64, GQA, odd
+    # lengths, T < S, pairs, window with lengths (empty rows), softcap, fp16, hd 64 / 96 /
+    # 128, bitwise repeats, 2k against cuDNN.
+    ("bf16 h128 m64c2 ps dense gqa odd", dict(head_dim=128, tile_m=64, ctas_per_sm=2,
+                                              num_stages=1, persistent=True, tile_pipe=True),
+     (2, 1000, 1111, 12, 4, {"repeat": 2})),
+    ("bf16 h128 m64c2 n64 ps dense", dict(head_dim=128, tile_m=64, ctas_per_sm=2, tile_n=64,
+                                          persistent=True, tile_pipe=True),
+     (4, 999, 999, 8, 8, {})),
+    ("bf16 h128 m64c2 ps pairs causal", dict(head_dim=128, tile_m=64, ctas_per_sm=2,
+                                             num_stages=1, is_causal=True, persistent=True,
+                                             tile_pipe=True, tile_order="pairs"),
+     (4, 1000, 1000, 8, 8, {})),
+    ("bf16 h128 m64c2 causal T<S", dict(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1,
+                                        is_causal=True), (3, 700, 1500, 12, 4, {})),
+    ("fp16 h128 m64c2 ps window seqlens", dict(dtype="float16", head_dim=128, tile_m=64,
+                                               ctas_per_sm=2, num_stages=1, has_window=True,
+                                               has_q_seqlen=True, has_kv_seqlen=True,
+                                               persistent=True, tile_pipe=True),
+     (3, 1000, 1000, 8, 2, {"window": (200, 0), "q_seqlen": [1000, 131, 0],
+                            "kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h128 m64c2 ps softcap causal", dict(head_dim=128, tile_m=64, ctas_per_sm=2,
+                                               num_stages=1, is_causal=True, has_softcap=True,
+                                               persistent=True, tile_pipe=True),
+     (2, 600, 600, 8, 4, {"softcap": 30.0})),
+    ("bf16 h64 m64c2 ps dense 2k", dict(head_dim=64, tile_m=64, ctas_per_sm=2,
+                                        persistent=True, tile_pipe=True),
+     (2, 2048, 2048, 16, 16, {"cudnn": True})),
+    ("bf16 h64 m64c2 ps pairs causal odd", dict(head_dim=64, tile_m=64, ctas_per_sm=2,
+                                                is_causal=True, persistent=True,
+                                                tile_pipe=True, tile_order="pairs"),
+     (3, 777, 801, 12, 4, {})),
+    ("bf16 h96 m64c2 ps causal", dict(head_dim=96, tile_m=64, ctas_per_sm=2, num_stages=1,
+                                      is_causal=True, persistent=True, tile_pipe=True),
+     (2, 600, 600, 8, 8, {})),
     # lazy_rescale (gated until these pass): FA4's conditional O rescale. "k_ramp" makes the
     # logits grow toward earlier keys by up to ~k_ramp x, so rows move their reference max
     # block after block (the rescale path) while plain random inputs mostly skip it.

@@ -98,7 +98,9 @@ class FlashFwdSm90(FwdEpilogue):
         self.num_mma_wg = config.num_mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 * (self.num_mma_wg + 1)
-        self.producer_regs, self.mma_regs = {1: (56, 256), 2: (24, 240), 3: (32, 160)}[
+        # (producer, consumer) registers after setmaxnreg; one warpgroup = two CTAs per SM:
+        # 128 x (24 + 232) per CTA fills half the register file.
+        self.producer_regs, self.mma_regs = {1: (24, 232), 2: (24, 240), 3: (32, 160)}[
             self.num_mma_wg]
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
@@ -239,7 +241,7 @@ class FlashFwdSm90(FwdEpilogue):
                                   pairs=self.cfg.tile_order == "pairs")
         grid = num_tiles
         if const_expr(self.persistent):
-            grid = cutlass.min(num_tiles, NUM_SMS)
+            grid = cutlass.min(num_tiles, NUM_SMS * self.cfg.ctas_per_sm)
 
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen,
@@ -247,7 +249,8 @@ class FlashFwdSm90(FwdEpilogue):
             sQ_layout, sK_layout, sV_layout, sO_layout,
             tiled_mma_qk, tiled_mma_pv, scheduler, num_m_blocks, SharedStorage,
         ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=1)
+                 min_blocks_per_mp=self.cfg.ctas_per_sm,
+                 preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
 
     # ------------------------------------------------------------------------------------
     # device
