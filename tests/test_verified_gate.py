@@ -442,6 +442,8 @@ def test_forward_two_ctas_per_sm_gated_checked_and_benched(monkeypatch):
     for bad in (dict(tile_m=64), dict(ctas_per_sm=2), dict(tile_m=64, ctas_per_sm=3)):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             FwdConfig(head_dim=128, **bad)
+    with pytest.raises(ValueError, match="head_dim"):  # ptxas C7602 under 128 registers
+        FwdConfig(head_dim=256, tile_m=64, ctas_per_sm=2, num_stages=1)
     with pytest.raises(ValueError, match="shared memory"):  # two 128-key stages: too big
         FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2)
     assert not any(forward_config(grid_problem(d, s_, c)).ctas_per_sm != 1

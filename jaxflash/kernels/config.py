@@ -148,6 +148,11 @@ class FwdConfig:
         if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2) != (self.tile_m == 64):
             return False, (f"ctas_per_sm {self.ctas_per_sm} with tile_m {self.tile_m}: 64-row "
                            "tiles run two CTAs per SM (one warpgroup each), the others one")
+        if self.ctas_per_sm == 2 and self.head_dim > 128:
+            # ptxas C7602 at hd 256: the PV wgmma (64 x 256 float32 accumulator, 128 registers
+            # a thread) cannot be compiled under the 128-register launch bound
+            return False, (f"ctas_per_sm 2 only up to head_dim 128 (head_dim {self.head_dim}: "
+                           "the PV wgmma needs more than the 128-register launch bound)")
         if self.tile_m == 192 and self.head_dim > 64:
             return False, f"tile_m 192 (160 registers per thread) only for head_dim <= 64"
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
