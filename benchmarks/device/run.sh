@@ -13,6 +13,7 @@
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 #   pairs   tile_order "pairs" (cleared and picked 2026-12-01): its forward check cases, the
 #           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
+#   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (gated): its check cases, the sanitizers
 #           on two, the pick against the variants at the 1k / 4k points           (~4 min)
 #   taillpt backward tail_lpt (cleared and picked 2026-12-01): its check cases, the sanitizers
@@ -86,6 +87,14 @@ c2)
     "bf16 h128 m64c2 ps dense gqa odd;fp16 h128 m64c2 ps window seqlens" \
     64:1024:0,64:1024:1,128:1024:0,128:1024:1,128:4096:0,128:4096:1 \
     --columns pick,m64c2_s1,m64c2_n64,m64c2_s1_pairs,m64c2_n64_pairs,m64c2_d64,m64c2_d64_pairs ;;
+occ)
+  # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
+  # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")
+  timeout 200 ncu --section LaunchStats --section Occupancy --section SpeedOfLight \
+    --launch-count 12 python3 -m jaxflash.kernels.bwd_phases --only 128:1024:0 --ncu-loop 1 \
+    --forward > $OUT/ncu-occupancy-fwd-h128-1k-$D.txt 2>&1
+  grep -E "^  [a-zA-Z_].*\(|Block Limit|Registers Per Thread|Shared Memory Per Block|Block Size|Grid Size|Theoretical Occupancy|Achieved Occupancy|Duration" \
+    $OUT/ncu-occupancy-fwd-h128-1k-$D.txt | cut -c1-110 | head -80 ;;
 gridcc)
   # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
   timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;
