@@ -416,7 +416,6 @@ def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
                 for st in (dict(deterministic=True), dict(softcap=30.0)):
                     q = dataclasses.replace(p, statics=dataclasses.replace(p.statics, **st))
                     assert not backward_config(q).tail_lpt
-    assert backward_config(grid_problem(64, 4096, True)).dq_flat
     cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("tail_lpt")]
     assert {kw["head_dim"] for kw in cases} == {64, 128, 256} and len(cases) >= 8
     assert any(kw.get("deterministic") for kw in cases)

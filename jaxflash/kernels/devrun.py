@@ -69,21 +69,15 @@ VARIANTS = {"persist2": dict(persistent=True, tile_pipe=True),
             "m192_lazy": dict(head_dim=64, tile_m=192, lazy_rescale=True),
             "m192_ps_end_we_lazy": dict(head_dim=64, tile_m=192, persistent=True,
                                         m_align="end", is_causal=True, wg_epilogue=True,
-                                        lazy_rescale=True),
-            # 64-row tiles, two CTAs per SM (`FwdConfig.ctas_per_sm`): one K / V stage of 128
-            # keys, or two of 64 keys (half the SM's shared memory each); causal with pairs
-            "m64c2_s1": dict(tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
-                             tile_pipe=True, is_causal=False),
-            "m64c2_n64": dict(tile_m=64, ctas_per_sm=2, tile_n=64, persistent=True,
-                              tile_pipe=True, is_causal=False),
-            "m64c2_s1_pairs": dict(tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
-                                   tile_pipe=True, is_causal=True, tile_order="pairs"),
-            "m64c2_n64_pairs": dict(tile_m=64, ctas_per_sm=2, tile_n=64, persistent=True,
-                                    tile_pipe=True, is_causal=True, tile_order="pairs"),
-            "m64c2_d64": dict(head_dim=64, tile_m=64, ctas_per_sm=2, persistent=True,
-                              tile_pipe=True, is_causal=False),
-            "m64c2_d64_pairs": dict(head_dim=64, tile_m=64, ctas_per_sm=2, persistent=True,
-                                    tile_pipe=True, is_causal=True, tile_order="pairs")}
+                                        lazy_rescale=True)}
+# 64-row tiles, two CTAs per SM (`FwdConfig.ctas_per_sm`): one K / V stage of 128 keys ("s1"),
+# two of 64 keys ("n64"; half the SM's shared memory each), hd 64's two stages of 128 ("d64");
+# each dense and, "_pairs", causal with paired tiles.
+for _name, _shape in (("m64c2_s1", dict(num_stages=1)), ("m64c2_n64", dict(tile_n=64)),
+                      ("m64c2_d64", dict(head_dim=64))):
+    _c2 = dict(tile_m=64, ctas_per_sm=2, persistent=True, tile_pipe=True, **_shape)
+    VARIANTS[_name] = dict(_c2, is_causal=False)
+    VARIANTS[_name + "_pairs"] = dict(_c2, is_causal=True, tile_order="pairs")
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True), (64, 1024, True), (64, 1024, False),
                   (64, 4096, False),
