@@ -87,11 +87,22 @@ c2)
     "bf16 h128 m64c2 ps dense gqa odd;fp16 h128 m64c2 ps window seqlens" \
     64:1024:0,64:1024:1,128:1024:0,128:1024:1,128:4096:0,128:4096:1 \
     --columns pick,m64c2_s1,m64c2_n64,m64c2_s1_pairs,m64c2_n64_pairs,m64c2_d64,m64c2_d64_pairs ;;
+c2check)
+  # the c2 check cases alone (their first run, in "c2" after "occ", found no GPU)
+  cases=$(python3 -c "from jaxflash.kernels.devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('ctas_per_sm') == 2))")
+  timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$cases" \
+    --out $OUT/cute-fwd-check-c2-$D.json 2>&1 | grep -v -i warn | tail -12 ;;
+c2bench)
+  # a second bench of the c2 variants at the causal points where the first one won
+  timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:1,128:1024:1,64:4096:1,64:1024:0 \
+    --columns pick,m64c2_n64_pairs,m64c2_d64_pairs,m64c2_n64 --out $OUT/cute-fwd-bench-c2b-$D.json 2>&1 | tail -6 ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")
+  # (2026-12-01 late: unfiltered, ncu failed on XLA's input fusions and left the GPU unusable
+  # for the next stage; only our forward and cuDNN's are profiled now)
   timeout 200 ncu --section LaunchStats --section Occupancy --section SpeedOfLight \
-    --launch-count 12 python3 -m jaxflash.kernels.bwd_phases --only 128:1024:0 --ncu-loop 1 \
+    --kernel-name regex:"FlashFwdSm90|sdpa" --launch-count 4 python3 -m jaxflash.kernels.bwd_phases --only 128:1024:0 --ncu-loop 1 \
     --forward > $OUT/ncu-occupancy-fwd-h128-1k-$D.txt 2>&1
   grep -E "^  [a-zA-Z_].*\(|Block Limit|Registers Per Thread|Shared Memory Per Block|Block Size|Grid Size|Theoretical Occupancy|Achieved Occupancy|Duration" \
     $OUT/ncu-occupancy-fwd-h128-1k-$D.txt | cut -c1-110 | head -80 ;;
