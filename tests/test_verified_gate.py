@@ -64,7 +64,8 @@ def test_every_variant_dispatch_picks_is_verified():
 
 def test_forward_192_rows_with_overlap_checked_and_picked():
     """tile_m 192 WITH intra-warpgroup overlap passed its GPU checks (2026-12-01) and is what
-    hdim 64 dense / causal calls get; the check cases and the bench column stay."""
+    hdim 64 dense / causal calls get (but causal S <= 1k: two CTAs per SM since 2026-12-01
+    late); the check cases and the bench column stay."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import schedule_for
     for cfg in (FwdConfig(head_dim=64, tile_m=192), FwdConfig(head_dim=64, tile_m=192,
@@ -73,7 +74,8 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     for S in (1024, 4096, 16384):
         for causal in (False, True):
             cfg = FwdConfig(head_dim=64, is_causal=causal, **schedule_for(64, S, causal))
-            assert cfg.tile_m == 192 and cfg.intra_wg_overlap
+            want = 64 if causal and S == 1024 else 192
+            assert cfg.tile_m == want and cfg.intra_wg_overlap
     names = [n for n, kw, _ in devrun.CHECKS
              if kw.get("tile_m") == 192 and kw.get("intra_wg_overlap", True)]
     assert len(names) >= 6 and any("causal" in n for n in names)
@@ -215,8 +217,10 @@ def test_forward_192_rows_persistent_checked_and_picked():
     from jaxflash.kernels.choose import schedule_for
     assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()
     assert schedule_for(64, 1024, False) == dict(tile_m=192, persistent=True)
-    assert schedule_for(64, 1024, True) == dict(tile_m=192, persistent=True, m_align="end",
-                                                wg_epilogue=True)
+    assert schedule_for(64, 1024, True) == dict(tile_m=64, ctas_per_sm=2, tile_n=64,
+                                                persistent=True, tile_pipe=True,
+                                                tile_order="pairs")
+    assert schedule_for(64, 1024, True, softcap=True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 4096, True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 4096, False) == dict(tile_m=192)
     assert schedule_for(64, 16384, True) == dict(tile_m=192)
@@ -245,9 +249,10 @@ def test_gate_rules_live_outside_the_hashed_sources():
 
 def test_forward_end_aligned_tiles_checked_and_picked():
     """End-aligned query tiles v2 (m_align="end", clamped first tile) passed 10 float64 checks,
-    bitwise repeats, memcheck and racecheck on the H200 (2026-12-01): not gated, picked for hd
-    64 causal S <= 1k without softcap only (where the kernel bench measured them ahead); default
-    keys do not name the field; devrun keeps their check cases and bench columns."""
+    bitwise repeats, memcheck and racecheck on the H200 (2026-12-01): not gated; picked for hd
+    64 causal S <= 1k without softcap until two CTAs per SM overtook them there (2026-12-01
+    late), so no longer picked; default keys do not name the field; devrun keeps their check
+    cases and bench columns."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import schedule_for
     cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True, is_causal=True, m_align="end")
@@ -256,7 +261,7 @@ def test_forward_end_aligned_tiles_checked_and_picked():
     assert "_mend" not in FwdConfig(head_dim=64, tile_m=192, is_causal=True).key
     picked = {(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384)
               for c in (False, True) if schedule_for(d, s, c).get("m_align") == "end"}
-    assert picked == {(64, 1024, True)}
+    assert picked == set()
     assert "m_align" not in schedule_for(64, 1024, True, softcap=True)
     assert schedule_for(64, 1024, True, plain=False) == {}
     cases = [(n, kw, p) for n, kw, p in devrun.CHECKS if kw.get("m_align") == "end"]
@@ -274,13 +279,15 @@ def test_forward_end_aligned_tiles_checked_and_picked():
 def test_forward_wg_epilogue_checked_and_picked():
     """The per-warpgroup epilogue passed 8 float64 checks (bitwise repeats included), memcheck
     and racecheck on the H200 (2026-12-01): not gated, picked where it was faster in both
-    runs (hd 128 S <= 1k, hd 64 causal S <= 1k), and only with persistent + its own O buffer."""
+    runs (hd 128 dense S <= 1k; hd 128 and hd 64 causal S <= 1k until two CTAs per SM, with
+    one consumer warpgroup, overtook them there), only with persistent + its own O buffer."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import schedule_for
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True)
     assert verified.pending(cfg) == () and cfg.key.endswith("tpwe_dense")
     assert schedule_for(128, 1024, False)["wg_epilogue"]
-    assert schedule_for(128, 1024, True)["wg_epilogue"]
+    assert "wg_epilogue" not in schedule_for(128, 1024, True)  # two CTAs per SM there
+    assert schedule_for(128, 1024, True, softcap=True)["wg_epilogue"]
     assert "wg_epilogue" not in schedule_for(128, 4096, False)
     assert "wg_epilogue" not in schedule_for(64, 1024, False)
     with pytest.raises(ValueError, match="wg_epilogue needs persistent"):
@@ -368,7 +375,8 @@ def test_backward_dq_flat_with_writer_cleared_not_picked():
 def test_forward_pairs_cleared_and_picked_where_measured():
     """tile_order "pairs" (persistent causal tiles two by two, tile m with tile nm - 1 - m)
     passed its GPU checks (2026-12-01) and is picked at causal hd 128 / 256 up to 4k (won both
-    benches there), not at 16k, hd 64, dense, softcap or masks it was not measured with; its
+    benches there; and with two CTAs per SM at hd 64 / 128 1k), not at 16k, hd 64 with 192
+    rows, dense, softcap or masks it was not measured with; its
     check cases cover hd 64 (192 rows, end-aligned too) / 96 / 128 / 256, odd and even tile
     counts, T < S and T > S, window with lengths, fp16, and a "pick_pairs" bench column sits
     beside the pick at every causal grid point."""
@@ -381,7 +389,8 @@ def test_forward_pairs_cleared_and_picked_where_measured():
         for s_ in (1024, 4096, 16384):
             for c in (False, True):
                 picked = schedule_for(d, s_, c).get("tile_order", "auto") == "pairs"
-                assert picked == (c and d in (128, 256) and s_ <= 4096), (d, s_, c)
+                assert picked == (c and (d == 256 and s_ <= 4096 or d in (64, 128)
+                                         and s_ <= 1024 or d == 128 and s_ <= 4096)), (d, s_, c)
                 assert schedule_for(d, s_, c, softcap=True).get("tile_order") != "pairs"
                 col = devrun.pick_columns(d, s_, c)["pick_pairs"]
                 assert (col is None) == (not c) and (col is None or col.tile_order == "pairs")
@@ -423,21 +432,19 @@ def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
     assert {(128, 1024, True), (256, 1024, True), (64, 1024, True)} <= bwd_devrun.VARIANT_POINTS
 
 
-def test_forward_two_ctas_per_sm_gated_checked_and_benched(monkeypatch):
-    """64-row tiles at two CTAs per SM (compiled 2026-12-01, no GPU run yet) are refused by
-    the gate and never picked; tile_m 64 and ctas_per_sm 2 come together; shared memory is
-    held to half the SM's; check cases cover hd 64 / 96 / 128, persistent or not, pairs,
-    window with lengths, softcap, fp16, and bench variants sit at the 1k / 4k points."""
+def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
+    """64-row tiles at two CTAs per SM passed their float64 checks and the sanitizers on the
+    H200 (2026-12-01 23:25-23:35 UTC): cleared, and picked where two benches measured a gain,
+    causal S <= 1k at hd 64 / 128 without softcap (64-key stages, paired tiles); tile_m 64 and
+    ctas_per_sm 2 come together; shared memory is held to half the SM's; check cases cover
+    hd 64 / 96 / 128, persistent or not, pairs, window with lengths, softcap, fp16."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import forward_config
     from jaxflash.kernels.devrun import grid_problem
     cfg = FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
                     tile_pipe=True)
-    assert verified.pending(cfg) == ("ctas_per_sm 2",) and "_c2" in cfg.key
+    assert verified.pending(cfg) == () and "_c2" in cfg.key
     assert cfg.smem_bytes() <= cfg.smem_limit == 228 * 1024 // 2 - 1024
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="ctas_per_sm"):
-        verified.require_verified(cfg, "forward")
     for bad in (dict(tile_m=64), dict(ctas_per_sm=2), dict(tile_m=64, ctas_per_sm=3)):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             FwdConfig(head_dim=128, **bad)
@@ -445,11 +452,17 @@ def test_forward_two_ctas_per_sm_gated_checked_and_benched(monkeypatch):
         FwdConfig(head_dim=256, tile_m=64, ctas_per_sm=2, num_stages=1)
     with pytest.raises(ValueError, match="shared memory"):  # two 128-key stages: too big
         FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2)
-    assert not any(forward_config(grid_problem(d, s_, c)).ctas_per_sm != 1
-                   for d in (64, 128, 256) for s_ in (1024, 4096, 16384) for c in (0, 1))
+    picked = {(d, s_, c) for d in (64, 128, 256) for s_ in (1024, 4096, 16384) for c in (0, 1)
+              if forward_config(grid_problem(d, s_, c)).ctas_per_sm == 2}
+    assert picked == {(64, 1024, 1), (128, 1024, 1)}
+    for d in (64, 128):
+        pick = forward_config(grid_problem(d, 1024, 1))
+        assert (pick.tile_m, pick.tile_n, pick.tile_order) == (64, 64, "pairs")
+        assert verified.pending(pick) == ()
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("ctas_per_sm") == 2]
     assert {kw["head_dim"] for kw in cases} == {64, 96, 128} and len(cases) >= 9
     assert any(kw.get("tile_order") == "pairs" for kw in cases)
+    assert any(kw.get("tile_n") == 64 for kw in cases)
     assert any(not kw.get("persistent") for kw in cases)
     assert devrun._variant(128, False, devrun.VARIANTS["m64c2_s1"]).ctas_per_sm == 2
     assert devrun._variant(128, True, devrun.VARIANTS["m64c2_s1_pairs"]).tile_order == "pairs"

@@ -67,6 +67,7 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       iterations instead of 32 at 1k): 0.88 -> 0.93 in the kernel bench of 12:33 UTC
       (`cute-fwd-bench-mend-h200-2026-12-01.json`); at 4k causal 1.08 -> 1.07 (not picked).
       10 float64 checks + bitwise repeats + memcheck passed (`cute-fwd-check-mend-*`).
+      Superseded there (with `wg_epilogue` below) by two CTAs per SM, 2026-12-01 late.
     - S <= 1k at hdim 128, and hdim 64 causal S <= 1k: `wg_epilogue` on top (each consumer
       warpgroup stores its own rows and goes on to the next tile; under pingpong the second
       one otherwise holds the first at every tile's end). Two runs (15:25 UTC,
@@ -94,6 +95,13 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       1.126 / 1.160 -> 1.223 / 1.227. Not at 16k (hd 128 1.108 / 1.213 -> 1.141 / 1.164, hd 256
       1.315 / 1.401 -> 1.293 / 1.231) nor hdim 64 (1k 0.958 / 0.918 -> 0.950 / 0.971, 4k
       1.123 -> 1.079).
+    - causal hdim 64 / 128, S <= 1k, no softcap: 64-row tiles at two CTAs per SM
+      (`ctas_per_sm=2`, one consumer warpgroup each; 64-key stages so two CTAs fit the SM's
+      shared memory) on the persistent loop with paired tiles: one CTA's tile start and
+      epilogue run under the other's key loop. Two benches (2026-12-01 23:25 / 23:35 UTC,
+      `h200-2026-12-01-cute-fwd-bench-c2{,b}.json`, TFLOP/s pick -> this): hd 128 1k 386 / 385
+      -> 410 / 417, hd 64 1k 290 / 290 -> 299 / 299. Not at 4k causal (hd 128 557 -> 500, hd 64
+      440 -> 381) nor dense 1k (hd 128 521 -> 517, hd 64 384 / 389 -> 384 / 384).
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
@@ -106,11 +114,12 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
     # FA4's conditional O rescale (exact here: threshold 0) pays only on long key loops at
     # hd 64 dense and hd 256; measured at 16k, lost or mixed at 4k: the cut is half-way (log).
     lazy = {"lazy_rescale": True} if kv_len > LAZY_MIN_KV_LEN and not softcap else {}
+    if causal and kv_len <= 1024 and not softcap and head_dim in (64, 128):
+        # two CTAs per SM: 64-row tiles, two 64-key stages, persistent, paired causal tiles
+        return {"tile_m": 64, "ctas_per_sm": 2, "tile_n": 64, "persistent": True,
+                "tile_pipe": True, "tile_order": "pairs"}
     if head_dim == 64:
         short = kv_len <= 1024 or (causal and kv_len <= 4096)
-        if causal and kv_len <= 1024 and not softcap:
-            # end-aligned tiles: the partial 192-row tile first, where causal makes it cheapest
-            return {"tile_m": 192, "persistent": True, "m_align": "end", "wg_epilogue": True}
         if short:
             return {"tile_m": 192, "persistent": True}
         return {"tile_m": 192, **({} if causal else lazy)}
