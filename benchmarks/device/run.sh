@@ -13,6 +13,7 @@
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 #   pairs   tile_order "pairs" (cleared and picked 2026-12-01): its forward check cases, the
 #           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
+#   c2check / c2bench / c2s3  the c2 checks alone, a second bench, three 64-key stages
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (gated): its check cases, the sanitizers
 #           on two, the pick against the variants at the 1k / 4k points           (~4 min)
@@ -96,13 +97,18 @@ c2bench)
   # a second bench of the c2 variants at the causal points where the first one won
   timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:1,128:1024:1,64:4096:1,64:1024:0 \
     --columns pick,m64c2_n64_pairs,m64c2_d64_pairs,m64c2_n64 --out $OUT/cute-fwd-bench-c2b-$D.json 2>&1 | tail -6 ;;
+c2s3)
+  # three 64-key stages at two CTAs per SM (bench only: a win goes to checks before a pick)
+  timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:0,64:1024:1,128:1024:0,128:1024:1 \
+    --columns pick,m64c2_n64s3,m64c2_n64s3_pairs --out $OUT/cute-fwd-bench-c2s3-$D.json 2>&1 | tail -6 ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")
   # (2026-12-01 late: unfiltered, ncu failed on XLA's input fusions and left the GPU unusable
-  # for the next stage; only our forward and cuDNN's are profiled now)
-  timeout 200 ncu --section LaunchStats --section Occupancy --section SpeedOfLight \
-    --kernel-name regex:"FlashFwdSm90|sdpa" --launch-count 4 python3 -m jaxflash.kernels.bwd_phases --only 128:1024:0 --ncu-loop 1 \
+  # for the next stage; only our forward and cuDNN's are profiled now, clocks unlocked as in
+  # the profiles that worked; the second, filtered run was still at its first kernel at 200 s)
+  timeout 150 ncu --clock-control none --section LaunchStats --section Occupancy \
+    --kernel-name regex:"FlashFwdSm90|sdpa" --launch-count 2 python3 -m jaxflash.kernels.bwd_phases --only 128:1024:0 --ncu-loop 1 \
     --forward > $OUT/ncu-occupancy-fwd-h128-1k-$D.txt 2>&1
   grep -E "^  [a-zA-Z_].*\(|Block Limit|Registers Per Thread|Shared Memory Per Block|Block Size|Grid Size|Theoretical Occupancy|Achieved Occupancy|Duration" \
     $OUT/ncu-occupancy-fwd-h128-1k-$D.txt | cut -c1-110 | head -80 ;;

@@ -72,9 +72,11 @@ VARIANTS = {"persist2": dict(persistent=True, tile_pipe=True),
                                         lazy_rescale=True)}
 # 64-row tiles, two CTAs per SM (`FwdConfig.ctas_per_sm`): one K / V stage of 128 keys ("s1"),
 # two of 64 keys ("n64"; half the SM's shared memory each), hd 64's two stages of 128 ("d64");
-# each dense and, "_pairs", causal with paired tiles.
+# each dense and, "_pairs", causal with paired tiles; "n64s3": three 64-key stages (hd 128's
+# fills the half SM exactly).
 for _name, _shape in (("m64c2_s1", dict(num_stages=1)), ("m64c2_n64", dict(tile_n=64)),
-                      ("m64c2_d64", dict(head_dim=64))):
+                      ("m64c2_d64", dict(head_dim=64)),
+                      ("m64c2_n64s3", dict(tile_n=64, num_stages=3))):
     _c2 = dict(tile_m=64, ctas_per_sm=2, persistent=True, tile_pipe=True, **_shape)
     VARIANTS[_name] = dict(_c2, is_causal=False)
     VARIANTS[_name + "_pairs"] = dict(_c2, is_causal=True, tile_order="pairs")
