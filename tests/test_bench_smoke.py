@@ -101,3 +101,41 @@ def test_long_context_script_runs_and_checks(tmp_path):
     res = json.loads(out.read_text())
     assert res["ok"] and res["rel_l2_out_rows_vs_float64"] < 2e-2
     assert max(res["rows_checked"]) < 300
+
+
+ANCHORS_MD = """\
+| D | S | causal | FA4-sm90 fwd | tokamax-mosaic fwd | cuDNN fwd (FA4's run) |
+|---|---|---|---|---|---|
+| 64 | 1024 | 0 | 400 | 1 | 390 |
+| 64 | 1024 | 1 | 250 | 1 | 300 |
+
+Prose between the tables.
+
+| D | S | causal | FA4-sm90 fwd+bwd | cuDNN fwd+bwd (same run) | ratio | rel-L2 |
+|---|---|---|---|---|---|---|
+| 64 | 1024 | 0 | 200 | 180 | 1.11 | 0.001 |
+"""
+
+
+def test_anchor_comparison_divides_by_fa4_figures():
+    """`benchmarks.anchors`: FA4's forward and forward+backward tables are told apart by their
+    headers, and the geomean is over our / FA4 TFLOP/s at the points both have."""
+    from benchmarks import anchors
+    a = anchors.parse_anchors(ANCHORS_MD)
+    assert a["fwd"] == {(64, 1024, 0): (400.0, 390.0), (64, 1024, 1): (250.0, 300.0)}
+    assert a["fwdbwd"] == {(64, 1024, 0): (200.0, 180.0)}
+    row = lambda impl, mode, c, tf: dict(impl=impl, mode=mode, D=64, S=1024, causal=c,
+                                         status="ok", tflops=tf)
+    rows = [row("cute", "fwd", 0, 200.0), row("cute", "fwd", 1, 500.0),
+            row("cudnn", "fwd", 0, 1.0), row("cute", "fwdbwd", 0, 100.0)]
+    res = anchors.compare(rows, a)
+    assert math.isclose(res["fwd"]["geomean"], 1.0) and res["fwd"]["missing"] == []
+    assert math.isclose(res["fwdbwd"]["geomean"], 0.5)
+    with pytest.raises(ValueError, match="anchors file lacks"):
+        anchors.parse_anchors(ANCHORS_MD.split("Prose")[0])
+    real = anchors.DEFAULT_ANCHORS
+    if os.path.exists(real):  # the workplace's file: both tables, the whole grid
+        with open(real) as f:
+            got = anchors.parse_anchors(f.read())
+        assert len(got["fwd"]) == len(got["fwdbwd"]) == 18
+        assert got["fwd"][(128, 16384, 0)][0] == 677.0
