@@ -158,12 +158,13 @@ def test_end_aligned_tiles_are_ptxas_clean(cfg, tmp_path):
 
 # 64-row tiles at two CTAs per SM (`ctas_per_sm=2`, 2026-12-01): the launch bound makes ptxas
 # fit 128 registers per thread at launch (two 256-thread CTAs fill the register file) and the
-# consumer warpgroup raises itself to 232; 0 spills at hd 64 / 128, dense and causal pairs.
+# consumer warpgroup raises itself to 232; 0 spills at hd 64 / 128, dense and causal pairs
+# (the last two: what dispatch picks at causal 1k since 2026-12-01 late).
 PTXAS_CLEAN_TWO_CTAS = [
     FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
               tile_pipe=True),
-    FwdConfig(head_dim=64, tile_m=64, ctas_per_sm=2, is_causal=True, persistent=True,
-              tile_pipe=True, tile_order="pairs"),
+    *(FwdConfig(head_dim=d, tile_m=64, ctas_per_sm=2, tile_n=64, is_causal=True,
+                persistent=True, tile_pipe=True, tile_order="pairs") for d in (64, 128)),
 ]
 
 

@@ -14,6 +14,7 @@
 #   pairs   tile_order "pairs" (cleared and picked 2026-12-01): its forward check cases, the
 #           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
 #   c2check / c2bench / c2s3  the c2 checks alone, a second bench, three 64-key stages
+#   s3      three K / V stages on the dense persistent picks: checks, sanitizers, bench (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (gated): its check cases, the sanitizers
 #           on two, the pick against the variants at the 1k / 4k points           (~4 min)
@@ -102,6 +103,12 @@ c2s3)
   # three 64-key stages at two CTAs per SM (bench only: a win goes to checks before a pick)
   timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:0,64:1024:1,128:1024:0,128:1024:1 \
     --columns pick,m64c2_n64s3,m64c2_n64s3_pairs --out $OUT/cute-fwd-bench-c2s3-$D.json 2>&1 | tail -6 ;;
+s3)
+  # three K / V stages on the dense persistent picks (built 2026-12-01 late, not yet run): the
+  # four check cases (two are the exact two-CTA picks), sanitizers on two, dense 1k / 4k bench
+  gated devrun "kw.get('num_stages') == 3 and kw.get('persistent') or kw.get('tile_n') == 64 and kw.get('tile_order') == 'pairs'" s3 \
+    "bf16 h128 ps s3 dense gqa odd;bf16 h64 m192 ps s3 dense odd" \
+    64:1024:0,128:1024:0,64:4096:0,128:4096:0 --columns pick,p3,m192_ps_s3 ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

@@ -80,6 +80,11 @@ for _name, _shape in (("m64c2_s1", dict(num_stages=1)), ("m64c2_n64", dict(tile_
     _c2 = dict(tile_m=64, ctas_per_sm=2, persistent=True, tile_pipe=True, **_shape)
     VARIANTS[_name] = dict(_c2, is_causal=False)
     VARIANTS[_name + "_pairs"] = dict(_c2, is_causal=True, tile_order="pairs")
+# three K / V stages on the dense persistent picks (hd 128: O shares Q's buffer then)
+VARIANTS["p3"] = dict(head_dim=128, persistent=True, tile_pipe=True, num_stages=3,
+                      is_causal=False)
+VARIANTS["m192_ps_s3"] = dict(head_dim=64, tile_m=192, persistent=True, num_stages=3,
+                              is_causal=False)
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True), (64, 1024, True), (64, 1024, False),
                   (64, 4096, False),

@@ -253,6 +253,22 @@ CHECKS = [
     ("bf16 h96 m64c2 ps causal", dict(head_dim=96, tile_m=64, ctas_per_sm=2, num_stages=1,
                                       is_causal=True, persistent=True, tile_pipe=True),
      (2, 600, 600, 8, 8, {})),
+    # The two-CTA picks exactly (64-key stages with paired causal tiles; picked 2026-12-01 on
+    # the checks above, which cover their parts, the API suite and the grid's output checks).
+    ("bf16 h128 m64c2 n64 ps pairs causal odd", dict(head_dim=128, tile_m=64, ctas_per_sm=2,
+                                                     tile_n=64, is_causal=True, persistent=True,
+                                                     tile_pipe=True, tile_order="pairs"),
+     (3, 777, 801, 12, 4, {"repeat": 2})),
+    ("bf16 h64 m64c2 n64 ps pairs causal 1k", dict(head_dim=64, tile_m=64, ctas_per_sm=2,
+                                                   tile_n=64, is_causal=True, persistent=True,
+                                                   tile_pipe=True, tile_order="pairs"),
+     (2, 1024, 1024, 16, 8, {"cudnn": True})),
+    # Three K / V stages on the persistent loop at dense 1k (not run yet; NOTES.md "What is
+    # slow"): hd 128 with O in Q's buffer (225 KB), hd 64's 192-row tile with its own O.
+    ("bf16 h128 ps s3 dense gqa odd", dict(head_dim=128, persistent=True, tile_pipe=True,
+                                           num_stages=3), (2, 1000, 1111, 12, 4, {})),
+    ("bf16 h64 m192 ps s3 dense odd", dict(head_dim=64, tile_m=192, persistent=True,
+                                           num_stages=3), (3, 777, 801, 12, 4, {})),
     # lazy_rescale (gated until these pass): FA4's conditional O rescale. "k_ramp" makes the
     # logits grow toward earlier keys by up to ~k_ramp x, so rows move their reference max
     # block after block (the rescale path) while plain random inputs mostly skip it.
