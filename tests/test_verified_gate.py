@@ -466,3 +466,30 @@ def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
     assert any(not kw.get("persistent") for kw in cases)
     assert devrun._variant(128, False, devrun.VARIANTS["m64c2_s1"]).ctas_per_sm == 2
     assert devrun._variant(128, True, devrun.VARIANTS["m64c2_s1_pairs"]).tile_order == "pairs"
+
+
+def test_forward_mask_skip_gated_checked_and_benched(monkeypatch):
+    """`mask_skip` (built 2026-12-01 late, compiled only) is refused by the gate and never
+    picked; it is named in the key; check cases cover key lengths on and off the tile, per-batch
+    lengths with an empty one, T > S, the dense picks of hd 64 / 128 / 256 and the two-CTA
+    tile; the bench times the pick with it at every dense grid point."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import forward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, mask_skip=True)
+    assert verified.pending(cfg) == ("mask_skip",) and cfg.key.endswith("_msk_dense")
+    assert "_msk" not in FwdConfig(head_dim=128).key
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="mask_skip"):
+        verified.require_verified(cfg, "forward")
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert not forward_config(grid_problem(d, s_, c)).mask_skip
+                col = devrun.pick_columns(d, s_, c)["pick_msk"]
+                assert (col is None) == bool(c) and (col is None or col.mask_skip)
+    cases = [(kw, p) for _, kw, p in devrun.CHECKS if kw.get("mask_skip")]
+    assert {kw["head_dim"] for kw, _ in cases} == {64, 128, 256} and len(cases) >= 6
+    assert any(p[2] % 128 == 0 for _, p in cases) and any(p[2] % 128 for _, p in cases)
+    assert any(0 in p[-1].get("kv_seqlen", ()) for _, p in cases)
+    assert any(kw.get("ctas_per_sm") == 2 for kw, _ in cases)

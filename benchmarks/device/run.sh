@@ -15,6 +15,7 @@
 #           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
 #   c2check / c2bench / c2s3  the c2 checks alone, a second bench, three 64-key stages
 #   s3      three K / V stages on the dense persistent picks: checks, sanitizers, bench (~3 min)
+#   msk     FwdConfig.mask_skip (gated): checks, sanitizers, dense picks with / without (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (gated): its check cases, the sanitizers
 #           on two, the pick against the variants at the 1k / 4k points           (~4 min)
@@ -109,6 +110,11 @@ s3)
   gated devrun "kw.get('num_stages') == 3 and kw.get('persistent') or kw.get('tile_n') == 64 and kw.get('tile_order') == 'pairs'" s3 \
     "bf16 h128 ps s3 dense gqa odd;bf16 h64 m192 ps s3 dense odd" \
     64:1024:0,128:1024:0,64:4096:0,128:4096:0 --columns pick,p3,m192_ps_s3 ;;
+msk)
+  # mask_skip (built 2026-12-01 late, gated): its 6 check cases, sanitizers on two, the dense
+  # picks with and without it
+  gated devrun "kw.get('mask_skip')" msk "bf16 h128 msk dense gqa odd;fp16 h128 msk seqlens" \
+    64:1024:0,128:1024:0,256:1024:0,64:4096:0,128:4096:0,128:16384:0 --columns pick,pick_msk ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

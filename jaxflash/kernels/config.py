@@ -90,6 +90,11 @@ class FwdConfig:
       at a negative row) and recomputes rows [tile_m - shift, tile_m) that tile 1 owns (NOTES.md,
       "End-aligned query tiles v2"). Causal / window only; not with per-batch query lengths,
       ALiBi or segment ids.
+    mask_skip: where only the key length can cut a block (no causal / window bound), test once
+      per block, warp-uniformly, whether the block reaches past the key length and skip the
+      per-element compare when it does not. Every tile's first (rightmost) block is masked on
+      its exposed path (the QK waits to completion there), so at S = 1k dense this is one
+      compare per score on one block in eight (2026-12-01 late; gated, not yet run).
     """
 
     dtype: str = "bfloat16"
@@ -116,6 +121,7 @@ class FwdConfig:
     tile_order: str = "auto"
     l2_section_mb: int = 24
     m_align: str = "start"
+    mask_skip: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -244,6 +250,8 @@ class FwdConfig:
             sched += f"_c{self.ctas_per_sm}"
         if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)
             sched += f"_m{self.m_align}"
+        if self.mask_skip:
+            sched += "_msk"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
                 f"_{'-'.join(feats) or 'dense'}")

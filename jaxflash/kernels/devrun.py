@@ -138,9 +138,9 @@ def grid_choices():
 
 def pick_columns(D: int, S: int, causal: bool) -> dict:
     """Bench columns timed at every grid point: the dispatch's pick ("pick"), the pick with
-    `lazy_rescale` on top ("pick_lazy") and, causal only, the pick on the persistent loop with
-    paired tiles ("pick_pairs"), so one run answers per point whether each pays there (None
-    where the pick refuses it)."""
+    `lazy_rescale` on top ("pick_lazy"), causal only, the pick on the persistent loop with
+    paired tiles ("pick_pairs"), dense only, the pick with `mask_skip` ("pick_msk"), so one
+    run answers per point whether each pays there (None where the pick refuses it)."""
     from jaxflash.kernels.choose import forward_config
     pick = forward_config(grid_problem(D, S, causal))
     try:
@@ -151,14 +151,17 @@ def pick_columns(D: int, S: int, causal: bool) -> dict:
         pairs = dataclasses.replace(pick, persistent=True, tile_pipe=True, tile_order="pairs")
     except ValueError:
         pairs = None
-    return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs}
+    # the pick testing once per block whether the key length cuts it (dense only: a causal
+    # pick's masked blocks all carry the diagonal bound, so it would change nothing there)
+    msk = None if causal else dataclasses.replace(pick, mask_skip=True)
+    return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs, "pick_msk": msk}
 
 
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
     cfgs += grid_choices()  # the "pick" column; its lazy twin for the points `bench` times:
     cfgs += [c for d in BENCH_DIMS for s in BENCH_S for causal in (False, True)
-             for name in ("pick_lazy", "pick_pairs")
+             for name in ("pick_lazy", "pick_pairs", "pick_msk")
              if (c := pick_columns(d, s, causal)[name]) is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:

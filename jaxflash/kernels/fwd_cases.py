@@ -269,6 +269,25 @@ CHECKS = [
                                            num_stages=3), (2, 1000, 1111, 12, 4, {})),
     ("bf16 h64 m192 ps s3 dense odd", dict(head_dim=64, tile_m=192, persistent=True,
                                            num_stages=3), (3, 777, 801, 12, 4, {})),
+    # mask_skip (gated until these pass): blocks only the key length can cut are compared
+    # only when they reach past it. Key lengths a multiple of the tile (skipped) and not,
+    # per-batch lengths (some full, one empty), T > S, the dense picks of hd 64 / 128 / 256
+    # and the two-CTA tile, 1k against cuDNN.
+    ("bf16 h128 ps we msk dense 1k", dict(head_dim=128, persistent=True, tile_pipe=True,
+                                          wg_epilogue=True, mask_skip=True),
+     (4, 1024, 1024, 8, 8, {"cudnn": True, "repeat": 2})),
+    ("bf16 h128 msk dense gqa odd", dict(head_dim=128, mask_skip=True),
+     (2, 1000, 1111, 12, 4, {})),
+    ("fp16 h128 msk seqlens", dict(dtype="float16", head_dim=128, has_q_seqlen=True,
+                                   has_kv_seqlen=True, mask_skip=True),
+     (3, 1024, 1024, 8, 2, {"q_seqlen": [1024, 131, 0], "kv_seqlen": [1024, 0, 255]})),
+    ("bf16 h64 m192 ps msk dense T>S", dict(head_dim=64, tile_m=192, persistent=True,
+                                            mask_skip=True), (2, 1100, 768, 8, 8, {})),
+    ("bf16 h256 ps msk dense odd", dict(head_dim=256, persistent=True, tile_pipe=True,
+                                        mask_skip=True), (2, 700, 777, 8, 4, {})),
+    ("bf16 h64 m64c2 n64 ps msk dense", dict(head_dim=64, tile_m=64, ctas_per_sm=2, tile_n=64,
+                                             persistent=True, tile_pipe=True, mask_skip=True),
+     (2, 1024, 1024, 8, 8, {})),
     # lazy_rescale (gated until these pass): FA4's conditional O rescale. "k_ramp" makes the
     # logits grow toward earlier keys by up to ~k_ramp x, so rows move their reference max
     # block after block (the rescale path) while plain random inputs mostly skip it.

@@ -705,7 +705,7 @@ class FlashFwdSm90(FwdEpilogue):
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left,
-                       by_select=self.mask_by_select,
+                       by_select=self.mask_by_select, skip_full=self.cfg.mask_skip,
                        row_start=mods.row0 if const_expr(self.m_end) else None)
 
     @cute.jit

@@ -146,7 +146,7 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
                seqlen_k: Int32, window_left: Int32, window_right: Int32,
                mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                mask_left: cutlass.Constexpr[bool], by_select: cutlass.Constexpr[bool] = False,
-               row_start: Int32 = None):
+               row_start: Int32 = None, skip_full: cutlass.Constexpr[bool] = False):
     """Set invisible scores of one (tile_m x tile_n) block to -inf.
 
     The tile's first row is ``m_block * tile_m``, or ``row_start`` when given (end-aligned
@@ -159,7 +159,15 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
     the row's earlier registers again at every column (about 16x the selects, with their
     temporaries live at once): at 160 registers per thread (tile_m 192 with intra-warpgroup
     overlap) that cascade alone spilled.
+    skip_full: when only the key length masks (no right / left bound), compare nothing unless
+    the block reaches past it: one warp-uniform test instead of one compare per score
+    (`FwdConfig.mask_skip`).
     """
+    if cutlass.const_expr(skip_full and mask_seqlen and not (mask_right or mask_left)):
+        if (n_block + 1) * tile_n > seqlen_k:
+            apply_mask(acc_s, coords, m_block, n_block, tile_m, tile_n, seqlen_k, window_left,
+                       window_right, True, False, False, by_select, row_start)
+        return
     s = acc_as_rows_cols(acc_s)
     t0 = coords.t0
     col0 = n_block * tile_n + coords.base_col

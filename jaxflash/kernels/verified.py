@@ -53,7 +53,9 @@ RULES = {
     # lengths; error 1.00x cuDNN's), memcheck clean; racecheck's one report is inside cuDNN's
     # fp16 kernel (H200, 2026-12-01 23:25-23:35 UTC, `h200-2026-12-01-cute-fwd-*c2*`): cleared,
     # and picked at causal S <= 1k (`choose.schedule_for`).
-    "FwdConfig": (),
+    # mask_skip (a warp-uniform test instead of per-score compares on blocks only the key
+    # length could cut; 2026-12-01 late, compiled only).
+    "FwdConfig": (("mask_skip", lambda c: c.mask_skip),),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     # dq_flat with dq_writer passed 6 float64 checks (hd 96 / 128, fp16, windows, lengths with
