@@ -13,12 +13,12 @@
 #   sanitize  compute-sanitizer memcheck + racecheck, small new backward cases (~5 min)
 #   pairs   tile_order "pairs" (cleared and picked 2026-12-01): its forward check cases, the
 #           sanitizers on two, the pick against the pick with pairs at causal points  (~2.5 min)
-#   c2check / c2bench / c2s3  the c2 checks alone, a second bench, three 64-key stages
+#   c2check the c2 check cases alone
 #   s3      three K / V stages on the dense persistent picks: checks, sanitizers, bench (~3 min)
 #   msk     FwdConfig.mask_skip (gated): checks, sanitizers, dense picks with / without (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
-#   c2      64-row forward tiles at two CTAs per SM (gated): its check cases, the sanitizers
-#           on two, the pick against the variants at the 1k / 4k points           (~4 min)
+#   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
+#           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
 #   taillpt backward tail_lpt (cleared and picked 2026-12-01): its check cases, the sanitizers
 #           on two, a bench of the causal points (*_tl beside the variants)         (~3 min)
 # Results go to $OUT (few files: the device tool returns about 8 per call); copy them into
@@ -30,6 +30,15 @@ export CUTE_DSL_RUNTIME_LIB=$(bash .device/unpack.sh)
 export JAXFLASH_KERNEL_DIR=$PWD/.device/kernels JAXFLASH_CUTE_UNVERIFIED=1
 D=$(date -u +%F)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# check_cases MODULE FILTER TAG: the float64 check cases of MODULE (devrun = forward,
+# bwd_devrun = backward) whose config kwargs `kw` pass FILTER (a Python expression).
+check_cases() {
+  local mod=$1 filter=$2 tag=$3 side=${1%devrun} cases
+  side=${side:-fwd-}; side=${side/bwd_/bwd-}
+  cases=$(python3 -c "from jaxflash.kernels.$mod import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if $filter))")
+  timeout 150 python3 -m jaxflash.kernels.$mod check --cases "$cases" \
+    --out $OUT/cute-${side}check-$tag-$D.json 2>&1 | grep -v -i warn | tail -12
+}
 # A gated feature's first GPU run: gated MODULE FILTER TAG SANITIZER_CASES POINTS [BENCH ARGS]
 # (MODULE devrun = forward, bwd_devrun = backward; FILTER a Python test on a check case's
 # config kwargs `kw`): its float64 check cases, memcheck + racecheck on SANITIZER_CASES, and a
@@ -37,10 +46,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 gated() {
   local mod=$1 filter=$2 tag=$3 san=$4 points=$5; shift 5
   local side=${mod%devrun}; side=${side:-fwd-}; side=${side/bwd_/bwd-}
-  local cases
-  cases=$(python3 -c "from jaxflash.kernels.$mod import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if $filter))")
-  timeout 150 python3 -m jaxflash.kernels.$mod check --cases "$cases" \
-    --out $OUT/cute-${side}check-$tag-$D.json 2>&1 | grep -v -i warn | tail -12
+  check_cases "$mod" "$filter" "$tag"
   for tool in memcheck racecheck; do
     timeout 80 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.$mod \
       check --cases "$san" --out $OUT/san-$tool.json > $OUT/cute-${side}$tag-$tool-$D.log 2>&1
@@ -86,24 +92,15 @@ taillpt)
     "bf16 h128 edv dqf tl causal gqa T<S;bf16 h128 tl deterministic causal gqa" \
     64:1024:1,64:4096:1,128:1024:1,128:4096:1,256:1024:1,256:4096:1 ;;
 c2)
-  # 64-row tiles at two CTAs per SM (built 2026-12-01 evening; NOTES.md "Two CTAs per SM")
+  # 64-row tiles at two CTAs per SM (cleared and picked at causal 1k 2026-12-01 late; NOTES.md
+  # "Two CTAs per SM")
   gated devrun "kw.get('ctas_per_sm') == 2" c2 \
     "bf16 h128 m64c2 ps dense gqa odd;fp16 h128 m64c2 ps window seqlens" \
-    64:1024:0,64:1024:1,128:1024:0,128:1024:1,128:4096:0,128:4096:1 \
-    --columns pick,m64c2_s1,m64c2_n64,m64c2_s1_pairs,m64c2_n64_pairs,m64c2_d64,m64c2_d64_pairs ;;
+    64:1024:0,64:1024:1,64:4096:1,128:1024:0,128:1024:1,128:4096:0,128:4096:1 \
+    --columns pick,m64c2_s1,m64c2_n64,m64c2_n64s3,m64c2_s1_pairs,m64c2_n64_pairs,m64c2_n64s3_pairs,m64c2_d64,m64c2_d64_pairs ;;
 c2check)
   # the c2 check cases alone (their first run, in "c2" after "occ", found no GPU)
-  cases=$(python3 -c "from jaxflash.kernels.devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('ctas_per_sm') == 2))")
-  timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$cases" \
-    --out $OUT/cute-fwd-check-c2-$D.json 2>&1 | grep -v -i warn | tail -12 ;;
-c2bench)
-  # a second bench of the c2 variants at the causal points where the first one won
-  timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:1,128:1024:1,64:4096:1,64:1024:0 \
-    --columns pick,m64c2_n64_pairs,m64c2_d64_pairs,m64c2_n64 --out $OUT/cute-fwd-bench-c2b-$D.json 2>&1 | tail -6 ;;
-c2s3)
-  # three 64-key stages at two CTAs per SM (bench only: a win goes to checks before a pick)
-  timeout 200 python3 -m jaxflash.kernels.devrun bench --only 64:1024:0,64:1024:1,128:1024:0,128:1024:1 \
-    --columns pick,m64c2_n64s3,m64c2_n64s3_pairs --out $OUT/cute-fwd-bench-c2s3-$D.json 2>&1 | tail -6 ;;
+  check_cases devrun "kw.get('ctas_per_sm') == 2" c2 ;;
 s3)
   # three K / V stages on the dense persistent picks (built 2026-12-01 late, not yet run): the
   # four check cases (two are the exact two-CTA picks), sanitizers on two, dense 1k / 4k bench
