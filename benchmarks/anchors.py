@@ -29,20 +29,18 @@ HEADERS = {"fwd": "FA4-sm90 fwd", "fwdbwd": "FA4-sm90 fwd+bwd"}
 def parse_anchors(text: str) -> dict:
     """{mode: {(D, S, causal): (fa4_tflops, cudnn_tflops_in_that_run)}} from the markdown."""
     out: dict = {m: {} for m in HEADERS}
-    mode = None
+    mode = cudnn_col = None
     for line in text.splitlines():
+        if not line.startswith("|"):  # prose ends a table
+            mode = None
+            continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) > 4 and cells[:3] == ["D", "S", "causal"]:
             mode = next((m for m, h in HEADERS.items() if cells[3] == h), None)
-            heads = cells
-            continue
-        if mode is None or not line.startswith("|") or not cells[0].isdigit():
-            if not line.startswith("|"):
-                mode = None
-            continue
-        cudnn_col = next(i for i, h in enumerate(heads) if h.startswith("cuDNN"))
-        out[mode][(int(cells[0]), int(cells[1]), int(cells[2]))] = (
-            float(cells[3]), float(cells[cudnn_col]))
+            cudnn_col = next((i for i, h in enumerate(cells) if h.startswith("cuDNN")), None)
+        elif mode and cudnn_col and cells[0].isdigit():
+            out[mode][(int(cells[0]), int(cells[1]), int(cells[2]))] = (
+                float(cells[3]), float(cells[cudnn_col]))
     if not all(out.values()):
         raise ValueError(f"anchors file lacks a table headed {list(HEADERS.values())}")
     return out
