@@ -125,8 +125,8 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
         return {"tile_m": 192, **({} if causal else lazy)}
     # causal hd 128 / 256 up to 4k: the persistent loop with paired tiles (m, nm - 1 - m)
     pairs = {"tile_order": "pairs"} if causal and not softcap else {}
-    if head_dim == 128 and kv_len <= 1024:
-        return {"persistent": True, "tile_pipe": True, "wg_epilogue": True, **pairs}
+    if head_dim == 128 and kv_len <= 1024:  # (causal without softcap took two CTAs above)
+        return {"persistent": True, "tile_pipe": True, "wg_epilogue": True}
     if head_dim in (128, 256) and kv_len <= 4096 and (pairs or not causal):
         return {"persistent": True, "tile_pipe": True, **pairs}
     if head_dim == 256:
