@@ -389,8 +389,8 @@ def test_forward_pairs_cleared_and_picked_where_measured():
         for s_ in (1024, 4096, 16384):
             for c in (False, True):
                 picked = schedule_for(d, s_, c).get("tile_order", "auto") == "pairs"
-                assert picked == (c and (d == 256 and s_ <= 4096 or d in (64, 128)
-                                         and s_ <= 1024 or d == 128 and s_ <= 4096)), (d, s_, c)
+                want = d in (128, 256) and s_ <= 4096 or d == 64 and s_ <= 1024
+                assert picked == (c and want), (d, s_, c)
                 assert schedule_for(d, s_, c, softcap=True).get("tile_order") != "pairs"
                 col = devrun.pick_columns(d, s_, c)["pick_pairs"]
                 assert (col is None) == (not c) and (col is None or col.tile_order == "pairs")
