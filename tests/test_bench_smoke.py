@@ -139,3 +139,28 @@ def test_anchor_comparison_divides_by_fa4_figures():
             got = anchors.parse_anchors(f.read())
         assert len(got["fwd"]) == len(got["fwdbwd"]) == 18
         assert got["fwd"][(128, 16384, 0)][0] == 677.0
+
+
+def test_interleaved_timing_takes_reps_in_turn(monkeypatch):
+    """`time_interleaved` times every call once per round, round after round (so a drift over
+    the run lands on all of them), and reports each one's median per call."""
+    import jax
+
+    from benchmarks import timing
+    order = []
+
+    def make(name):
+        f = jax.jit(lambda x: x * 2.0)
+
+        def call(x):
+            order.append(name)
+            return f(x)
+        return call
+
+    x = jnp.ones((8,))
+    out = timing.time_interleaved({"a": make("a"), "b": make("b")}, (x,), reps=3,
+                                  min_rep_s=0.0, max_n=1)
+    assert set(out) == {"a", "b"} and all(t.reps == 3 and t.n == 1 for t in out.values())
+    assert all(t.min_s <= t.median_s <= t.max_s for t in out.values())
+    timed = order[-6:]  # after each one's warm-up and estimate calls
+    assert timed == ["a", "b"] * 3, order

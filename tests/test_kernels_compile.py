@@ -180,7 +180,7 @@ def test_two_ctas_per_sm_tiles_are_ptxas_clean(cfg, tmp_path):
 
 
 def test_mask_skip_is_ptxas_clean_and_branches_over_the_compares(tmp_path):
-    """`mask_skip` (gated) on the hd 128 1k dense pick: 0 spills, and the masked block's
+    """`mask_skip` on the hd 128 1k dense pick: 0 spills, and the masked block's
     compares sit behind a branch of their own (2026-12-01: 2 more branches in the PTX, 32 fewer
     selects; the SASS went from 2816 to 2744 instructions)."""
     on = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True,

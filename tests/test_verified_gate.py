@@ -222,7 +222,7 @@ def test_forward_192_rows_persistent_checked_and_picked():
                                                 tile_order="pairs")
     assert schedule_for(64, 1024, True, softcap=True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 4096, True) == dict(tile_m=192, persistent=True)
-    assert schedule_for(64, 4096, False) == dict(tile_m=192)
+    assert schedule_for(64, 4096, False) == dict(tile_m=192, mask_skip=True)
     assert schedule_for(64, 16384, True) == dict(tile_m=192)
     assert schedule_for(64, 1024, True, plain=False) == {}
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_m") == 192 and kw.get("persistent")]
@@ -468,26 +468,32 @@ def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
     assert devrun._variant(128, True, devrun.VARIANTS["m64c2_s1_pairs"]).tile_order == "pairs"
 
 
-def test_forward_mask_skip_gated_checked_and_benched(monkeypatch):
-    """`mask_skip` (built 2026-12-01 late, compiled only) is refused by the gate and never
-    picked; it is named in the key; check cases cover key lengths on and off the tile, per-batch
-    lengths with an empty one, T > S, the dense picks of hd 64 / 128 / 256 and the two-CTA
-    tile; the bench times the pick with it at every dense grid point."""
+def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
+    """`mask_skip` (checked on the H200 2026-12-02) is cleared and named in the key; dispatch
+    picks it at the dense points where two interleaved benches showed it paying (hd 128 every
+    length, hd 64 4k), not at causal ones, softcap or non-plain calls; the bench times the pick
+    with it flipped at every dense grid point; check cases cover key lengths on and off the
+    tile, per-batch lengths with an empty one, T > S, the dense picks of hd 64 / 128 / 256 and
+    the two-CTA tile."""
     from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config
+    from jaxflash.kernels.choose import forward_config, schedule_for
     from jaxflash.kernels.devrun import grid_problem
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, mask_skip=True)
-    assert verified.pending(cfg) == ("mask_skip",) and cfg.key.endswith("_msk_dense")
+    assert verified.pending(cfg) == () and cfg.key.endswith("_msk_dense")
     assert "_msk" not in FwdConfig(head_dim=128).key
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="mask_skip"):
-        verified.require_verified(cfg, "forward")
+    picked = {(d, s_) for d in (64, 128, 256) for s_ in (1024, 4096, 16384)
+              if forward_config(grid_problem(d, s_, 0)).mask_skip}
+    assert picked == {(128, 1024), (128, 4096), (128, 16384), (64, 4096)}
     for d in (64, 128, 256):
         for s_ in (1024, 4096, 16384):
+            assert not forward_config(grid_problem(d, s_, 1)).mask_skip
             for c in (0, 1):
-                assert not forward_config(grid_problem(d, s_, c)).mask_skip
+                pick = forward_config(grid_problem(d, s_, c))
                 col = devrun.pick_columns(d, s_, c)["pick_msk"]
-                assert (col is None) == bool(c) and (col is None or col.mask_skip)
+                assert (col is None) == bool(c)
+                assert col is None or col.mask_skip != pick.mask_skip
+    assert "mask_skip" not in schedule_for(128, 1024, False, softcap=True)
+    assert schedule_for(128, 1024, False, plain=False) == {}
     cases = [(kw, p) for _, kw, p in devrun.CHECKS if kw.get("mask_skip")]
     assert {kw["head_dim"] for kw, _ in cases} == {64, 128, 256} and len(cases) >= 6
     assert any(p[2] % 128 == 0 for _, p in cases) and any(p[2] % 128 for _, p in cases)

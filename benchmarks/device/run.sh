@@ -16,6 +16,7 @@
 #   c2check the c2 check cases alone
 #   s3      three K / V stages on the dense persistent picks: checks, sanitizers, bench (~3 min)
 #   msk     FwdConfig.mask_skip (gated): checks, sanitizers, dense picks with / without (~3 min)
+#   msk2    mask_skip: the dense picks with / without it at every dense point, twice (~4 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
 #           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
@@ -112,6 +113,14 @@ msk)
   # picks with and without it
   gated devrun "kw.get('mask_skip')" msk "bf16 h128 msk dense gqa odd;fp16 h128 msk seqlens" \
     64:1024:0,128:1024:0,256:1024:0,64:4096:0,128:4096:0,128:16384:0 --columns pick,pick_msk ;;
+msk2)
+  # mask_skip at every dense point, the pick with and without it, reps interleaved (the
+  # first msk bench timed the columns one after another): two benches
+  for run in a b; do
+    timeout 240 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_msk --only \
+      64:1024:0,128:1024:0,256:1024:0,64:4096:0,128:4096:0,256:4096:0,64:16384:0,128:16384:0,256:16384:0 \
+      --out $OUT/cute-fwd-bench-msk2$run-$D.json 2>&1 | tail -10
+  done ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

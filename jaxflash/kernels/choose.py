@@ -102,6 +102,15 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       `h200-2026-12-01-cute-fwd-bench-c2{,b}.json`, TFLOP/s pick -> this): hd 128 1k 386 / 385
       -> 410 / 417, hd 64 1k 290 / 290 -> 299 / 299. Not at 4k causal (hd 128 557 -> 500, hd 64
       440 -> 381) nor dense 1k (hd 128 521 -> 517, hd 64 384 / 389 -> 384 / 384).
+    - dense hdim 128 (every length) and hdim 64 at 1k < S <= 8k, no softcap: `mask_skip` (a key
+      block wholly inside the key length skips its per-score compares; at S a multiple of the
+      tile that is every block). Two benches with the columns' reps interleaved (2026-12-02
+      01:30 UTC, `h200-2026-12-02-cute-fwd-bench-msk2{a,b}.json`, TFLOP/s pick -> with it):
+      hd 128 1k 490 / 485 -> 568 / 566, 4k 601 / 604 -> 630 / 634, 16k 640 / 639 -> 642 /
+      650; hd 64 4k 469 / 474 -> 475 / 481. Not at hd 64 1k (384 / 380 -> 382 / 386) or 16k
+      (543 / 548 -> 533 / 532, with lazy_rescale), nor hd 256 (1k 559 / 561 -> 569 / 558, 4k
+      686 / 680 -> 678 / 668, 16k equal). Causal blocks all carry the diagonal bound: nothing
+      to skip there.
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
@@ -111,6 +120,21 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
     """
     if not plain:
         return {}
+    return {**_schedule(head_dim, kv_len, causal, softcap),
+            **_mask_skip(head_dim, kv_len, causal, softcap)}
+
+
+def _mask_skip(head_dim: int, kv_len: int, causal: bool, softcap: bool) -> dict:
+    """`mask_skip` where it was measured to pay (`schedule_for`'s list)."""
+    if causal or softcap:
+        return {}
+    if head_dim == 128 or (head_dim == 64 and 1024 < kv_len <= LAZY_MIN_KV_LEN):
+        return {"mask_skip": True}
+    return {}
+
+
+def _schedule(head_dim: int, kv_len: int, causal: bool, softcap: bool) -> dict:
+    """The tile / loop fields of `schedule_for` (plain calls)."""
     # FA4's conditional O rescale (exact here: threshold 0) pays only on long key loops at
     # hd 64 dense and hd 256; measured at 16k, lost or mixed at 4k: the cut is half-way (log).
     lazy = {"lazy_rescale": True} if kv_len > LAZY_MIN_KV_LEN and not softcap else {}

@@ -139,7 +139,7 @@ def grid_choices():
 def pick_columns(D: int, S: int, causal: bool) -> dict:
     """Bench columns timed at every grid point: the dispatch's pick ("pick"), the pick with
     `lazy_rescale` on top ("pick_lazy"), causal only, the pick on the persistent loop with
-    paired tiles ("pick_pairs"), dense only, the pick with `mask_skip` ("pick_msk"), so one
+    paired tiles ("pick_pairs"), dense only, the pick with `mask_skip` flipped ("pick_msk"), so one
     run answers per point whether each pays there (None where the pick refuses it)."""
     from jaxflash.kernels.choose import forward_config
     pick = forward_config(grid_problem(D, S, causal))
@@ -151,9 +151,9 @@ def pick_columns(D: int, S: int, causal: bool) -> dict:
         pairs = dataclasses.replace(pick, persistent=True, tile_pipe=True, tile_order="pairs")
     except ValueError:
         pairs = None
-    # the pick testing once per block whether the key length cuts it (dense only: a causal
-    # pick's masked blocks all carry the diagonal bound, so it would change nothing there)
-    msk = None if causal else dataclasses.replace(pick, mask_skip=True)
+    # the pick with `mask_skip` flipped (dense only: a causal pick's masked blocks all carry
+    # the diagonal bound, so it would change nothing there)
+    msk = None if causal else dataclasses.replace(pick, mask_skip=not pick.mask_skip)
     return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs, "pick_msk": msk}
 
 
@@ -472,6 +472,12 @@ def _time(fn, args, iters=None):  # iters: ignored (the harness picks n per rep)
     return time_throughput(fn, args, reps=5).median_s
 
 
+def _time_all(fns: dict, args) -> dict:
+    """Median seconds per call of each of `fns`, their reps interleaved (`benchmarks/timing.py`)."""
+    from benchmarks.timing import time_interleaved
+    return {k: t.median_s for k, t in time_interleaved(fns, args, reps=5).items()}
+
+
 def bench(out_path: str, only=None, columns=None) -> None:
     """Time the default config beside cuDNN at every grid point (or those in `only`), then
     the `pick_columns` everywhere and the `VARIANTS` at `VARIANT_POINTS`; `columns` (names)
@@ -500,19 +506,20 @@ def bench(out_path: str, only=None, columns=None) -> None:
                     a = np.asarray(f_ours(q, k, v).astype(jnp.float32))
                     b = np.asarray(f_cudnn(q, k, v).astype(jnp.float32))
                     row["rel_vs_cudnn"] = _rel(a, b)
-                    t_o = _time(f_ours, (q, k, v))
-                    t_c = _time(f_cudnn, (q, k, v))
-                    row.update(config=cfg.key, ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
-                               ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
-                               ratio=t_c / t_o)
                     extra = pick_columns(D, S, causal)
                     if (D, S, causal) in VARIANT_POINTS:
                         extra.update((n, _variant(D, causal, kw)) for n, kw in VARIANTS.items())
+                    fns = {"ours": f_ours, "cudnn": f_cudnn}
                     for vname, vcfg in extra.items():
-                        if vcfg is None or (columns and vname not in columns):
-                            continue
-                        fv = jax.jit(lambda q, k, v, c=vcfg: ours(q, k, v, c, scale)[0])
-                        t_v = _time(fv, (q, k, v))
+                        if vcfg is not None and (not columns or vname in columns):
+                            fns[vname] = jax.jit(lambda q, k, v, c=vcfg: ours(q, k, v, c, scale)[0])
+                    # reps in turn over every column: a drift over the run hits them alike
+                    ts = _time_all(fns, (q, k, v))
+                    t_o, t_c = ts.pop("ours"), ts.pop("cudnn")
+                    row.update(config=cfg.key, ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
+                               ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
+                               ratio=t_c / t_o)
+                    for vname, t_v in ts.items():
                         row[f"{vname}_tflops"] = flops / t_v / 1e12
                         row[f"{vname}_ratio"] = t_c / t_v
                 except Exception as e:
