@@ -219,7 +219,7 @@ def test_forward_192_rows_persistent_checked_and_picked():
     assert schedule_for(64, 1024, False) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 1024, True) == dict(tile_m=64, ctas_per_sm=2, tile_n=64,
                                                 persistent=True, tile_pipe=True,
-                                                tile_order="pairs")
+                                                tile_order="pairs", mask_select=True)
     assert schedule_for(64, 1024, True, softcap=True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 4096, True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 4096, False) == dict(tile_m=192, mask_skip=True)
@@ -499,3 +499,33 @@ def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
     assert any(p[2] % 128 == 0 for _, p in cases) and any(p[2] % 128 for _, p in cases)
     assert any(0 in p[-1].get("kv_seqlen", ()) for _, p in cases)
     assert any(kw.get("ctas_per_sm") == 2 for kw, _ in cases)
+
+
+def test_forward_mask_select_cleared_picked_at_causal_and_benched():
+    """`mask_select` (checked on the H200 2026-12-02) is cleared and named in the key, refused
+    where it is implied (192 rows with overlap); dispatch picks it for every plain causal call
+    whose tile is not 192 rows, nowhere else; the bench times the pick with it flipped at every
+    causal grid point; check cases cover the causal picks, T < S, softcap, a window with
+    lengths (empty rows), a dense key tail, hd 64 / 96 / 128 / 256."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import forward_config, schedule_for
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = FwdConfig(head_dim=128, is_causal=True, mask_select=True)
+    assert verified.pending(cfg) == () and cfg.key.endswith("_sel_causal")
+    with pytest.raises(ValueError, match="mask_select"):
+        FwdConfig(head_dim=64, tile_m=192, is_causal=True, mask_select=True)
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                pick = forward_config(grid_problem(d, s_, c))
+                assert pick.mask_select == bool(c and pick.tile_m != 192)
+                col = devrun.pick_columns(d, s_, c)["pick_sel"]
+                assert (col is None) == (not c or pick.tile_m == 192)
+                assert col is None or col.mask_select != pick.mask_select
+    assert schedule_for(128, 4096, True, softcap=True)["mask_select"]
+    assert schedule_for(128, 4096, True, plain=False) == {}
+    cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("mask_select")]
+    assert {kw["head_dim"] for kw in cases} == {64, 96, 128, 256} and len(cases) >= 9
+    assert any(kw.get("has_window") and kw.get("has_kv_seqlen") for kw in cases)
+    assert any(not kw.get("is_causal") for kw in cases)
+    assert any(kw.get("ctas_per_sm") == 2 for kw in cases)

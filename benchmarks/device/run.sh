@@ -17,6 +17,8 @@
 #   s3      three K / V stages on the dense persistent picks: checks, sanitizers, bench (~3 min)
 #   msk     FwdConfig.mask_skip (gated): checks, sanitizers, dense picks with / without (~3 min)
 #   msk2    mask_skip: the dense picks with / without it at every dense point, twice (~4 min)
+#   sel     FwdConfig.mask_select (gated): checks, sanitizers, causal picks with / without (~3 min)
+#   sel2    mask_select's second bench                                          (~1.5 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
 #           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
@@ -121,6 +123,18 @@ msk2)
       64:1024:0,128:1024:0,256:1024:0,64:4096:0,128:4096:0,256:4096:0,64:16384:0,128:16384:0,256:16384:0 \
       --out $OUT/cute-fwd-bench-msk2$run-$D.json 2>&1 | tail -10
   done ;;
+sel)
+  # mask_select (built 2026-12-02, gated): its 9 check cases, sanitizers on two, the causal
+  # picks with and without it (reps interleaved)
+  gated devrun "kw.get('mask_select')" sel \
+    "bf16 h128 ps pairs sel causal T<S;fp16 h128 sel window seqlens" \
+    64:1024:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
+    --columns pick,pick_sel ;;
+sel2)
+  # mask_select's second bench
+  timeout 240 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_sel --only \
+    64:1024:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
+    --out $OUT/cute-fwd-bench-sel2-$D.json 2>&1 | tail -8 ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

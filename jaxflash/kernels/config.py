@@ -94,7 +94,12 @@ class FwdConfig:
       per block, warp-uniformly, whether the block reaches past the key length and skip the
       per-element compare when it does not. Every tile's first (rightmost) block is masked on
       its exposed path (the QK waits to completion there), so at S = 1k dense this is one
-      compare per score on one block in eight (2026-12-01 late; gated, not yet run).
+      compare per score on one block in eight (checked and picked 2026-12-02).
+    mask_select: mask a block with one select per score (`mask.apply_mask(by_select=True)`)
+      instead of conditional stores, which ptxas turns into a cascade of ~14 selects per score
+      (909 FSEL in one masked hd 128 block): every causal tile's diagonal block pays it. Always
+      on at tile_m 192 with overlap (its registers needed it); an opt-in for the other tiles
+      so their measured binaries stay as they were (checked 2026-12-02; picked at causal).
     """
 
     dtype: str = "bfloat16"
@@ -122,6 +127,7 @@ class FwdConfig:
     l2_section_mb: int = 24
     m_align: str = "start"
     mask_skip: bool = False
+    mask_select: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -166,6 +172,9 @@ class FwdConfig:
         if self.fresh_s and (self.tile_m != 128 or not self.intra_wg_overlap):
             return False, ("fresh_s is the 128-row opt-in with intra_wg_overlap (192 rows with "
                            "overlap always use it; without overlap S is not live across P)")
+        if self.mask_select and self.tile_m == 192 and self.intra_wg_overlap:
+            return False, ("mask_select is always on at tile_m 192 with intra_wg_overlap (drop the "
+                           "flag: the key would name a second copy of one binary)")
         if self.tile_order not in ("auto", "lpt", "plain", "pairs"):
             return False, (f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain', "
                            "'pairs')")
@@ -252,6 +261,8 @@ class FwdConfig:
             sched += f"_m{self.m_align}"
         if self.mask_skip:
             sched += "_msk"
+        if self.mask_select:
+            sched += "_sel"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
                 f"_{'-'.join(feats) or 'dense'}")

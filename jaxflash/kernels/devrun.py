@@ -139,8 +139,9 @@ def grid_choices():
 def pick_columns(D: int, S: int, causal: bool) -> dict:
     """Bench columns timed at every grid point: the dispatch's pick ("pick"), the pick with
     `lazy_rescale` on top ("pick_lazy"), causal only, the pick on the persistent loop with
-    paired tiles ("pick_pairs"), dense only, the pick with `mask_skip` flipped ("pick_msk"), so one
-    run answers per point whether each pays there (None where the pick refuses it)."""
+    paired tiles ("pick_pairs"), dense only, the pick with `mask_skip` flipped ("pick_msk"),
+    causal only, the pick with `mask_select` flipped ("pick_sel"), so one run answers per point
+    whether each pays there (None where the pick refuses it)."""
     from jaxflash.kernels.choose import forward_config
     pick = forward_config(grid_problem(D, S, causal))
     try:
@@ -154,14 +155,21 @@ def pick_columns(D: int, S: int, causal: bool) -> dict:
     # the pick with `mask_skip` flipped (dense only: a causal pick's masked blocks all carry
     # the diagonal bound, so it would change nothing there)
     msk = None if causal else dataclasses.replace(pick, mask_skip=not pick.mask_skip)
-    return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs, "pick_msk": msk}
+    # the pick with `mask_select` flipped (where a tile has masked blocks: causal; 192-row
+    # tiles with overlap have it always)
+    try:
+        sel = (dataclasses.replace(pick, mask_select=not pick.mask_select) if causal else None)
+    except ValueError:
+        sel = None
+    return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs, "pick_msk": msk,
+            "pick_sel": sel}
 
 
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
     cfgs += grid_choices()  # the "pick" column; its lazy twin for the points `bench` times:
     cfgs += [c for d in BENCH_DIMS for s in BENCH_S for causal in (False, True)
-             for name in ("pick_lazy", "pick_pairs", "pick_msk")
+             for name in ("pick_lazy", "pick_pairs", "pick_msk", "pick_sel")
              if (c := pick_columns(d, s, causal)[name]) is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     for d, _, c in VARIANT_POINTS:

@@ -13,6 +13,10 @@ _MEND_PS = dict(head_dim=64, tile_m=192, persistent=True, m_align="end")
 
 # (name, config kwargs, problem): problem = (B, T, S, N, K, extras); extras "repeat": n runs
 # the same inputs n times and requires bitwise-equal O and LSE (`bitwise_equal`).
+_SEL = dict(is_causal=True, mask_select=True)
+_PAIRS = dict(persistent=True, tile_pipe=True, tile_order="pairs")
+_C2_PAIRS = _PAIRS | dict(tile_m=64, ctas_per_sm=2, tile_n=64)
+
 CHECKS = [
     ("bf16 h128 seqlens", dict(head_dim=128, has_q_seqlen=True, has_kv_seqlen=True),
      (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
@@ -344,4 +348,27 @@ CHECKS = [
      (2, 1000, 1000, 8, 2, {"repeat": 5})),
     ("bf16 h64 m192 ps mend causal T=100", _MEND_PS | dict(is_causal=True),
      (2, 100, 100, 4, 2, {})),
+    # mask_select (gated until these pass): one select per score on masked blocks. The causal
+    # picks it would join (two-CTA 1k at hd 64 / 128, pairs at hd 128 / 256, the default at
+    # 16k), T < S, softcap, a window with per-batch lengths (empty rows), the key-length tail
+    # of a dense call, hd 96, fp16.
+    ("bf16 h128 m64c2 n64 ps pairs sel causal 1k", _C2_PAIRS | dict(head_dim=128, **_SEL),
+     (4, 1024, 1024, 8, 8, {"cudnn": True, "repeat": 2})),
+    ("bf16 h64 m64c2 n64 ps pairs sel causal odd", _C2_PAIRS | dict(head_dim=64, **_SEL),
+     (2, 1000, 1000, 8, 4, {})),
+    ("bf16 h128 ps pairs sel causal T<S", _PAIRS | dict(head_dim=128, **_SEL),
+     (2, 700, 1200, 8, 2, {})),
+    ("bf16 h256 ps pairs sel causal odd", _PAIRS | dict(head_dim=256, **_SEL),
+     (2, 700, 777, 8, 4, {})),
+    ("bf16 h128 sel causal gqa odd", dict(head_dim=128, **_SEL), (2, 1000, 1111, 12, 4, {})),
+    ("bf16 h128 sel causal softcap", dict(head_dim=128, has_softcap=True, **_SEL),
+     (2, 800, 800, 4, 2, {"softcap": 30.0})),
+    ("fp16 h128 sel window seqlens", dict(dtype="float16", head_dim=128, has_window=True,
+                                          has_q_seqlen=True, has_kv_seqlen=True,
+                                          mask_select=True),
+     (3, 1000, 1000, 8, 2, {"window": (200, 37), "q_seqlen": [1000, 131, 0],
+                            "kv_seqlen": [1000, 0, 255]})),
+    ("fp16 h128 sel dense kv tail", dict(dtype="float16", head_dim=128, mask_select=True),
+     (2, 1000, 1111, 8, 8, {})),
+    ("bf16 h96 sel causal", dict(head_dim=96, **_SEL), (2, 600, 600, 4, 4, {})),
 ]

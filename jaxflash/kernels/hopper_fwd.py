@@ -114,10 +114,10 @@ class FlashFwdSm90(FwdEpilogue):
         # On by default only there; 128-row tiles opt in (`FwdConfig.fresh_s`: wider key tiles
         # fit), so the default variants' binaries stay as measured.
         self.fresh_s = self.overlap and (self.num_mma_wg == 3 or config.fresh_s)
-        # The select-form mask saved the last registers at 160 (tile_m 192 with overlap); at 128
-        # rows ptxas did better with the conditional stores (hd 128 x 160 causal: 0 B spilled
-        # vs 224, hd 64 x 192: 0 vs 188; NOTES.md), so only the 192-row tile uses it.
-        self.mask_by_select = self.overlap and self.num_mma_wg == 3
+        # The select-form mask saved the last registers at 160 (tile_m 192 with overlap); other
+        # tiles opt in (`FwdConfig.mask_select`: the conditional stores' select cascade costs
+        # ~14 selects per score on every masked block; NOTES.md), binaries otherwise as measured.
+        self.mask_by_select = self.overlap and self.num_mma_wg == 3 or config.mask_select
         # Ping-pong needs two warpgroups; FA3 finds it pays up to hdim 128 (beyond, the O
         # accumulator leaves too few registers for two softmaxes in flight to matter).
         self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128

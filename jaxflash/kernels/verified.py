@@ -59,6 +59,12 @@ RULES = {
     # cuDNN's; one bitwise repeat), memcheck clean; racecheck's one report is inside cuDNN's
     # fp16 kernel (H200, 2026-12-02 01:25 UTC, `h200-2026-12-02-cute-fwd-*msk*`): cleared, and
     # picked at dense hd 128 and hd 64 4k (`choose.schedule_for`).
+    # mask_select (one select per score on masked blocks at the tiles other than 192 rows)
+    # passed 9 float64 checks (the causal picks of hd 64 / 128 / 256 with two CTAs, pairs and
+    # the default; T < S, softcap, fp16 window with lengths and empty rows, a dense key tail,
+    # hd 96; error 0.994-0.999x cuDNN's; a bitwise repeat), memcheck clean; racecheck's one
+    # report is inside cuDNN's fp16 kernel (H200, 2026-12-02 01:55 UTC,
+    # `h200-2026-12-02-cute-fwd-*sel*`): cleared, and picked at causal (`choose.schedule_for`).
     "FwdConfig": (),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
