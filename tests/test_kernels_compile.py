@@ -179,6 +179,27 @@ def test_two_ctas_per_sm_tiles_are_ptxas_clean(cfg, tmp_path):
         int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
 
 
+# 128-row tiles at two CTAs per SM (hd 64, 64-key stages; 2026-12-02, gated): 80 registers at
+# launch hold S (32) + O (32) + P (16) with 0 spills; consumers raise themselves to 112.
+PTXAS_CLEAN_M128_TWO_CTAS = [
+    FwdConfig(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, persistent=True,
+              tile_pipe=True),
+    FwdConfig(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, is_causal=True,
+              persistent=True, tile_pipe=True, tile_order="pairs", mask_select=True),
+    FwdConfig(dtype="float16", head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64,
+              has_window=True, has_q_seqlen=True, has_kv_seqlen=True, mask_select=True),
+]
+
+
+@pytest.mark.parametrize("cfg", PTXAS_CLEAN_M128_TWO_CTAS, ids=lambda c: c.key)
+def test_two_ctas_per_sm_128_row_tiles_are_ptxas_clean(cfg, tmp_path):
+    _ptxas_clean(cfg, tmp_path, 112)
+    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    assert ".minnctapersm 2" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
+    report = open(tmp_path / "ptxas.txt").read()
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 80, report
+
+
 def test_mask_skip_is_ptxas_clean_and_branches_over_the_compares(tmp_path):
     """`mask_skip` on the hd 128 1k dense pick: 0 spills, and the masked block's
     compares sit behind a branch of their own (2026-12-01: 2 more branches in the PTX, 32 fewer

@@ -61,7 +61,9 @@ class FwdConfig:
       CTAs resident per SM (128 registers per thread at launch, setmaxnreg 24 / 232; shared
       memory at most half the SM's), so one CTA's tile start and epilogue run under the other's
       key loop instead of a warpgroup waiting at the tile boundary. The persistent grid is two
-      CTAs per SM.
+      CTAs per SM. Also tile_m 128 at head_dim 64 with tile_n <= 64: four consumer warpgroups
+      per SM, 80 registers at launch (S 32 + O 32 + P 16 fit), setmaxnreg 24 / 112 (2026-12-02,
+      compiled only, gated).
     persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
       epilogue (and causal tiles are dealt longest-first in a balanced order). Off by default:
       measured slower on the H200 (2026-11-30) where ptxas had serialized its wgmma (hdim 128
@@ -157,9 +159,13 @@ class FwdConfig:
         if self.tile_m not in (64, 128, 192):
             return False, (f"tile_m {self.tile_m} must be 64, 128 or 192 (one, two or three "
                            "64-row consumer warpgroups)")
-        if self.ctas_per_sm not in (1, 2) or (self.ctas_per_sm == 2) != (self.tile_m == 64):
+        # (softcap's tanh keeps S twice: 864 B spilled at 80 registers)
+        two_fit = self.tile_m == 64 or (self.tile_m == 128 and self.head_dim <= 64
+                                         and self.tile_n <= 64 and not self.has_softcap)
+        if not (self.ctas_per_sm == 1 and self.tile_m != 64 or self.ctas_per_sm == 2 and two_fit):
             return False, (f"ctas_per_sm {self.ctas_per_sm} with tile_m {self.tile_m}: 64-row "
-                           "tiles run two CTAs per SM (one warpgroup each), the others one")
+                           "tiles run two CTAs per SM (one warpgroup each), 128-row ones one, "
+                           "or two at head_dim 64 with tile_n <= 64, no softcap (80 registers at launch)")
         if self.ctas_per_sm == 2 and self.head_dim > 128:
             # ptxas C7602 at hd 256: the PV wgmma (64 x 256 float32 accumulator, 128 registers
             # a thread) cannot be compiled under the 128-register launch bound

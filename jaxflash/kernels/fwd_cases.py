@@ -16,6 +16,7 @@ _MEND_PS = dict(head_dim=64, tile_m=192, persistent=True, m_align="end")
 _SEL = dict(is_causal=True, mask_select=True)
 _PAIRS = dict(persistent=True, tile_pipe=True, tile_order="pairs")
 _C2_PAIRS = _PAIRS | dict(tile_m=64, ctas_per_sm=2, tile_n=64)
+_M128C2 = dict(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64)
 
 CHECKS = [
     ("bf16 h128 seqlens", dict(head_dim=128, has_q_seqlen=True, has_kv_seqlen=True),
@@ -371,4 +372,24 @@ CHECKS = [
     ("fp16 h128 sel dense kv tail", dict(dtype="float16", head_dim=128, mask_select=True),
      (2, 1000, 1111, 8, 8, {})),
     ("bf16 h96 sel causal", dict(head_dim=96, **_SEL), (2, 600, 600, 4, 4, {})),
+    # 128-row tiles at two CTAs per SM, hd 64 (gated until these pass): four consumer
+    # warpgroups per SM at 80 registers. Dense (persistent, odd lengths and 1k against cuDNN),
+    # the causal pairs order with mask_select, T > S with mask_skip, a window with lengths
+    # (empty rows) and causal T < S off the persistent loop, fp16 (softcap is refused: it
+    # spills at 80 registers).
+    ("bf16 h64 m128c2 n64 ps dense gqa odd", _M128C2 | dict(persistent=True, tile_pipe=True),
+     (2, 1000, 1111, 12, 4, {})),
+    ("bf16 h64 m128c2 n64 ps dense 1k", _M128C2 | dict(persistent=True, tile_pipe=True),
+     (4, 1024, 1024, 8, 8, {"cudnn": True, "repeat": 2})),
+    ("bf16 h64 m128c2 n64 ps pairs sel causal odd", _M128C2 | _PAIRS | _SEL,
+     (2, 1000, 1000, 8, 4, {})),
+    ("bf16 h64 m128c2 n64 ps msk dense T>S", _M128C2 | dict(persistent=True, tile_pipe=True,
+                                                           mask_skip=True),
+     (2, 1100, 768, 8, 8, {})),
+    ("fp16 h64 m128c2 n64 window seqlens", _M128C2 | dict(dtype="float16", has_window=True,
+                                                         has_q_seqlen=True, has_kv_seqlen=True,
+                                                         mask_select=True),
+     (3, 1000, 1000, 8, 2, {"window": (200, 37), "q_seqlen": [1000, 131, 0],
+                            "kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h64 m128c2 n64 causal gqa T<S", _M128C2 | _SEL, (2, 700, 1200, 8, 2, {})),
 ]

@@ -99,9 +99,10 @@ class FlashFwdSm90(FwdEpilogue):
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 * (self.num_mma_wg + 1)
         # (producer, consumer) registers after setmaxnreg; one warpgroup = two CTAs per SM:
-        # 128 x (24 + 232) per CTA fills half the register file.
+        # 128 x (24 + 232) per CTA fills half the register file, as 128 x 24 + 256 x 112 does
+        # for two warpgroups at two CTAs per SM (hd 64, 64-key tiles).
         self.producer_regs, self.mma_regs = {1: (24, 232), 2: (24, 240), 3: (32, 160)}[
-            self.num_mma_wg]
+            self.num_mma_wg] if config.ctas_per_sm == 1 or self.num_mma_wg == 1 else (24, 112)
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
         self.overlap = config.intra_wg_overlap
