@@ -19,6 +19,8 @@
 #   msk2    mask_skip: the dense picks with / without it at every dense point, twice (~4 min)
 #   sel     FwdConfig.mask_select (gated): checks, sanitizers, causal picks with / without (~3 min)
 #   sel2    mask_select's second bench                                          (~1.5 min)
+#   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
+#   m128c2  128-row tiles at two CTAs per SM, hd 64 (gated): checks, sanitizers, bench (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
 #           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
@@ -135,6 +137,24 @@ sel2)
   timeout 240 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_sel --only \
     64:1024:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
     --out $OUT/cute-fwd-bench-sel2-$D.json 2>&1 | tail -8 ;;
+featsel)
+  # masked calls off the grid (windows, key lengths): dispatch's variant with / without
+  # mask_select, reps interleaved, twice (decides whether those calls get it)
+  for run in a b; do
+    timeout 200 python3 -m jaxflash.kernels.feat_bench --out $OUT/cute-fwd-featsel$run-$D.json \
+      2>&1 | tail -6
+  done ;;
+m128c2)
+  # 128-row tiles at two CTAs per SM, hd 64 (built 2026-12-02, gated): 6 check cases,
+  # sanitizers on two, the hd 64 points against the picks
+  gated devrun "kw.get('ctas_per_sm') == 2 and kw.get('tile_m') == 128" m128c2 \
+    "bf16 h64 m128c2 n64 ps dense gqa odd;fp16 h64 m128c2 n64 window seqlens" \
+    64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0 --columns pick,m128c2,m128c2_pairs ;;
+m128c2q)
+  # the short form of m128c2 (a session's last device minutes): checks, the 1k points only
+  check_cases devrun "kw.get('ctas_per_sm') == 2 and kw.get('tile_m') == 128" m128c2
+  timeout 150 python3 -m jaxflash.kernels.devrun bench --only 64:1024:0,64:1024:1 \
+    --columns pick,m128c2,m128c2_pairs --out $OUT/cute-fwd-bench-m128c2q-$D.json 2>&1 | tail -3 ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

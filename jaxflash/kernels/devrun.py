@@ -177,6 +177,8 @@ def bench_configs():
              for name in ("pick_lazy", "pick_pairs", "pick_msk", "pick_sel")
              if (c := pick_columns(d, s, causal)[name]) is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
+    from jaxflash.kernels.feat_bench import feat_configs
+    cfgs += feat_configs()  # masked calls off the grid, with and without mask_select
     for d, _, c in VARIANT_POINTS:
         cfgs += [v for v in (_variant(d, c, kw) for kw in VARIANTS.values()) if v is not None]
     return cfgs

@@ -1,0 +1,89 @@
+"""Forward speed of the masked calls outside the anchor grid (windows, per-batch key lengths),
+the variant dispatch runs for them beside the same with `mask_select`, reps interleaved.
+
+The anchor grid holds plain dense / causal calls only, and `choose.schedule_for` picks only from
+what was measured; a window or key lengths make every tile carry one or two masked blocks,
+where the select-form mask (`FwdConfig.mask_select`) was measured +2-9% on causal calls. This
+is the measurement that decides whether those calls get it too. Runs on the H200
+(`python -m jaxflash.kernels.feat_bench --out F`; `benchmarks/device/run.sh featsel`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import numpy as np
+
+from jaxflash.kernels.config import FwdConfig
+
+B, S, N = 4, 4096, 16
+_LENS = {"kv_seqlen": [4096, 3001, 2049, 1000]}
+# (name, FwdConfig features, runtime extras); the query length is S everywhere.
+FEAT_BENCH = [
+    ("causal kv lengths hd128", dict(head_dim=128, is_causal=True, has_kv_seqlen=True), _LENS),
+    ("causal kv lengths hd64", dict(head_dim=64, is_causal=True, has_kv_seqlen=True), _LENS),
+    ("causal kv lengths hd256", dict(head_dim=256, is_causal=True, has_kv_seqlen=True), _LENS),
+    ("causal window 1k hd128", dict(head_dim=128, is_causal=True, has_window=True),
+     {"window": (1024, 0)}),
+    ("window 512+512 hd128", dict(head_dim=128, has_window=True), {"window": (512, 512)}),
+    ("dense kv lengths hd128", dict(head_dim=128, has_kv_seqlen=True), _LENS),
+]
+
+
+def _dispatched(features: dict) -> FwdConfig:
+    """What `choose.forward_config` runs for such a call (no schedule: not a plain call)."""
+    return FwdConfig(**features)
+
+
+def feat_configs() -> list:
+    """Every config `main` times (for the artifact build)."""
+    out = []
+    for _, kw, _ in FEAT_BENCH:
+        base = _dispatched(kw)
+        out += [base, dataclasses.replace(base, mask_select=not base.mask_select)]
+    return out
+
+
+def main(argv=None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash.kernels.devrun import _gpu_name, _time_all, ours
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    rows = []
+    for name, kw, ex in FEAT_BENCH:
+        base = _dispatched(kw)
+        flip = dataclasses.replace(base, mask_select=not base.mask_select)
+        D = base.head_dim
+        ks = jax.random.split(jax.random.key(D + len(name)), 3)
+        q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.float32).astype(jnp.bfloat16)
+                   for kk in ks)
+        kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
+        scale = 1.0 / np.sqrt(D)
+        fns = {c.key: jax.jit(lambda q, k, v, c=c: ours(q, k, v, c, scale, None,
+                                                        ex.get("window"), None, kvs)[0])
+               for c in (base, flip)}
+        row = {"name": name, "dispatched": base.key, "flipped": flip.key,
+               "shape": [B, S, S, N, D], **{k_: v_ for k_, v_ in ex.items()}}
+        try:
+            outs = [np.asarray(f(q, k, v).astype(jnp.float32)) for f in fns.values()]
+            row["bitwise_equal"] = bool(np.array_equal(outs[0], outs[1]))
+            row["nan"] = int(sum(np.isnan(o).sum() for o in outs))
+            ts = _time_all(fns, (q, k, v))
+            row["dispatched_ms"], row["flipped_ms"] = ts[base.key] * 1e3, ts[flip.key] * 1e3
+            row["speedup"] = ts[base.key] / ts[flip.key]
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(a.out, "w") as f:
+        json.dump({"gpu": _gpu_name(), "date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
