@@ -1,10 +1,12 @@
-"""Forward speed of the masked calls outside the anchor grid (windows, per-batch key lengths),
-the variant dispatch runs for them beside the same with `mask_select`, reps interleaved.
+"""Forward speed of the masked calls outside the anchor grid (windows, per-batch key lengths):
+the variant dispatch runs for them beside the same with `mask_select` flipped and beside the
+schedule a plain call of that shape gets, reps interleaved (`columns`).
 
 The anchor grid holds plain dense / causal calls only, and `choose.schedule_for` picks only from
 what was measured; a window or key lengths make every tile carry one or two masked blocks,
-where the select-form mask (`FwdConfig.mask_select`) was measured +2-9% on causal calls. This
-is the measurement that decides whether those calls get it too. Runs on the H200
+where the select-form mask (`FwdConfig.mask_select`) was measured +2-9% on causal calls, and
+dispatch gives them none of the plain calls' schedule (persistent loop, 192-row tiles at hd 64,
+paired causal tiles). This is the measurement that decides whether those calls get them too. Runs on the H200
 (`python -m jaxflash.kernels.feat_bench --out F`; `benchmarks/device/run.sh featsel`).
 """
 from __future__ import annotations
@@ -37,13 +39,26 @@ def _dispatched(features: dict) -> FwdConfig:
     return FwdConfig(**features)
 
 
+def columns(features: dict) -> dict:
+    """The variants timed for one call: what dispatch runs ("dispatched"), the same with
+    `mask_select` flipped ("flipped"), and the schedule a plain call of that head dim, length
+    and causality gets (`choose.schedule_for`: persistent loop, paired tiles, mask_select /
+    mask_skip) with the call's features on top ("plain_schedule"; None if it cannot build)."""
+    from jaxflash.kernels.choose import schedule_for
+    base = _dispatched(features)
+    cols = {"dispatched": base,
+            "flipped": dataclasses.replace(base, mask_select=not base.mask_select)}
+    try:
+        cols["plain_schedule"] = FwdConfig(**features, **schedule_for(
+            base.head_dim, S, base.is_causal, softcap=base.has_softcap))
+    except ValueError:
+        cols["plain_schedule"] = None
+    return cols
+
+
 def feat_configs() -> list:
     """Every config `main` times (for the artifact build)."""
-    out = []
-    for _, kw, _ in FEAT_BENCH:
-        base = _dispatched(kw)
-        out += [base, dataclasses.replace(base, mask_select=not base.mask_select)]
-    return out
+    return [c for _, kw, _ in FEAT_BENCH for c in columns(kw).values() if c is not None]
 
 
 def main(argv=None) -> None:
@@ -56,26 +71,28 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     rows = []
     for name, kw, ex in FEAT_BENCH:
-        base = _dispatched(kw)
-        flip = dataclasses.replace(base, mask_select=not base.mask_select)
-        D = base.head_dim
+        cols = {n: c for n, c in columns(kw).items() if c is not None}
+        D = cols["dispatched"].head_dim
         ks = jax.random.split(jax.random.key(D + len(name)), 3)
         q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.float32).astype(jnp.bfloat16)
                    for kk in ks)
         kvs = jnp.asarray(ex["kv_seqlen"], jnp.int32) if "kv_seqlen" in ex else None
         scale = 1.0 / np.sqrt(D)
-        fns = {c.key: jax.jit(lambda q, k, v, c=c: ours(q, k, v, c, scale, None,
-                                                        ex.get("window"), None, kvs)[0])
-               for c in (base, flip)}
-        row = {"name": name, "dispatched": base.key, "flipped": flip.key,
-               "shape": [B, S, S, N, D], **{k_: v_ for k_, v_ in ex.items()}}
+        fns = {n: jax.jit(lambda q, k, v, c=c: ours(q, k, v, c, scale, None, ex.get("window"),
+                                                    None, kvs)[0])
+               for n, c in cols.items()}
+        row = {"name": name, "shape": [B, S, S, N, D], **{n: c.key for n, c in cols.items()},
+               **{k_: v_ for k_, v_ in ex.items()}}
         try:
-            outs = [np.asarray(f(q, k, v).astype(jnp.float32)) for f in fns.values()]
-            row["bitwise_equal"] = bool(np.array_equal(outs[0], outs[1]))
-            row["nan"] = int(sum(np.isnan(o).sum() for o in outs))
+            outs = {n: np.asarray(f(q, k, v).astype(jnp.float32)) for n, f in fns.items()}
+            # recorded, not required: the columns differ in tiles, and so may in rounding
+            row["bitwise_equal"] = {n: bool(np.array_equal(o, outs["dispatched"]))
+                                    for n, o in outs.items() if n != "dispatched"}
+            row["nan"] = int(sum(np.isnan(o).sum() for o in outs.values()))
             ts = _time_all(fns, (q, k, v))
-            row["dispatched_ms"], row["flipped_ms"] = ts[base.key] * 1e3, ts[flip.key] * 1e3
-            row["speedup"] = ts[base.key] / ts[flip.key]
+            row.update({f"{n}_ms": t * 1e3 for n, t in ts.items()})
+            row.update({f"{n}_speedup": ts["dispatched"] / t for n, t in ts.items()
+                        if n != "dispatched"})
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)
