@@ -16,6 +16,8 @@ from jaxflash.kernels.config import can_implement as fwd_can_implement
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches of 2026-12-01 (16:53 UTC), the 4k ones did not.
 LAZY_MIN_KV_LEN = 8192
+# head dims whose causal picks passed their `mask_select` float64 checks on the H200
+SELECT_HEAD_DIMS = (64, 96, 128, 256)
 
 
 def forward_config(problem) -> FwdConfig:
@@ -111,8 +113,8 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       (543 / 548 -> 533 / 532, with lazy_rescale), nor hd 256 (1k 559 / 561 -> 569 / 558, 4k
       686 / 680 -> 678 / 668, 16k equal). Causal blocks all carry the diagonal bound: nothing
       to skip there.
-    - causal, every head dim and length (softcap too), except the 192-row tiles that always
-      have it: `mask_select` (a masked block's scores set by one select each instead of the
+    - causal, every length (softcap too), head dims 64 / 96 / 128 / 256, except the 192-row
+      tiles that always have it: `mask_select` (a masked block's scores set by one select each instead of the
       conditional stores' cascade of ~14 selects per score; every causal tile's diagonal block
       is masked). Two benches, reps interleaved (2026-12-02 01:55 UTC, `h200-2026-12-02-cute-
       fwd-bench-sel{,2}.json`, TFLOP/s pick -> with it): hd 64 1k 296 / 296 -> 321 / 324,
@@ -128,8 +130,10 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
     if not plain:
         return {}
     sched = _schedule(head_dim, kv_len, causal, softcap)
-    # one select per score on the causal diagonal blocks (192-row tiles have it built in)
-    select = {"mask_select": True} if causal and sched.get("tile_m") != 192 else {}
+    # one select per score on the causal diagonal blocks (192-row tiles have it built in; hd
+    # 192 waits for its float64 check case, `fwd_cases`, in the next device session)
+    select = ({"mask_select": True} if causal and sched.get("tile_m") != 192
+              and head_dim in SELECT_HEAD_DIMS else {})
     return {**sched, **_mask_skip(head_dim, kv_len, causal, softcap), **select}
 
 

@@ -372,6 +372,9 @@ CHECKS = [
     ("fp16 h128 sel dense kv tail", dict(dtype="float16", head_dim=128, mask_select=True),
      (2, 1000, 1111, 8, 8, {})),
     ("bf16 h96 sel causal", dict(head_dim=96, **_SEL), (2, 600, 600, 4, 4, {})),
+    # (added after the run that cleared it: hd 192, before dispatch picks it there)
+    ("fp16 h192 sel causal gqa odd", dict(dtype="float16", head_dim=192, **_SEL),
+     (2, 700, 777, 8, 2, {})),
     # 128-row tiles at two CTAs per SM, hd 64 (gated until these pass): four consumer
     # warpgroups per SM at 80 registers. Dense (persistent, odd lengths and 1k against cuDNN),
     # the causal pairs order with mask_select, T > S with mask_skip, a window with lengths
