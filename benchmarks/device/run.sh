@@ -18,6 +18,7 @@
 #   msk     FwdConfig.mask_skip (gated): checks, sanitizers, dense picks with / without (~3 min)
 #   msk2    mask_skip: the dense picks with / without it at every dense point, twice (~4 min)
 #   sel     FwdConfig.mask_select (gated): checks, sanitizers, causal picks with / without (~3 min)
+#   selcheck mask_select's check cases alone (incl. hd 192's, not yet run)  (~1.5 min)
 #   sel2    mask_select's second bench                                          (~1.5 min)
 #   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
 #   m128c2  128-row tiles at two CTAs per SM, hd 64 (gated): checks, sanitizers, bench (~3 min)
@@ -132,6 +133,9 @@ sel)
     "bf16 h128 ps pairs sel causal T<S;fp16 h128 sel window seqlens" \
     64:1024:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
     --columns pick,pick_sel ;;
+selcheck)
+  # mask_select's check cases alone (hd 192's was added after the run that cleared it)
+  check_cases devrun "kw.get('mask_select')" sel ;;
 sel2)
   # mask_select's second bench
   timeout 240 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_sel --only \
