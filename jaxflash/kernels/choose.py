@@ -114,12 +114,13 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       686 / 680 -> 678 / 668, 16k equal). Causal blocks all carry the diagonal bound: nothing
       to skip there.
     - causal, every length (softcap too), head dims 64 / 96 / 128 / 256, except the 192-row
-      tiles that always have it: `mask_select` (a masked block's scores set by one select each instead of the
-      conditional stores' cascade of ~14 selects per score; every causal tile's diagonal block
-      is masked). Two benches, reps interleaved (2026-12-02 01:55 UTC, `h200-2026-12-02-cute-
-      fwd-bench-sel{,2}.json`, TFLOP/s pick -> with it): hd 64 1k 296 / 296 -> 321 / 324,
-      hd 128 1k 389 / 403 -> 420 / 427, 4k 536 / 533 -> 582 / 572, 16k 592 / 596 -> 608 / 611,
-      hd 256 1k 413 / 416 -> 439 / 439, 4k 593 / 590 -> 603 / 595, 16k 710 / 709 -> 710 / 711.
+      tiles that always have it: `mask_select` (a masked block's scores set by one select
+      each instead of the conditional stores' cascade of ~14 selects per score; every causal
+      tile's diagonal block is masked). Two benches, reps interleaved (2026-12-02 01:55 UTC,
+      `h200-2026-12-02-cute-fwd-bench-sel{,2}.json`, TFLOP/s pick -> with it): hd 64 1k
+      296 / 296 -> 321 / 324, hd 128 1k 389 / 403 -> 420 / 427, 4k 536 / 533 -> 582 / 572,
+      16k 592 / 596 -> 608 / 611, hd 256 1k 413 / 416 -> 439 / 439, 4k 593 / 590 -> 603 /
+      595, 16k 710 / 709 -> 710 / 711.
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 

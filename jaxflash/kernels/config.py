@@ -165,7 +165,8 @@ class FwdConfig:
         if not (self.ctas_per_sm == 1 and self.tile_m != 64 or self.ctas_per_sm == 2 and two_fit):
             return False, (f"ctas_per_sm {self.ctas_per_sm} with tile_m {self.tile_m}: 64-row "
                            "tiles run two CTAs per SM (one warpgroup each), 128-row ones one, "
-                           "or two at head_dim 64 with tile_n <= 64, no softcap (80 registers at launch)")
+                           "or two at head_dim 64 with tile_n <= 64, no softcap (80 registers "
+                           "at launch)")
         if self.ctas_per_sm == 2 and self.head_dim > 128:
             # ptxas C7602 at hd 256: the PV wgmma (64 x 256 float32 accumulator, 128 registers
             # a thread) cannot be compiled under the 128-register launch bound

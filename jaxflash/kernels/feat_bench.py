@@ -6,8 +6,8 @@ The anchor grid holds plain dense / causal calls only, and `choose.schedule_for`
 what was measured; a window or key lengths make every tile carry one or two masked blocks,
 where the select-form mask (`FwdConfig.mask_select`) was measured +2-9% on causal calls, and
 dispatch gives them none of the plain calls' schedule (persistent loop, 192-row tiles at hd 64,
-paired causal tiles). This is the measurement that decides whether those calls get them too. Runs on the H200
-(`python -m jaxflash.kernels.feat_bench --out F`; `benchmarks/device/run.sh featsel`).
+paired causal tiles). This is the measurement that decides whether those calls get them too.
+Runs on the H200 (`python -m jaxflash.kernels.feat_bench --out F`; `run.sh featsel`).
 """
 from __future__ import annotations
 

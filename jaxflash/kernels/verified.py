@@ -66,7 +66,8 @@ RULES = {
     # report is inside cuDNN's fp16 kernel (H200, 2026-12-02 01:55 UTC,
     # `h200-2026-12-02-cute-fwd-*sel*`): cleared, and picked at causal (`choose.schedule_for`).
     # 128-row tiles at two CTAs per SM (hd 64, 64-key stages; 2026-12-02, compiled only).
-    "FwdConfig": (("two CTAs per SM at tile_m 128", lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),),
+    "FwdConfig": (("two CTAs per SM at tile_m 128",
+                   lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     # dq_flat with dq_writer passed 6 float64 checks (hd 96 / 128, fp16, windows, lengths with
