@@ -538,8 +538,9 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     feats = feat_configs()
     assert {c.key for c in feats} <= {c.key for c in devrun.bench_configs()}
     assert all(c.has_window or c.has_kv_seqlen for c in feats)
-    for _, kw, _ in FEAT_BENCH:
-        cols = columns(kw)
+    for _, kw, ex in FEAT_BENCH:
+        cols = columns(kw, ex)
+        assert cols["dispatched"] == FwdConfig(**kw)  # dispatch gives these calls no schedule
         assert cols["flipped"].mask_select != cols["dispatched"].mask_select
         assert cols["plain_schedule"] is None or cols["plain_schedule"].persistent
 

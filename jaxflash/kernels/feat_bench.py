@@ -34,18 +34,25 @@ FEAT_BENCH = [
 ]
 
 
-def _dispatched(features: dict) -> FwdConfig:
-    """What `choose.forward_config` runs for such a call (no schedule: not a plain call)."""
-    return FwdConfig(**features)
+def _dispatched(features: dict, extras: dict) -> FwdConfig:
+    """What dispatch (`choose.forward_config`, the one place that decides) runs for the call."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.choose import forward_config
+    D = features["head_dim"]
+    statics = AttentionStatics(scale=D ** -0.5, is_causal=features.get("is_causal", False),
+                               window=extras.get("window"))
+    return forward_config(Problem(batch=B, q_len=S, kv_len=S, num_heads=N, num_kv_heads=N,
+                                  head_dim=D, head_dim_v=D, dtype="bfloat16", statics=statics,
+                                  has_kv_seqlen="kv_seqlen" in extras))
 
 
-def columns(features: dict) -> dict:
+def columns(features: dict, extras: dict) -> dict:
     """The variants timed for one call: what dispatch runs ("dispatched"), the same with
     `mask_select` flipped ("flipped"), and the schedule a plain call of that head dim, length
     and causality gets (`choose.schedule_for`: persistent loop, paired tiles, mask_select /
     mask_skip) with the call's features on top ("plain_schedule"; None if it cannot build)."""
     from jaxflash.kernels.choose import schedule_for
-    base = _dispatched(features)
+    base = _dispatched(features, extras)
     cols = {"dispatched": base,
             "flipped": dataclasses.replace(base, mask_select=not base.mask_select)}
     try:
@@ -58,7 +65,7 @@ def columns(features: dict) -> dict:
 
 def feat_configs() -> list:
     """Every config `main` times (for the artifact build)."""
-    return [c for _, kw, _ in FEAT_BENCH for c in columns(kw).values() if c is not None]
+    return [c for _, kw, ex in FEAT_BENCH for c in columns(kw, ex).values() if c is not None]
 
 
 def main(argv=None) -> None:
@@ -71,7 +78,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     rows = []
     for name, kw, ex in FEAT_BENCH:
-        cols = {n: c for n, c in columns(kw).items() if c is not None}
+        cols = {n: c for n, c in columns(kw, ex).items() if c is not None}
         D = cols["dispatched"].head_dim
         ks = jax.random.split(jax.random.key(D + len(name)), 3)
         q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.float32).astype(jnp.bfloat16)

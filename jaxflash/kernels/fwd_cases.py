@@ -11,13 +11,15 @@ from __future__ import annotations
 # End-aligned 192-row persistent tiles (the check cases add the mask).
 _MEND_PS = dict(head_dim=64, tile_m=192, persistent=True, m_align="end")
 
-# (name, config kwargs, problem): problem = (B, T, S, N, K, extras); extras "repeat": n runs
-# the same inputs n times and requires bitwise-equal O and LSE (`bitwise_equal`).
+# Shorthands for the cases below: mask_select on causal, the paired persistent loop, the
+# two-CTA tiles (64 rows; 128 rows at hd 64).
 _SEL = dict(is_causal=True, mask_select=True)
 _PAIRS = dict(persistent=True, tile_pipe=True, tile_order="pairs")
 _C2_PAIRS = _PAIRS | dict(tile_m=64, ctas_per_sm=2, tile_n=64)
 _M128C2 = dict(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64)
 
+# (name, config kwargs, problem): problem = (B, T, S, N, K, extras); extras "repeat": n runs
+# the same inputs n times and requires bitwise-equal O and LSE (`bitwise_equal`).
 CHECKS = [
     ("bf16 h128 seqlens", dict(head_dim=128, has_q_seqlen=True, has_kv_seqlen=True),
      (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 17], "kv_seqlen": [400, 0, 255]})),
@@ -268,13 +270,13 @@ CHECKS = [
                                                    tile_n=64, is_causal=True, persistent=True,
                                                    tile_pipe=True, tile_order="pairs"),
      (2, 1024, 1024, 16, 8, {"cudnn": True})),
-    # Three K / V stages on the persistent loop at dense 1k (not run yet; NOTES.md "What is
-    # slow"): hd 128 with O in Q's buffer (225 KB), hd 64's 192-row tile with its own O.
+    # Three K / V stages on the persistent loop at dense 1k (passed 2026-12-02, no gain, not
+    # picked): hd 128 with O in Q's buffer (225 KB), hd 64's 192-row tile with its own O.
     ("bf16 h128 ps s3 dense gqa odd", dict(head_dim=128, persistent=True, tile_pipe=True,
                                            num_stages=3), (2, 1000, 1111, 12, 4, {})),
     ("bf16 h64 m192 ps s3 dense odd", dict(head_dim=64, tile_m=192, persistent=True,
                                            num_stages=3), (3, 777, 801, 12, 4, {})),
-    # mask_skip (gated until these pass): blocks only the key length can cut are compared
+    # mask_skip (passed 2026-12-02, cleared): blocks only the key length can cut are compared
     # only when they reach past it. Key lengths a multiple of the tile (skipped) and not,
     # per-batch lengths (some full, one empty), T > S, the dense picks of hd 64 / 128 / 256
     # and the two-CTA tile, 1k against cuDNN.
@@ -349,7 +351,7 @@ CHECKS = [
      (2, 1000, 1000, 8, 2, {"repeat": 5})),
     ("bf16 h64 m192 ps mend causal T=100", _MEND_PS | dict(is_causal=True),
      (2, 100, 100, 4, 2, {})),
-    # mask_select (gated until these pass): one select per score on masked blocks. The causal
+    # mask_select (passed 2026-12-02, cleared): one select per score on masked blocks. The causal
     # picks it would join (two-CTA 1k at hd 64 / 128, pairs at hd 128 / 256, the default at
     # 16k), T < S, softcap, a window with per-batch lengths (empty rows), the key-length tail
     # of a dense call, hd 96, fp16.
