@@ -22,6 +22,8 @@
 #   sel2    mask_select's second bench                                          (~1.5 min)
 #   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
 #   m128c2  128-row tiles at two CTAs per SM, hd 64 (gated): checks, sanitizers, bench (~3 min)
+#   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
+#           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
 #           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
@@ -170,6 +172,21 @@ occ)
     --forward > $OUT/ncu-occupancy-fwd-h128-1k-$D.txt 2>&1
   grep -E "^  [a-zA-Z_].*\(|Block Limit|Registers Per Thread|Shared Memory Per Block|Block Size|Grid Size|Theoretical Occupancy|Achieved Occupancy|Duration" \
     $OUT/ncu-occupancy-fwd-h128-1k-$D.txt | cut -c1-110 | head -80 ;;
+ncubwd)
+  # Is the hd 256 backward bound by the L2 reduce-adds of dQ (64 KB per 64 x 64 step, twice
+  # hd 128's per unit of work), shared memory, or latency? One launch of the main kernel each,
+  # filtered by name (unfiltered ncu broke on XLA's fusions, see occ; not the zero fill)
+  for pt in 256:4096:0 128:4096:0; do
+    timeout 200 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+      --section WarpStateStats --section Occupancy \
+      --metrics lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+      --kernel-name regex:"cutlass_kernel_.*FlashBwd" --launch-count 1 python3 -m jaxflash.kernels.bwd_phases \
+      --only $pt --ncu-loop 1 > $OUT/ncu-bwd-${pt//:/-}-$D.txt 2>&1
+    echo "ncu $pt rc=$?"
+    grep -E "^  [a-zA-Z_].*\(|Duration|Throughput|Pipe|Stall|lts__|sm__pipe|Bank|Warp Cycles|Issued|Eligible|Active Warps" \
+      $OUT/ncu-bwd-${pt//:/-}-$D.txt | cut -c1-120 | head -70
+  done ;;
 gridcc)
   # the grid with ours and cuDNN only (~135 s on 2026-12-01): the issues' comparison, quickly
   timeout 300 python3 -m benchmarks.bench --out $OUT --name h200-$D-cc --impl cute,cudnn --budget-s 240 --stall-s 100 2>&1 | tail -40 ;;
