@@ -504,7 +504,7 @@ def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
 def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     """`mask_select` (checked on the H200 2026-12-02) is cleared and named in the key, refused
     where it is implied (192 rows with overlap); dispatch picks it for every plain causal call
-    whose tile is not 192 rows at the head dims whose checks ran (not yet hd 192), nowhere
+    whose tile is not 192 rows at the head dims whose checks ran (hd 192's too), nowhere
     else; the bench times the pick with it flipped at every causal grid point; check cases
     cover the causal picks, T < S, softcap, a window with lengths (empty rows), a dense key
     tail, hd 64 / 96 / 128 / 192 / 256."""
@@ -530,8 +530,8 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     assert any(kw.get("has_window") and kw.get("has_kv_seqlen") for kw in cases)
     assert any(not kw.get("is_causal") for kw in cases)
     assert any(kw.get("ctas_per_sm") == 2 for kw in cases)
-    # hd 192 has a case but no GPU run yet: not picked there
-    assert "mask_select" not in schedule_for(192, 4096, True)
+    # hd 192's case passed on the H200 (2026-12-02): picked there too
+    assert schedule_for(192, 4096, True)["mask_select"]
     assert schedule_for(96, 4096, True) == {"mask_select": True}
     # the masked calls off the grid: timed with and without it before dispatch gives it them
     from jaxflash.kernels.feat_bench import FEAT_BENCH, columns, feat_configs

@@ -176,7 +176,7 @@ ncubwd)
   # Is the hd 256 backward bound by the L2 reduce-adds of dQ (64 KB per 64 x 64 step, twice
   # hd 128's per unit of work), shared memory, or latency? One launch of the main kernel each,
   # filtered by name (unfiltered ncu broke on XLA's fusions, see occ; not the zero fill)
-  for pt in 256:4096:0 128:4096:0; do
+  for pt in ${NCU_PTS:-256:4096:0 128:4096:0}; do
     timeout 200 ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section WarpStateStats --section Occupancy \

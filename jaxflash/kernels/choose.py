@@ -16,8 +16,9 @@ from jaxflash.kernels.config import can_implement as fwd_can_implement
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches of 2026-12-01 (16:53 UTC), the 4k ones did not.
 LAZY_MIN_KV_LEN = 8192
-# head dims whose causal picks passed their `mask_select` float64 checks on the H200
-SELECT_HEAD_DIMS = (64, 96, 128, 256)
+# head dims whose causal picks passed their `mask_select` float64 checks on the H200 (hd 192's
+# case on 2026-12-02 03:40 UTC: checked, not benched; every other head dim gained 2-9%)
+SELECT_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def forward_config(problem) -> FwdConfig:
