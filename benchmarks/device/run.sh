@@ -21,7 +21,6 @@
 #   selcheck mask_select's check cases alone (incl. hd 192's, not yet run)  (~1.5 min)
 #   sel2    mask_select's second bench                                          (~1.5 min)
 #   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
-#   pair    backward dq_pair (CTA pairs add dQ in DSMEM; gated): checks, sanitizers, bench (~4 min)
 #   m128c2  128-row tiles at two CTAs per SM, hd 64 (gated): checks, sanitizers, bench (~3 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
@@ -151,11 +150,6 @@ featsel)
     timeout 200 python3 -m jaxflash.kernels.feat_bench --out $OUT/cute-fwd-featsel$run-$D.json \
       2>&1 | tail -6
   done ;;
-pair)
-  # BwdConfig.dq_pair (built 2026-12-02, gated): its 6 float64 cases, sanitizers on two, the
-  # D=256 dense points (column dqf_dqp beside dqf, the pick)
-  gated bwd_devrun "kw.get('dq_pair')" dqp "bf16 h256 dqp tiny;bf16 h256 dqp gqa T<S" \
-    256:1024:0,256:4096:0,256:16384:0 ;;
 m128c2)
   # 128-row tiles at two CTAs per SM, hd 64 (built 2026-12-02, gated): 6 check cases,
   # sanitizers on two, the hd 64 points against the picks

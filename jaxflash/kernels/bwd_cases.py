@@ -324,22 +324,6 @@ CHECKS = [
      (1, 2048, 2048, 8, 8, {"cudnn": True})),
     ("bf16 h128 m80 tiny 80", dict(head_dim=128, tile_m=80), (1, 80, 80, 1, 1, {})),
     ("bf16 h128 m80 tiny 17", dict(head_dim=128, tile_m=80), (1, 17, 17, 2, 1, {})),
-    # dq_pair (`dq_pair.py`: key blocks in CTA pairs adding dQ in distributed shared memory;
-    # dense hd 192 / 256 with dq_flat): odd key block counts (300 keys = 5 blocks, 1 block
-    # for the tiny case: the pair's second CTA has no keys and must add zeros), GQA / MQA,
-    # T < S and T > S, fp16, softcap, and one 2k case against cuDNN's error.
-    ("bf16 h256 dqp dense odd", dict(head_dim=256, dq_flat=True, dq_pair=True),
-     (2, 300, 300, 4, 4, {"cudnn": True})),
-    ("bf16 h256 dqp tiny", dict(head_dim=256, dq_flat=True, dq_pair=True),
-     (1, 64, 64, 1, 1, {})),
-    ("bf16 h256 dqp gqa T<S", dict(head_dim=256, dq_flat=True, dq_pair=True),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 dqp T>S softcap", dict(head_dim=256, dq_flat=True, dq_pair=True,
-                                       has_softcap=True), (1, 1500, 300, 4, 2, {})),
-    ("fp16 h192 dqp mqa odd", dict(dtype="float16", head_dim=192, dq_flat=True, dq_pair=True),
-     (2, 257, 259, 4, 1, {})),
-    ("bf16 h256 dqp dense 2k", dict(head_dim=256, dq_flat=True, dq_pair=True),
-     (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

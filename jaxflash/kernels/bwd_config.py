@@ -116,10 +116,6 @@ class BwdConfig:
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
-    dq_pair: (hd 192 / 256, dq_flat, dense: no causal, window, lengths or segment ids; not
-      deterministic) key blocks 2j and 2j+1 run as a cluster of two CTAs that add their dQ
-      partials in distributed shared memory, each reduce-adding one half into L2
-      (`jaxflash.kernels.dq_pair`: the wide kernel is L2-bound); P^T / dS^T get two buffers.
     """
 
     dtype: str = "bfloat16"
@@ -143,7 +139,6 @@ class BwdConfig:
     dq_writer: bool = False
     dq_flat: bool = False
     tail_lpt: bool = False
-    dq_pair: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -228,17 +223,6 @@ class BwdConfig:
             return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
                            "dQ part is its head-dim half, or its 64 query rows), without "
                            "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
-        if self.dq_pair:
-            extra = [n for n, on in (
-                ("causal", self.is_causal), ("window", self.has_window),
-                ("q_seqlen", self.has_q_seqlen), ("kv_seqlen", self.has_kv_seqlen),
-                ("segment ids", self.has_segments), ("deterministic", self.deterministic),
-                ("without dq_flat", not self.dq_flat)) if on]
-            if self.split != "headdim":
-                extra.append(f"head_dim {self.head_dim} (the wide kernel's only: hd 192 / 256)")
-            if extra:
-                return False, (f"dq_pair with {', '.join(extra)}: the paired CTAs must walk "
-                               "the same query blocks (dense calls) and add dq_flat's halves")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
@@ -276,10 +260,8 @@ class BwdConfig:
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
         ds = 2 * self.tile_n * self.tile_m * elt  # dS^T, 2 buffers
         if self.split == "headdim":
-            # P^T and dS^T; 2 buffers with "red" or dq_pair (no per-step barrier of both
-            # warpgroups then guards their reuse)
-            bufs = 1 if self.dq_accum == "tma" and not self.dq_pair else 2
-            ds = 2 * bufs * self.tile_n * self.tile_m * elt
+            # P^T and dS^T; 2 buffers with "red" (no per-step barrier then guards their reuse)
+            ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
@@ -313,7 +295,7 @@ class BwdConfig:
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
-                f"{'_tl' if self.tail_lpt else ''}{'_dqp' if self.dq_pair else ''}"
+                f"{'_tl' if self.tail_lpt else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -23,14 +23,15 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
                                  B = K^T; the tile_m x hd tile is split over the two
                                  warpgroups by columns at tile_m 64, by 64-query rows at
                                  tile_m 128) then added to the float32 dQ accumulator in global
-                                 memory (other CTAs add to the same rows): staged in shared
-                                 memory and added by TMA reduce-adds (``dq_accum="tma"``; one
-                                 per 8-column slab at tile_m 128), or red.global.add.f32
+                                 memory (other CTAs add to the same rows): by default written
+                                 to shared memory and added by TMA reduce-adds (one per step;
+                                 one per 8-column slab at tile_m 128) (``dq_accum="tma"``),
+                                 else one red.global.add.f32 per element
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
-The host function first zeroes the dQ accumulator (a small kernel on the same stream): the
-launch owns its output, no input/output aliasing. `dq_pair`: CTAs in pairs (`dq_pair.py`).
+The host function first launches a small kernel zeroing the dQ accumulator (on the same stream),
+so the launch owns its output and the bridge needs no input/output aliasing.
 
 Deterministic mode (``deterministic``): the dQ reduce-adds into one query block happen in key
 block order. A semaphore per (batch, head, query block), zeroed with dQ, counts the key blocks
@@ -75,7 +76,6 @@ from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, BwdConfig
 from jaxflash.kernels.bwd_order import block_coords
 from jaxflash.kernels.dq_accum import DqAccumulation
-from jaxflash.kernels.dq_pair import DqPair
 from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords,
                                    alibi_distance_dot, apply_alibi, apply_mask_kq,
@@ -92,7 +92,7 @@ _ZERO_THREADS = 256
 _ZERO_PER_THREAD = 4
 
 
-class FlashBwdSm90(DqAccumulation, DqPair):
+class FlashBwdSm90(DqAccumulation):
     """Hopper backward attention kernel for one `BwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), the bridge's order (see `bwd_launch`): q, k, v, do,
@@ -258,7 +258,7 @@ class FlashBwdSm90(DqAccumulation, DqPair):
 
         @cute.struct
         class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 + self.pair_barriers]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             mbar_do: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128]
@@ -272,7 +272,7 @@ class FlashBwdSm90(DqAccumulation, DqPair):
                 Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
 
         S = mK.shape[0]
-        num_n_blocks = self.pair_grid_x((S + self.tile_n - 1) // self.tile_n)
+        num_n_blocks = (S + self.tile_n - 1) // self.tile_n
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
             tma_mdQ if self.dq_box else mdQ, mQSeqlen, mKVSeqlen,
@@ -281,7 +281,7 @@ class FlashBwdSm90(DqAccumulation, DqPair):
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
-                 stream=stream, min_blocks_per_mp=1, **self.pair_launch())
+                 stream=stream, min_blocks_per_mp=1)
 
     # The two things the subclasses (`hopper_bwd_wide`, `hopper_bwd_m80`) change; everything
     # else of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing
@@ -383,7 +383,6 @@ class FlashBwdSm90(DqAccumulation, DqPair):
         pipe_q = pipes.make(storage.mbar_q.data_ptr(), self.num_stages, self.q_bytes)
         pipe_do = pipes.make(storage.mbar_do.data_ptr(), self.num_stages, self.do_bytes)
         pipes.init_done()
-        self.pair_init(storage.mbar_kv.data_ptr() + 2)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -426,7 +425,7 @@ class FlashBwdSm90(DqAccumulation, DqPair):
             seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
         blocks = QueryBlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
                                  window_left, window_right)
-        m_min, m_max = blocks.m_block_min_max(self.range_block(n_block), seqlen_q, seqlen_k)
+        m_min, m_max = blocks.m_block_min_max(n_block, seqlen_q, seqlen_k)
         mKVBlk = feats[3]
         if const_expr(self.cfg.has_segments):
             # Segment block skipping: only query blocks whose ids can meet this key block's
@@ -436,7 +435,7 @@ class FlashBwdSm90(DqAccumulation, DqPair):
         num_m = m_max - m_min
         num_steps = group * num_m
 
-        self.pair_init_wait()
+        pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)

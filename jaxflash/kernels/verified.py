@@ -77,9 +77,7 @@ RULES = {
     # H200 (2026-12-01 18:50 UTC, `cute-bwd-check-dqwf-*`): cleared; not picked (two benches:
     # within noise of dq_flat alone but at dense 4k, 5% slower at dense 16k).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
-                  ("dq_arrive", lambda c: c.dq_arrive),
-                  # CTA pairs adding dQ in distributed shared memory (2026-12-02, compiled)
-                  ("dq_pair", lambda c: c.dq_pair)),
+                  ("dq_arrive", lambda c: c.dq_arrive)),
     # tail_lpt (the last heads launched key-block-major) passed 8 float64 checks (hd 64 / 128 /
     # 256, GQA, many heads, T < S and T > S, lengths with empty rows, fp16, deterministic; 2k
     # vs cuDNN), memcheck and racecheck clean (H200, 2026-12-01 21:35-21:50 UTC,
