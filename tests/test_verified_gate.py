@@ -540,9 +540,40 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     assert all(c.has_window or c.has_kv_seqlen for c in feats)
     for _, kw, ex in FEAT_BENCH:
         cols = columns(kw, ex)
-        assert cols["dispatched"] == FwdConfig(**kw)  # dispatch gives these calls no schedule
-        assert cols["flipped"].mask_select != cols["dispatched"].mask_select
-        assert cols["plain_schedule"] is None or cols["plain_schedule"].persistent
+        # dispatch gives these calls the plain call's schedule (measured 2026-12-02)
+        d = cols["dispatched"]
+        assert d == FwdConfig(**kw, **schedule_for(d.head_dim, 4096, d.is_causal))
+        assert d.persistent and cols["default"] == FwdConfig(**kw)
+        assert cols["flipped"] is None or cols["flipped"].mask_select != d.mask_select
+
+
+def test_forward_masked_calls_take_the_plain_schedule():
+    """Windows and key lengths get the plain call's schedule (feat_bench, H200 2026-12-02);
+    query lengths, ALiBi and segment ids keep the default; the float64 cases hold each picked
+    schedule together with a window or lengths."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import forward_config, schedule_for
+
+    def pick(D, S, causal, window=None, **flags):
+        st = AttentionStatics(scale=D ** -0.5, is_causal=causal, window=window)
+        return forward_config(Problem(batch=2, q_len=S, kv_len=S, num_heads=8, num_kv_heads=8,
+                                      head_dim=D, head_dim_v=D, dtype="bfloat16", statics=st,
+                                      **flags))
+    for D, S, c in [(128, 4096, True), (64, 1024, True), (256, 16384, False), (128, 1024, 0)]:
+        plain = schedule_for(D, S, bool(c))
+        for flags, window in (({"has_kv_seqlen": True}, None), ({}, (100, 0))):
+            got = pick(D, S, bool(c), window, **flags)
+            assert {k: getattr(got, k) for k in plain} == plain, (D, S, c, flags, window)
+        for flags in ({"has_q_seqlen": True}, {"has_alibi": True}, {"has_segments": True}):
+            got = pick(D, S, bool(c), **flags)
+            assert not got.persistent and got.tile_m == FwdConfig(head_dim=D).tile_m
+    cases = [kw for _, kw, _ in devrun.CHECKS]
+    for sched in ({"persistent": True, "mask_skip": True}, {"tile_order": "pairs"},
+                  {"ctas_per_sm": 2, "tile_order": "pairs"}, {"tile_m": 192, "persistent": True}):
+        for feat in ("has_window", "has_kv_seqlen"):
+            assert any(all(kw.get(k) == v for k, v in sched.items()) and kw.get(feat)
+                       for kw in cases), (sched, feat)
 
 
 def test_forward_two_ctas_at_128_rows_gated_checked_and_benched(monkeypatch):

@@ -21,6 +21,7 @@
 #   selcheck mask_select's check cases alone (incl. hd 192's, not yet run)  (~1.5 min)
 #   sel2    mask_select's second bench                                          (~1.5 min)
 #   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
+#   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   m128c2  128-row tiles at two CTAs per SM, hd 64 (gated): checks, sanitizers, bench (~3 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
@@ -150,6 +151,11 @@ featsel)
     timeout 200 python3 -m jaxflash.kernels.feat_bench --out $OUT/cute-fwd-featsel$run-$D.json \
       2>&1 | tail -6
   done ;;
+featcheck)
+  # the float64 cases of the plain schedules with windows / key lengths together (added
+  # 2026-12-02 when dispatch gave those calls the plain schedule)
+  timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
+    --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
 m128c2)
   # 128-row tiles at two CTAs per SM, hd 64 (built 2026-12-02, gated): 6 check cases,
   # sanitizers on two, the hd 64 points against the picks

@@ -36,13 +36,13 @@ def forward_config(problem) -> FwdConfig:
                     has_window=st.window is not None, has_softcap=st.softcap is not None,
                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
                     has_alibi=problem.has_alibi, has_segments=problem.has_segments)
+    # Windows and key lengths take the plain call's schedule too (`feat_bench`, two runs on
+    # the H200, 2026-12-02 ~03:58 UTC, `h200-2026-12-02-cute-fwd-featsel{a,b}.json`: 1.03-1.26x
+    # the default schedule on each of the six masked calls timed); ALiBi, segment ids and
+    # query lengths were not timed with it and keep the default.
+    tuned = not (problem.has_alibi or problem.has_segments or problem.has_q_seqlen)
     return FwdConfig(**features, **schedule_for(problem.head_dim, problem.kv_len, st.is_causal,
-                                                plain=not (problem.has_alibi
-                                                           or problem.has_segments
-                                                           or problem.has_q_seqlen
-                                                           or problem.has_kv_seqlen
-                                                           or st.window is not None),
-                                                softcap=st.softcap is not None))
+                                                plain=tuned, softcap=st.softcap is not None))
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
@@ -125,9 +125,10 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
     Dropped: three K/V stages at hdim 128, S = 16k (picked until 2026-12-01) lost in both runs
     of that day (1.11 -> 1.07 dense, 1.21 -> 1.14 causal).
 
-    Only causal / dense (and softcap) calls were measured with these; window, lengths, ALiBi
-    and segment variants keep the default. Crossing a threshold picks another variant (one more
-    compile), nothing else does.
+    Measured on causal / dense (and softcap) calls, and (`feat_bench`, 2026-12-02) on
+    windows and key lengths, which get the same schedule; calls with ALiBi, segment ids or
+    query lengths keep the default (``plain=False``). Crossing a threshold picks another
+    variant (one more compile), nothing else does.
     """
     if not plain:
         return {}

@@ -1,12 +1,13 @@
 """Forward speed of the masked calls outside the anchor grid (windows, per-batch key lengths):
-the variant dispatch runs for them beside the same with `mask_select` flipped and beside the
-schedule a plain call of that shape gets, reps interleaved (`columns`).
+the variant dispatch runs for them beside the default schedule and beside the dispatched one
+with `mask_select` flipped, reps interleaved (`columns`).
 
 The anchor grid holds plain dense / causal calls only, and `choose.schedule_for` picks only from
-what was measured; a window or key lengths make every tile carry one or two masked blocks,
-where the select-form mask (`FwdConfig.mask_select`) was measured +2-9% on causal calls, and
-dispatch gives them none of the plain calls' schedule (persistent loop, 192-row tiles at hd 64,
-paired causal tiles). This is the measurement that decides whether those calls get them too.
+what was measured. This measured (two runs on the H200, 2026-12-02 ~03:58 UTC,
+`benchmarks/results/h200-2026-12-02-cute-fwd-featsel{a,b}.json`) the plain calls' schedule
+(persistent loop, 192-row tiles at hd 64, paired causal tiles, mask_select / mask_skip) on
+these calls at 1.03-1.26x the default schedule each, so dispatch now gives it to windows and
+key lengths; the columns keep that comparison for the next change.
 Runs on the H200 (`python -m jaxflash.kernels.feat_bench --out F`; `run.sh featsel`).
 """
 from __future__ import annotations
@@ -47,19 +48,16 @@ def _dispatched(features: dict, extras: dict) -> FwdConfig:
 
 
 def columns(features: dict, extras: dict) -> dict:
-    """The variants timed for one call: what dispatch runs ("dispatched"), the same with
-    `mask_select` flipped ("flipped"), and the schedule a plain call of that head dim, length
-    and causality gets (`choose.schedule_for`: persistent loop, paired tiles, mask_select /
-    mask_skip) with the call's features on top ("plain_schedule"; None if it cannot build)."""
-    from jaxflash.kernels.choose import schedule_for
+    """The variants timed for one call: what dispatch runs ("dispatched"), the call's features
+    with the default schedule ("default": what these calls ran before 2026-12-02), and the
+    dispatched one with `mask_select` flipped ("flipped"; None where the tile refuses the
+    flag: 192-row tiles with overlap have it built in)."""
     base = _dispatched(features, extras)
-    cols = {"dispatched": base,
-            "flipped": dataclasses.replace(base, mask_select=not base.mask_select)}
+    cols = {"dispatched": base, "default": FwdConfig(**features)}
     try:
-        cols["plain_schedule"] = FwdConfig(**features, **schedule_for(
-            base.head_dim, S, base.is_causal, softcap=base.has_softcap))
+        cols["flipped"] = dataclasses.replace(base, mask_select=not base.mask_select)
     except ValueError:
-        cols["plain_schedule"] = None
+        cols["flipped"] = None
     return cols
 
 

@@ -377,6 +377,28 @@ CHECKS = [
     # (added after the run that cleared it: hd 192, before dispatch picks it there)
     ("fp16 h192 sel causal gqa odd", dict(dtype="float16", head_dim=192, **_SEL),
      (2, 700, 777, 8, 2, {})),
+    # The plain calls' schedules on masked calls (`choose.schedule_for`, `feat_bench`: windows
+    # and key lengths get them since 2026-12-02): each schedule with a window or lengths
+    # together (the cases above cover them a feature at a time).
+    ("fp16 h128 ps msk seqlens", dict(dtype="float16", head_dim=128, persistent=True,
+                                      tile_pipe=True, mask_skip=True, has_q_seqlen=True,
+                                      has_kv_seqlen=True),
+     (3, 1000, 1000, 8, 2, {"q_seqlen": [1000, 131, 0], "kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h128 ps msk window", dict(head_dim=128, persistent=True, tile_pipe=True,
+                                     mask_skip=True, has_window=True),
+     (2, 1000, 1111, 8, 4, {"window": (200, 150)})),
+    ("fp16 h128 ps pairs sel causal kvlens", _PAIRS | dict(dtype="float16", head_dim=128,
+                                                           has_kv_seqlen=True, **_SEL),
+     (3, 1000, 1000, 8, 2, {"kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h256 ps pairs sel causal window", _PAIRS | dict(head_dim=256, has_window=True,
+                                                           **_SEL),
+     (2, 700, 777, 8, 4, {"window": (300, 0)})),
+    ("fp16 h64 c2 pairs sel causal window kvlens", _C2_PAIRS | dict(
+        dtype="float16", head_dim=64, has_window=True, has_kv_seqlen=True, **_SEL),
+     (3, 1000, 1000, 8, 2, {"window": (200, 0), "kv_seqlen": [1000, 0, 255]})),
+    ("bf16 h64 m192 ps causal kvlens", dict(head_dim=64, tile_m=192, persistent=True,
+                                            is_causal=True, has_kv_seqlen=True),
+     (3, 1000, 1000, 8, 8, {"kv_seqlen": [1000, 0, 255]})),
     # 128-row tiles at two CTAs per SM, hd 64 (gated until these pass): four consumer
     # warpgroups per SM at 80 registers. Dense (persistent, odd lengths and 1k against cuDNN),
     # the causal pairs order with mask_select, T > S with mask_skip, a window with lengths
