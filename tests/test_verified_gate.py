@@ -576,35 +576,24 @@ def test_forward_masked_calls_take_the_plain_schedule():
                        for kw in cases), (sched, feat)
 
 
-def test_forward_two_ctas_at_128_rows_gated_checked_and_benched(monkeypatch):
-    """128-row tiles at two CTAs per SM (hd 64, 64-key stages; built 2026-12-02, compiled
-    only) are refused by the gate and never picked; other head dims, wider key tiles and
-    softcap are refused as configs; check cases cover dense (odd lengths, 1k against cuDNN),
-    causal pairs, T > S with mask_skip, causal T < S, a window with lengths, fp16; the bench
-    times them at the hd 64 points."""
+def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch):
+    """128-row tiles at two CTAs per SM (hd 64) hung on the H200 (2026-12-02: the consumers'
+    setmaxnreg.inc wants more registers than the producer's decrease frees at 80 per thread,
+    `test_setmaxnreg_raises_fit_the_registers_the_producer_frees`): the gate refuses them,
+    dispatch never picks them, and no check case or bench column runs them."""
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import forward_config
     from jaxflash.kernels.devrun import grid_problem
     cfg = FwdConfig(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, persistent=True,
                     tile_pipe=True)
-    assert verified.pending(cfg) == ("two CTAs per SM at tile_m 128",) and "_c2" in cfg.key
+    assert verified.pending(cfg) == ("two CTAs per SM at tile_m 128",)
     monkeypatch.delenv(verified.ENV, raising=False)
     with pytest.raises(NotImplementedError, match="tile_m 128"):
         verified.require_verified(cfg, "forward")
-    for bad in (dict(head_dim=128, tile_n=64), dict(head_dim=64, tile_n=128),
-                dict(head_dim=64, tile_n=64, has_softcap=True)):
-        with pytest.raises(ValueError, match="ctas_per_sm"):
-            FwdConfig(tile_m=128, ctas_per_sm=2, **bad)
     for d in (64, 128, 256):
         for s_ in (1024, 4096, 16384):
             for c in (0, 1):
                 pick = forward_config(grid_problem(d, s_, c))
                 assert not (pick.ctas_per_sm == 2 and pick.tile_m == 128)
-    cases = [kw for _, kw, _ in devrun.CHECKS
-             if kw.get("ctas_per_sm") == 2 and kw.get("tile_m") == 128]
-    assert len(cases) >= 6 and all(kw["head_dim"] == 64 for kw in cases)
-    assert any(kw.get("is_causal") for kw in cases) and any(kw.get("has_window") for kw in cases)
-    assert any(not kw.get("persistent") for kw in cases)
-    assert devrun._variant(64, False, devrun.VARIANTS["m128c2"]) is not None
-    assert devrun._variant(64, True, devrun.VARIANTS["m128c2_pairs"]).mask_select
-    assert (64, 1024, False) in devrun.VARIANT_POINTS
+    runs = [kw for _, kw, _ in devrun.CHECKS] + list(devrun.VARIANTS.values())
+    assert not any(kw.get("ctas_per_sm") == 2 and kw.get("tile_m") == 128 for kw in runs)

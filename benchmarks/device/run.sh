@@ -22,7 +22,6 @@
 #   sel2    mask_select's second bench                                          (~1.5 min)
 #   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
-#   m128c2  128-row tiles at two CTAs per SM, hd 64 (gated): checks, sanitizers, bench (~3 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
@@ -156,17 +155,6 @@ featcheck)
   # 2026-12-02 when dispatch gave those calls the plain schedule)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
-m128c2)
-  # 128-row tiles at two CTAs per SM, hd 64 (built 2026-12-02, gated): 6 check cases,
-  # sanitizers on two, the hd 64 points against the picks
-  gated devrun "kw.get('ctas_per_sm') == 2 and kw.get('tile_m') == 128" m128c2 \
-    "bf16 h64 m128c2 n64 ps dense gqa odd;fp16 h64 m128c2 n64 window seqlens" \
-    64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0 --columns pick,m128c2,m128c2_pairs ;;
-m128c2q)
-  # the short form of m128c2 (a session's last device minutes): checks, the 1k points only
-  check_cases devrun "kw.get('ctas_per_sm') == 2 and kw.get('tile_m') == 128" m128c2
-  timeout 150 python3 -m jaxflash.kernels.devrun bench --only 64:1024:0,64:1024:1 \
-    --columns pick,m128c2,m128c2_pairs --out $OUT/cute-fwd-bench-m128c2q-$D.json 2>&1 | tail -3 ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

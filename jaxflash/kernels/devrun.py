@@ -80,11 +80,6 @@ for _name, _shape in (("m64c2_s1", dict(num_stages=1)), ("m64c2_n64", dict(tile_
     _c2 = dict(tile_m=64, ctas_per_sm=2, persistent=True, tile_pipe=True, **_shape)
     VARIANTS[_name] = dict(_c2, is_causal=False)
     VARIANTS[_name + "_pairs"] = dict(_c2, is_causal=True, tile_order="pairs")
-# 128-row tiles at two CTAs per SM (hd 64, 64-key stages): four consumer warpgroups per SM
-_M128C2 = dict(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, persistent=True,
-               tile_pipe=True)
-VARIANTS["m128c2"] = dict(_M128C2, is_causal=False)
-VARIANTS["m128c2_pairs"] = dict(_M128C2, is_causal=True, tile_order="pairs", mask_select=True)
 # three K / V stages on the dense persistent picks (hd 128: O shares Q's buffer then)
 VARIANTS["p3"] = dict(head_dim=128, persistent=True, tile_pipe=True, num_stages=3,
                       is_causal=False)
