@@ -82,7 +82,7 @@ api)
   # 2026-12-01: ~17 s per test (XLA compiles of the call, its grad and the reference's, with
   # GPU autotuning), 13 of 26 done in 230 s. Autotuning only picks speeds: off here.
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout 480 python3 -m pytest -v \
-    -p no:cacheprovider tests/test_backends.py tests/test_kernels_hopper_gpu.py -k "cute or hopper_gpu" \
+    -p no:cacheprovider tests/test_backends.py tests/test_kernels_hopper_gpu.py -k "${API_K:-cute or hopper_gpu}" \
     2>&1 | tee $OUT/api-$D.log | grep -E "PASS|FAIL|ERROR|passed|failed" | tail -40 ;;
 lm)
   # LM_BASELINES=1 (one xla run instead of two) fits a call into ~4 min of device time
