@@ -69,8 +69,8 @@ RULES = {
     # 03:35 UTC, `cute-fwd-m128c2-*-h200-2026-12-02.log`): the consumers' setmaxnreg.inc to
     # 112 needs 256 x 32 registers, the producer's decrease from 80 to 24 frees 128 x 56, and an
     # increase only takes what its CTA freed (at 104 ptxas spills 48 B and serializes the
-    # wgmma). Never to be cleared as built; a one-warp producer (288 threads, 112 at launch,
-    # no setmaxnreg) is the design that fits (NOTES.md).
+    # wgmma). Never to be cleared as built (a one-warp producer compiled to 96 registers with
+    # spills: NOTES.md).
     "FwdConfig": (("two CTAs per SM at tile_m 128",
                    lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
