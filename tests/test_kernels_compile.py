@@ -205,6 +205,27 @@ def test_setmaxnreg_raises_fit_the_registers_the_producer_frees():
     assert _launch_regs(384, 2) == 80 and not _register_pool_ok(hung, 2)
 
 
+# 256-row tiles at hd 64 (four consumer warpgroups, 2026-12-02, gated): 640 threads launch at
+# 96 registers, the producer drops to 24 and the consumers rise to 112 (128 x 72 >= 512 x 16);
+# 0 spills, no serialized wgmma, dense, causal pairs and windowed with lengths.
+PTXAS_CLEAN_M256 = [
+    FwdConfig(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True),
+    FwdConfig(head_dim=64, tile_m=256, tile_n=64, is_causal=True, persistent=True,
+              tile_pipe=True, tile_order="pairs", mask_select=True),
+    FwdConfig(dtype="float16", head_dim=64, tile_m=256, tile_n=64, has_window=True,
+              has_q_seqlen=True, has_kv_seqlen=True, mask_select=True),
+]
+
+
+@pytest.mark.parametrize("cfg", PTXAS_CLEAN_M256, ids=lambda c: c.key)
+def test_256_row_tiles_are_ptxas_clean(cfg, tmp_path):
+    _ptxas_clean(cfg, tmp_path, 112)
+    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    assert ".reqntid 640" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t112" in ptx
+    report = open(tmp_path / "ptxas.txt").read()
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 96, report
+
+
 # (config, consumer registers after setmaxnreg, registers at launch)
 @pytest.mark.parametrize("cfg,consumer_regs,launch_regs",
                          [(c, 232, 128) for c in PTXAS_CLEAN_TWO_CTAS],

@@ -576,6 +576,41 @@ def test_forward_masked_calls_take_the_plain_schedule():
                        for kw in cases), (sched, feat)
 
 
+def test_forward_256_row_tiles_gated_checked_and_benched(monkeypatch):
+    """256-row tiles (hd 64, four consumer warpgroups; built 2026-12-02, compiled only) are
+    refused by the gate and never picked; other head dims, wider key tiles and softcap are
+    refused as configs; check cases cover dense (odd lengths, 1k against cuDNN with repeats,
+    T > S with mask_skip, shorter than a tile), causal pairs and T < S, a window with lengths,
+    fp16; the bench times them at the hd 64 points."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import forward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = FwdConfig(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True)
+    assert verified.pending(cfg) == ("four consumer warpgroups (tile_m 256)",)
+    assert cfg.num_mma_warpgroups == 4 and "_t256x64" in cfg.key
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="tile_m 256"):
+        verified.require_verified(cfg, "forward")
+    for bad in (dict(head_dim=128, tile_n=64), dict(head_dim=64, tile_n=128),
+                dict(head_dim=64, tile_n=64, has_softcap=True)):
+        with pytest.raises(ValueError, match="tile_m 256"):
+            FwdConfig(tile_m=256, **bad)
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert forward_config(grid_problem(d, s_, c)).tile_m != 256
+    cases = [(n, kw, p) for n, kw, p in devrun.CHECKS if kw.get("tile_m") == 256]
+    assert len(cases) >= 7 and all(kw["head_dim"] == 64 for _, kw, _ in cases)
+    kws = [kw for _, kw, _ in cases]
+    assert any(kw.get("tile_order") == "pairs" for kw in kws)
+    assert any(kw.get("has_window") and kw.get("has_kv_seqlen") for kw in kws)
+    assert any(kw.get("mask_skip") for kw in kws) and any(not kw.get("persistent") for kw in kws)
+    assert any(p[1] < 256 for _, _, p in cases) and any(p[-1].get("cudnn") for _, _, p in cases)
+    assert devrun._variant(64, False, devrun.VARIANTS["m256"]) is not None
+    assert devrun._variant(64, True, devrun.VARIANTS["m256_pairs"]).mask_select
+    assert (64, 1024, False) in devrun.VARIANT_POINTS
+
+
 def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch):
     """128-row tiles at two CTAs per SM (hd 64) hung on the H200 (2026-12-02: the consumers'
     setmaxnreg.inc wants more registers than the producer's decrease frees at 80 per thread,

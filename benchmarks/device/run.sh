@@ -24,6 +24,7 @@
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
+#   m256    256-row tiles at hd 64 (gated): checks, sanitizers, bench (~3 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
 #           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
@@ -155,6 +156,12 @@ featcheck)
   # 2026-12-02 when dispatch gave those calls the plain schedule)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
+m256)
+  # 256-row tiles, hd 64 (built 2026-12-02, gated): 7 float64 checks, sanitizers on two, the hd
+  # 64 points against the picks (the target: 1k dense, 0.96x cuDNN in grids cc13 / cc14)
+  gated devrun "kw.get('tile_m') == 256" m256 \
+    "bf16 h64 m256 ps dense gqa odd;fp16 h64 m256 window seqlens" \
+    64:1024:0,64:1024:1,64:4096:0,64:4096:1,64:16384:0 --columns pick,m256,m256_msk,m256_pairs ;;
 occ)
   # launch stats and occupancy of our forward and cuDNN's at D=128 1k dense: CTAs per SM
   # ("Block Limit ...", achieved occupancy) decide the 1k design (NOTES.md "Two CTAs per SM")

@@ -54,8 +54,8 @@ class FwdConfig:
     fresh_s: (tile_m 128 with overlap) give each key block's QK GEMM a fresh S fragment
       (`FlashFwdSm90.fresh_s`), so the previous block's fp32 S is not kept live into it: frees
       the registers that let wider key tiles fit (hd 128 x 160, hd 64 x 192, hd 256 causal x 80).
-      tile_m 192 with overlap always does this (it spills otherwise), so the field is only the
-      128-row opt-in.
+      tile_m 192 / 256 with overlap always do this (they spill otherwise), so the field is only
+      the 128-row opt-in.
     pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
     ctas_per_sm: 2 with tile_m 64 (the only pairing): one consumer warpgroup per CTA, two
       CTAs resident per SM (128 registers per thread at launch, setmaxnreg 24 / 232; shared
@@ -156,8 +156,8 @@ class FwdConfig:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m not in (64, 128, 192):
-            return False, (f"tile_m {self.tile_m} must be 64, 128 or 192 (one, two or three "
+        if self.tile_m not in (64, 128, 192, 256):
+            return False, (f"tile_m {self.tile_m} must be 64, 128, 192 or 256 (one to four "
                            "64-row consumer warpgroups)")
         # (softcap's tanh keeps S twice: 864 B spilled at 80 registers)
         two_fit = self.tile_m == 64 or (self.tile_m == 128 and self.head_dim <= 64
@@ -174,6 +174,10 @@ class FwdConfig:
                            "the PV wgmma needs more than the 128-register launch bound)")
         if self.tile_m == 192 and self.head_dim > 64:
             return False, f"tile_m 192 (160 registers per thread) only for head_dim <= 64"
+        if self.tile_m == 256 and (self.head_dim > 64 or self.tile_n > 64 or self.has_softcap):
+            return False, ("tile_m 256 (four consumer warpgroups at 112 registers) only at "
+                           f"head_dim 64 with tile_n <= 64, no softcap (head_dim "
+                           f"{self.head_dim}, tile_n {self.tile_n})")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
         if self.fresh_s and (self.tile_m != 128 or not self.intra_wg_overlap):

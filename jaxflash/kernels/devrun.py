@@ -85,6 +85,12 @@ VARIANTS["p3"] = dict(head_dim=128, persistent=True, tile_pipe=True, num_stages=
                       is_causal=False)
 VARIANTS["m192_ps_s3"] = dict(head_dim=64, tile_m=192, persistent=True, num_stages=3,
                               is_causal=False)
+# 256-row tiles, hd 64 (four 64-row consumer warpgroups at 112 registers, 64-key stages;
+# 2026-12-02, gated): no partial tile at 1k, where 192 rows leave one of six tiles a third full
+_M256 = dict(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True)
+VARIANTS["m256"] = dict(_M256, is_causal=False)
+VARIANTS["m256_msk"] = dict(_M256, is_causal=False, mask_skip=True)
+VARIANTS["m256_pairs"] = dict(_M256, is_causal=True, tile_order="pairs", mask_select=True)
 VARIANT_POINTS = {(128, 1024, False), (128, 1024, True), (128, 4096, False), (128, 4096, True),
                   (128, 16384, False), (128, 16384, True), (64, 1024, True), (64, 1024, False),
                   (64, 4096, False),

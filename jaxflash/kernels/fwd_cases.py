@@ -16,6 +16,7 @@ _MEND_PS = dict(head_dim=64, tile_m=192, persistent=True, m_align="end")
 _SEL = dict(is_causal=True, mask_select=True)
 _PAIRS = dict(persistent=True, tile_pipe=True, tile_order="pairs")
 _C2_PAIRS = _PAIRS | dict(tile_m=64, ctas_per_sm=2, tile_n=64)
+_M256 = dict(head_dim=64, tile_m=256, tile_n=64)
 
 # (name, config kwargs, problem): problem = (B, T, S, N, K, extras); extras "repeat": n runs
 # the same inputs n times and requires bitwise-equal O and LSE (`bitwise_equal`).
@@ -398,4 +399,22 @@ CHECKS = [
     ("bf16 h64 m192 ps causal kvlens", dict(head_dim=64, tile_m=192, persistent=True,
                                             is_causal=True, has_kv_seqlen=True),
      (3, 1000, 1000, 8, 8, {"kv_seqlen": [1000, 0, 255]})),
+    # 256-row tiles, hd 64 (four consumer warpgroups; gated until these pass): dense
+    # (persistent, odd lengths, 1k against cuDNN with repeats, T > S with mask_skip, a call
+    # shorter than one tile), causal pairs with mask_select, causal T < S off the persistent
+    # loop, fp16 with a window and lengths (empty rows).
+    ("bf16 h64 m256 ps dense gqa odd", _M256 | dict(persistent=True, tile_pipe=True),
+     (2, 1000, 1111, 12, 4, {})),
+    ("bf16 h64 m256 ps dense 1k", _M256 | dict(persistent=True, tile_pipe=True),
+     (4, 1024, 1024, 8, 8, {"cudnn": True, "repeat": 2})),
+    ("bf16 h64 m256 ps msk dense T>S", _M256 | dict(persistent=True, tile_pipe=True,
+                                                   mask_skip=True), (2, 1100, 768, 8, 8, {})),
+    ("bf16 h64 m256 dense tiny", _M256, (1, 100, 130, 1, 1, {})),
+    ("bf16 h64 m256 ps pairs sel causal odd", _M256 | _PAIRS | _SEL, (2, 1000, 1000, 8, 4, {})),
+    ("bf16 h64 m256 causal gqa T<S", _M256 | _SEL, (2, 700, 1200, 8, 2, {})),
+    ("fp16 h64 m256 window seqlens", _M256 | dict(dtype="float16", has_window=True,
+                                                  has_q_seqlen=True, has_kv_seqlen=True,
+                                                  mask_select=True),
+     (3, 1000, 1000, 8, 2, {"window": (200, 37), "q_seqlen": [1000, 131, 0],
+                            "kv_seqlen": [1000, 0, 255]})),
 ]

@@ -98,11 +98,11 @@ class FlashFwdSm90(FwdEpilogue):
         self.num_mma_wg = config.num_mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 * (self.num_mma_wg + 1)
-        # (producer, consumer) registers after setmaxnreg; one warpgroup = two CTAs per SM:
-        # 128 x (24 + 232) per CTA fills half the register file, as 128 x 24 + 256 x 112 does
-        # for two warpgroups at two CTAs per SM (hd 64, 64-key tiles).
-        self.producer_regs, self.mma_regs = {1: (24, 232), 2: (24, 240), 3: (32, 160)}[
-            self.num_mma_wg] if config.ctas_per_sm == 1 or self.num_mma_wg == 1 else (24, 112)
+        # (producer, consumer) registers after setmaxnreg; a raise takes only what the CTA's
+        # decrease freed: 640 threads launch at 96, 128 x 72 freed >= 512 x 16 (tile_m 256).
+        self.producer_regs, self.mma_regs = {1: (24, 232), 2: (24, 240), 3: (32, 160),
+                                             4: (24, 112)}[self.num_mma_wg] if (
+            config.ctas_per_sm == 1 or self.num_mma_wg == 1) else (24, 112)
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
         self.overlap = config.intra_wg_overlap
@@ -114,7 +114,7 @@ class FlashFwdSm90(FwdEpilogue):
         # serialized the wgmma; a fresh fragment's inputs are undefined, so only P stays live.
         # On by default only there; 128-row tiles opt in (`FwdConfig.fresh_s`: wider key tiles
         # fit), so the default variants' binaries stay as measured.
-        self.fresh_s = self.overlap and (self.num_mma_wg == 3 or config.fresh_s)
+        self.fresh_s = self.overlap and (self.num_mma_wg >= 3 or config.fresh_s)
         # The select-form mask saved the last registers at 160 (tile_m 192 with overlap); other
         # tiles opt in (`FwdConfig.mask_select`: the conditional stores' select cascade costs
         # ~14 selects per score on every masked block; NOTES.md), binaries otherwise as measured.

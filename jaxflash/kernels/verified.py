@@ -71,8 +71,10 @@ RULES = {
     # increase only takes what its CTA freed (at 104 ptxas spills 48 B and serializes the
     # wgmma). Never to be cleared as built (a one-warp producer compiled to 96 registers with
     # spills: NOTES.md).
+    # 256-row tiles, four consumer warpgroups (hd 64; 2026-12-02, compiled: 0 spills at 112).
     "FwdConfig": (("two CTAs per SM at tile_m 128",
-                   lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),),
+                   lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),
+                  ("four consumer warpgroups (tile_m 256)", lambda c: c.tile_m == 256)),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     # dq_flat with dq_writer passed 6 float64 checks (hd 96 / 128, fp16, windows, lengths with
