@@ -110,6 +110,10 @@ MATRIX = [
     # 80 queries per step at hd 128 dense (opt-in, gated; FlashBwdSm90M80: dQ^T = K^T dS^T)
     BwdConfig(dtype="bfloat16", head_dim=128, tile_m=80),
     BwdConfig(dtype="float16", head_dim=128, tile_m=80),
+    # dq_wg_flush (opt-in, gated; wide kernel): each warpgroup reduce-adds its own dQ half
+    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, dq_wg_flush=True, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=192, dq_flat=True, dq_wg_flush=True, has_window=True,
+              has_kv_seqlen=True),
 ]
 
 

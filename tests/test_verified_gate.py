@@ -576,6 +576,36 @@ def test_forward_masked_calls_take_the_plain_schedule():
                        for kw in cases), (sched, feat)
 
 
+def test_backward_dq_wg_flush_gated_keyed_checked_and_benched(monkeypatch):
+    """dq_wg_flush (each warpgroup of the wide kernel reduce-adds its own dQ half; built
+    2026-12-02, compiled only) is keyed, double-buffers P^T / dS^T, is refused outside
+    dq_flat / the wide kernel / deterministic, gated and never picked; check cases and the
+    D=256 bench columns exist."""
+    from jaxflash.kernels import bwd_devrun
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)
+    base = BwdConfig(head_dim=256, dq_flat=True)
+    assert "_dqg" in cfg.key and cfg.num_stages == 1
+    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= 227 * 1024
+    assert verified.pending(cfg) == ("dq_wg_flush",)
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="dq_wg_flush"):
+        verified.require_verified(cfg, "backward")
+    for bad in (dict(head_dim=256), dict(head_dim=128, dq_flat=True),
+                dict(head_dim=256, dq_flat=True, deterministic=True)):
+        with pytest.raises(ValueError, match="dq_wg_flush"):
+            BwdConfig(dq_wg_flush=True, **bad)
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert not backward_config(grid_problem(d, s_, c)).dq_wg_flush
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_wg_flush")]
+    assert len(kws) >= 6 and {kw["head_dim"] for kw in kws} == {192, 256}
+    assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_window") for kw in kws)
+    assert {"dqf_wg", "dqf_tl_wg"} <= set(bwd_devrun.BENCH_VARIANTS[256])
+
+
 def test_forward_256_row_tiles_gated_checked_and_benched(monkeypatch):
     """256-row tiles (hd 64, four consumer warpgroups; built 2026-12-02, compiled only) are
     refused by the gate and never picked; other head dims, wider key tiles and softcap are

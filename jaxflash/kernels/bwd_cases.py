@@ -324,6 +324,22 @@ CHECKS = [
      (1, 2048, 2048, 8, 8, {"cudnn": True})),
     ("bf16 h128 m80 tiny 80", dict(head_dim=128, tile_m=80), (1, 80, 80, 1, 1, {})),
     ("bf16 h128 m80 tiny 17", dict(head_dim=128, tile_m=80), (1, 17, 17, 2, 1, {})),
+    # dq_wg_flush (hd 192 / 256: each warpgroup reduce-adds its own dQ half, P^T / dS^T
+    # double-buffered): dense odd lengths, GQA T < S causal, T > S, fp16 window with key
+    # lengths (empty rows), softcap, a 2k case against cuDNN's error.
+    ("bf16 h256 dqg dense odd", dict(head_dim=256, dq_flat=True, dq_wg_flush=True),
+     (2, 300, 333, 4, 4, {"cudnn": True})),
+    ("bf16 h256 dqg causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                          dq_wg_flush=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h256 dqg causal T>S", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                      dq_wg_flush=True), (1, 400, 150, 2, 2, {})),
+    ("fp16 h192 dqg window kvlen", dict(dtype="float16", head_dim=192, has_window=True,
+                                        has_kv_seqlen=True, dq_flat=True, dq_wg_flush=True),
+     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+    ("bf16 h256 dqg softcap", dict(head_dim=256, has_softcap=True, dq_flat=True,
+                                   dq_wg_flush=True), (2, 300, 333, 4, 2, {"softcap": 20.0})),
+    ("bf16 h256 dqg dense 2k", dict(head_dim=256, dq_flat=True, dq_wg_flush=True),
+     (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

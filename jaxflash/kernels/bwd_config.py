@@ -116,6 +116,11 @@ class BwdConfig:
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
+    dq_wg_flush: (hd 192 / 256 with dq_flat, not deterministic) each consumer warpgroup
+      reduce-adds its own head-dim half of the dQ tile (32 KB at hd 256) as soon as it is
+      staged, behind a barrier of its own 128 threads, instead of both meeting at BAR_DQ and
+      warp 4 adding the whole tile: the warpgroups meet once per step (at the dS barrier)
+      instead of twice; P^T / dS^T get two buffers (the dQ barrier no longer guards their reuse).
     """
 
     dtype: str = "bfloat16"
@@ -139,6 +144,7 @@ class BwdConfig:
     dq_writer: bool = False
     dq_flat: bool = False
     tail_lpt: bool = False
+    dq_wg_flush: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -223,6 +229,11 @@ class BwdConfig:
             return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
                            "dQ part is its head-dim half, or its 64 query rows), without "
                            "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
+        if self.dq_wg_flush and (not self.dq_flat or self.deterministic
+                                 or self.split != "headdim"):
+            return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "
+                           "head-dim-split kernel (hd 192 / 256), not deterministic (whose "
+                           "ordered adds are whole tiles)")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
@@ -260,8 +271,10 @@ class BwdConfig:
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
         ds = 2 * self.tile_n * self.tile_m * elt  # dS^T, 2 buffers
         if self.split == "headdim":
-            # P^T and dS^T; 2 buffers with "red" (no per-step barrier then guards their reuse)
-            ds = 2 * (1 if self.dq_accum == "tma" else 2) * self.tile_n * self.tile_m * elt
+            # P^T and dS^T; 2 buffers with "red" or dq_wg_flush (no per-step barrier of both
+            # warpgroups then guards their reuse)
+            bufs = 1 if self.dq_accum == "tma" and not self.dq_wg_flush else 2
+            ds = 2 * bufs * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
@@ -295,7 +308,7 @@ class BwdConfig:
                 f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
-                f"{'_tl' if self.tail_lpt else ''}"
+                f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

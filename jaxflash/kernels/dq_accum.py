@@ -86,6 +86,20 @@ class DqAccumulation:
             cute.arch.fence_view_async_shared()  # visible to the TMA unit
             cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg,
                                      number_of_threads=_WG_AND_WRITER)
+        elif const_expr(self.cfg.dq_wg_flush):
+            # Each warpgroup its own part (contiguous in both places), behind its own barrier;
+            # its first warp issues the bulk reduce and waits for its read before the next
+            # step's dS barrier (the part's next writes come after that barrier).
+            wg = (warp_idx - 4) // 4
+            self.stage_dq(acc_dQ, tdQsdQ)
+            cute.arch.fence_view_async_shared()  # visible to the bulk copy unit
+            cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=128)
+            if warp_idx == 4 + 4 * wg:
+                part = self.tile_m * self.dq_cols
+                with cute.arch.elect_one():
+                    dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
+                    bulk_reduce_add_f32(dst + wg * part, sdQ.iterator + wg * part, part * 4)
+                    cute.arch.cp_async_bulk_commit_group()
         elif const_expr(self.dq_flat):
             # Fragment order, 16-byte stores, then one bulk reduce of the whole tile into its
             # block of the fragment-ordered accumulator.

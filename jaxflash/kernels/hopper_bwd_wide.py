@@ -25,7 +25,8 @@ split the *head dim* instead:
   thread passes after its warpgroup's wait for all three GEMMs, proves the other warpgroup is
   done reading them before the next step overwrites them. With "red" there is no such barrier,
   so they have two buffers (a warpgroup can be at most one step ahead: _BAR_DS of step i+1
-  needs the other warpgroup to have finished step i).
+  needs the other warpgroup to have finished step i); so with `dq_wg_flush`, whose flush is
+  per warpgroup.
 - Epilogue as the base kernel: dK * scale and dV through K's and V's buffers, TMA stores.
 
 Every shared-memory tile read as an MN-major operand in hd/2-column slices (Q, dO, K) is laid
@@ -58,7 +59,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         if config.split != "headdim":
             raise ValueError(f"FlashBwdSm90Wide serves head dims > 128, got {config.key}")
         # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
-        self.pds_bufs = 1 if self.dq_tma else 2
+        self.pds_bufs = 1 if self.dq_tma and not config.dq_wg_flush else 2
 
     # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
@@ -135,6 +136,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sPdS, sdQ)
 
+        issuer = 4  # the warp whose reduce-adds read sdQ (each warpgroup's first: dq_wg_flush)
+        if const_expr(self.cfg.dq_wg_flush):
+            issuer = 4 + 4 * wg
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)  # K and V stay until the end: never released
@@ -174,7 +178,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 cute.copy(st_atom, thr_st_pds.retile(rdS), tPsPdS[None, None, None, ip + 1])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
                 if const_expr(self.dq_tma):
-                    if warp_idx == 4:
+                    if warp_idx == issuer:
                         # The previous step's reduce has read sdQ once this barrier is passed.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
@@ -192,6 +196,9 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 warpgroup.wait_group(0)
                 self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
                               head, batch, n_block, T, warp_idx, mSem, blocks)
+            if const_expr(self.cfg.dq_wg_flush):
+                if warp_idx == 8:  # (warp 4 waits in the epilogue) sdQ outlives the reads
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
                         sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)

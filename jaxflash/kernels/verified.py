@@ -82,7 +82,9 @@ RULES = {
     # H200 (2026-12-01 18:50 UTC, `cute-bwd-check-dqwf-*`): cleared; not picked (two benches:
     # within noise of dq_flat alone but at dense 4k, 5% slower at dense 16k).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
-                  ("dq_arrive", lambda c: c.dq_arrive)),
+                  ("dq_arrive", lambda c: c.dq_arrive),
+                  # per-warpgroup dQ flush of the wide kernel (2026-12-02, compiled only)
+                  ("dq_wg_flush", lambda c: c.dq_wg_flush)),
     # tail_lpt (the last heads launched key-block-major) passed 8 float64 checks (hd 64 / 128 /
     # 256, GQA, many heads, T < S and T > S, lengths with empty rows, fp16, deterministic; 2k
     # vs cuDNN), memcheck and racecheck clean (H200, 2026-12-01 21:35-21:50 UTC,
