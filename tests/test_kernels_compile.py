@@ -411,7 +411,10 @@ def test_config_for_problem():
     (256, 16384, False, {}, dict(persistent=False)),
     # 3 stages lost 2026-12-01; pairs not picked at 16k
     (128, 16384, True, {}, dict(num_stages=2, persistent=False, tile_order="auto")),
-    (64, 1024, True, {"has_kv_seqlen": True}, dict(tile_m=128, m_align="start")),  # default
+    # key lengths take the plain call's schedule (feat_bench, 2026-12-02); query lengths not
+    (64, 1024, True, {"has_kv_seqlen": True}, dict(tile_m=64, ctas_per_sm=2,
+                                                   tile_order="pairs", mask_select=True)),
+    (64, 1024, True, {"has_q_seqlen": True}, dict(tile_m=128, m_align="start")),  # default
     (64, 1024, True, {"has_segments": True}, dict(tile_m=128, persistent=False)),
 ])
 def test_config_for_picks_the_measured_schedule(D, S, causal, extra, want):
