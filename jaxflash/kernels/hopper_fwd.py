@@ -98,8 +98,8 @@ class FlashFwdSm90(FwdEpilogue):
         self.num_mma_wg = config.num_mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 * (self.num_mma_wg + 1)
-        # (producer, consumer) registers after setmaxnreg; a raise takes only what the CTA's
-        # decrease freed: 640 threads launch at 96, 128 x 72 freed >= 512 x 16 (tile_m 256).
+        # (producer, consumer) registers after setmaxnreg; a raise takes only what the CTA freed
+        # (256 rows: 128 x 72 >= 512 x 16 from 96; the gated 2-CTA 128 rows' from 80 hung).
         self.producer_regs, self.mma_regs = {1: (24, 232), 2: (24, 240), 3: (32, 160),
                                              4: (24, 112)}[self.num_mma_wg] if (
             config.ctas_per_sm == 1 or self.num_mma_wg == 1) else (24, 112)
@@ -112,8 +112,8 @@ class FlashFwdSm90(FwdEpilogue):
         # instead of the 16-bit P and converts them only after the QK GEMM is issued: old and new
         # S (128 registers) + P + O. At 160 registers (tile_m 192) that spilled 580 bytes and
         # serialized the wgmma; a fresh fragment's inputs are undefined, so only P stays live.
-        # On by default only there; 128-row tiles opt in (`FwdConfig.fresh_s`: wider key tiles
-        # fit), so the default variants' binaries stay as measured.
+        # On by default there (and at 256 rows, 112); 128-row tiles opt in (`FwdConfig.fresh_s`),
+        # so the default variants' binaries stay as measured.
         self.fresh_s = self.overlap and (self.num_mma_wg >= 3 or config.fresh_s)
         # The select-form mask saved the last registers at 160 (tile_m 192 with overlap); other
         # tiles opt in (`FwdConfig.mask_select`: the conditional stores' select cascade costs
