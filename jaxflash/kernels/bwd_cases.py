@@ -25,6 +25,22 @@ def _hd128_edv_cases(tag: str, **flags):
     ]
 
 
+def _wide_dq_cases(tag: str, **flags):
+    """The four cases each dQ-path opt-in of the head-dim-split kernel (hd 192 / 256) is
+    checked on (name "... {tag} ..."): dense odd lengths, causal GQA T < S, fp16 window with
+    key lengths (empty rows), dense 2k against cuDNN's error."""
+    return [
+        (f"bf16 h256 {tag} dense odd", dict(head_dim=256, **flags), (2, 300, 333, 4, 4, {})),
+        (f"bf16 h256 {tag} causal gqa T<S", dict(head_dim=256, is_causal=True, **flags),
+         (2, 500, 700, 8, 2, {})),
+        (f"fp16 h192 {tag} window kvlen", dict(dtype="float16", head_dim=192, has_window=True,
+                                               has_kv_seqlen=True, **flags),
+         (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
+        (f"bf16 h256 {tag} dense 2k", dict(head_dim=256, **flags),
+         (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    ]
+
+
 # (name, config kwargs (shared by the forward and backward configs), problem):
 # problem = (B, T, S, N, K, extras)
 CHECKS = [
@@ -255,15 +271,7 @@ CHECKS = [
     *_hd128_edv_cases("ovl dqf", overlap_dq=True, dq_flat=True),
     ("bf16 h96 dqf causal gqa odd", dict(head_dim=96, is_causal=True, dq_flat=True),
      (2, 333, 301, 4, 2, {})),
-    ("bf16 h256 dqf dense odd", dict(head_dim=256, dq_flat=True),
-     (2, 300, 333, 4, 4, {})),
-    ("bf16 h256 dqf causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True),
-     (2, 500, 700, 8, 2, {})),
-    ("fp16 h192 dqf window kvlen", dict(dtype="float16", head_dim=192, has_window=True,
-                                        has_kv_seqlen=True, dq_flat=True),
-     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
-    ("bf16 h256 dqf dense 2k", dict(head_dim=256, dq_flat=True),
-     (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    *_wide_dq_cases("dqf", dq_flat=True),
     # dq_flat with dq_writer (gated until these pass): the writer warp adds each warpgroup's
     # part with its own bulk reduce (FA4's scheme), with and without overlap_dq; hd 96 too.
     *_hd128_edv_cases("ovl dqw dqf", overlap_dq=True, dq_writer=True, dq_flat=True),
@@ -325,21 +333,12 @@ CHECKS = [
     ("bf16 h128 m80 tiny 80", dict(head_dim=128, tile_m=80), (1, 80, 80, 1, 1, {})),
     ("bf16 h128 m80 tiny 17", dict(head_dim=128, tile_m=80), (1, 17, 17, 2, 1, {})),
     # dq_wg_flush (hd 192 / 256: each warpgroup reduce-adds its own dQ half, P^T / dS^T
-    # double-buffered): dense odd lengths, GQA T < S causal, T > S, fp16 window with key
-    # lengths (empty rows), softcap, a 2k case against cuDNN's error.
-    ("bf16 h256 dqg dense odd", dict(head_dim=256, dq_flat=True, dq_wg_flush=True),
-     (2, 300, 333, 4, 4, {"cudnn": True})),
-    ("bf16 h256 dqg causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True,
-                                          dq_wg_flush=True), (2, 500, 700, 8, 2, {})),
+    # double-buffered): dq_flat's four, and causal T > S, softcap.
+    *_wide_dq_cases("dqg", dq_flat=True, dq_wg_flush=True),
     ("bf16 h256 dqg causal T>S", dict(head_dim=256, is_causal=True, dq_flat=True,
                                       dq_wg_flush=True), (1, 400, 150, 2, 2, {})),
-    ("fp16 h192 dqg window kvlen", dict(dtype="float16", head_dim=192, has_window=True,
-                                        has_kv_seqlen=True, dq_flat=True, dq_wg_flush=True),
-     (2, 260, 270, 4, 2, {"window": (50, 20), "kv_seqlen": [270, 100]})),
     ("bf16 h256 dqg softcap", dict(head_dim=256, has_softcap=True, dq_flat=True,
                                    dq_wg_flush=True), (2, 300, 333, 4, 2, {"softcap": 20.0})),
-    ("bf16 h256 dqg dense 2k", dict(head_dim=256, dq_flat=True, dq_wg_flush=True),
-     (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),
