@@ -20,7 +20,8 @@
 #   sel     FwdConfig.mask_select (gated): checks, sanitizers, causal picks with / without (~3 min)
 #   selcheck mask_select's check cases alone (incl. hd 192's, not yet run)  (~1.5 min)
 #   sel2    mask_select's second bench                                          (~1.5 min)
-#   featsel mask_select on masked calls off the grid (windows, key lengths), twice (~2 min)
+#   featsel masked calls off the grid (windows, key lengths): dispatched / default schedule /
+#           mask_select flipped, twice (~2 min)
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
@@ -146,8 +147,8 @@ sel2)
     64:1024:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
     --out $OUT/cute-fwd-bench-sel2-$D.json 2>&1 | tail -8 ;;
 featsel)
-  # masked calls off the grid (windows, key lengths): dispatch's variant with / without
-  # mask_select, reps interleaved, twice (decides whether those calls get it)
+  # masked calls off the grid (windows, key lengths): dispatch's variant beside the default
+  # schedule and with mask_select flipped, reps interleaved, twice (`feat_bench.columns`)
   for run in a b; do
     timeout 200 python3 -m jaxflash.kernels.feat_bench --out $OUT/cute-fwd-featsel$run-$D.json \
       2>&1 | tail -6
