@@ -209,7 +209,7 @@ def test_setmaxnreg_raises_fit_the_registers_the_producer_frees():
 # 96 registers, the producer drops to 24 and the consumers rise to 112 (128 x 72 >= 512 x 16);
 # 0 spills, no serialized wgmma, dense, causal pairs and windowed with lengths.
 PTXAS_CLEAN_M256 = [
-    FwdConfig(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True),
+    FwdConfig(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True, mask_skip=True),
     FwdConfig(head_dim=64, tile_m=256, tile_n=64, is_causal=True, persistent=True,
               tile_pipe=True, tile_order="pairs", mask_select=True),
     FwdConfig(dtype="float16", head_dim=64, tile_m=256, tile_n=64, has_window=True,
@@ -385,8 +385,12 @@ def test_config_for_problem():
 
 
 @pytest.mark.parametrize("D,S,causal,extra,want", [
-    (64, 1024, False, {}, dict(tile_m=192, intra_wg_overlap=True, persistent=True,
-                               wg_epilogue=False)),
+    # dense S <= 1k at hd 64: four 64-row consumer warpgroups (256 rows), mask_skip (2026-12-02)
+    (64, 1024, False, {}, dict(tile_m=256, tile_n=64, intra_wg_overlap=True, persistent=True,
+                               tile_pipe=True, mask_skip=True, wg_epilogue=False)),
+    (64, 1000, False, {"has_kv_seqlen": True}, dict(tile_m=256, mask_skip=True)),
+    (64, 1024, False, {"softcap": 30.0}, dict(tile_m=192, persistent=True, mask_skip=False)),
+    (64, 2048, False, {}, dict(tile_m=192, persistent=False, mask_skip=True)),
     # causal S <= 1k at hd 64 / 128: 64-row tiles, two CTAs per SM, paired tiles
     (64, 1024, True, {}, dict(tile_m=64, ctas_per_sm=2, tile_n=64, persistent=True,
                               tile_pipe=True, tile_order="pairs")),

@@ -74,7 +74,7 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     for S in (1024, 4096, 16384):
         for causal in (False, True):
             cfg = FwdConfig(head_dim=64, is_causal=causal, **schedule_for(64, S, causal))
-            want = 64 if causal and S == 1024 else 192
+            want = (64 if causal else 256) if S == 1024 else 192  # (dense 1k: 256 rows)
             assert cfg.tile_m == want and cfg.intra_wg_overlap
     names = [n for n, kw, _ in devrun.CHECKS
              if kw.get("tile_m") == 192 and kw.get("intra_wg_overlap", True)]
@@ -216,7 +216,8 @@ def test_forward_192_rows_persistent_checked_and_picked():
     from jaxflash.kernels import devrun
     from jaxflash.kernels.choose import schedule_for
     assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()
-    assert schedule_for(64, 1024, False) == dict(tile_m=192, persistent=True)
+    assert schedule_for(64, 1024, False, softcap=True) == dict(tile_m=192, persistent=True)
+    assert schedule_for(64, 1024, False)["tile_m"] == 256  # (since 2026-12-02)
     assert schedule_for(64, 1024, True) == dict(tile_m=64, ctas_per_sm=2, tile_n=64,
                                                 persistent=True, tile_pipe=True,
                                                 tile_order="pairs", mask_select=True)
@@ -483,7 +484,8 @@ def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
     assert "_msk" not in FwdConfig(head_dim=128).key
     picked = {(d, s_) for d in (64, 128, 256) for s_ in (1024, 4096, 16384)
               if forward_config(grid_problem(d, s_, 0)).mask_skip}
-    assert picked == {(128, 1024), (128, 4096), (128, 16384), (64, 4096)}
+    # (hd 64 1k: with the 256-row tiles picked there, 2026-12-02)
+    assert picked == {(128, 1024), (128, 4096), (128, 16384), (64, 4096), (64, 1024)}
     for d in (64, 128, 256):
         for s_ in (1024, 4096, 16384):
             assert not forward_config(grid_problem(d, s_, 1)).mask_skip
@@ -576,11 +578,11 @@ def test_forward_masked_calls_take_the_plain_schedule():
                        for kw in cases), (sched, feat)
 
 
-def test_backward_dq_wg_flush_gated_keyed_checked_and_benched(monkeypatch):
-    """dq_wg_flush (each warpgroup of the wide kernel reduce-adds its own dQ half; built
-    2026-12-02, compiled only) is keyed, double-buffers P^T / dS^T, is refused outside
-    dq_flat / the wide kernel / deterministic, gated and never picked; check cases and the
-    D=256 bench columns exist."""
+def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
+    """dq_wg_flush (each warpgroup of the wide kernel reduce-adds its own dQ half) passed its
+    H200 checks (2026-12-02) and is cleared, but lost to dq_flat alone there: it is keyed,
+    double-buffers P^T / dS^T, is refused outside dq_flat / the wide kernel / deterministic,
+    and dispatch never picks it; its check cases and D=256 bench columns stay."""
     from jaxflash.kernels import bwd_devrun
     from jaxflash.kernels.choose import backward_config
     from jaxflash.kernels.devrun import grid_problem
@@ -588,15 +590,12 @@ def test_backward_dq_wg_flush_gated_keyed_checked_and_benched(monkeypatch):
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_dqg" in cfg.key and cfg.num_stages == 1
     assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= 227 * 1024
-    assert verified.pending(cfg) == ("dq_wg_flush",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="dq_wg_flush"):
-        verified.require_verified(cfg, "backward")
+    assert verified.pending(cfg) == ()
     for bad in (dict(head_dim=256), dict(head_dim=128, dq_flat=True),
                 dict(head_dim=256, dq_flat=True, deterministic=True)):
         with pytest.raises(ValueError, match="dq_wg_flush"):
             BwdConfig(dq_wg_flush=True, **bad)
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         for s_ in (1024, 4096, 16384):
             for c in (0, 1):
                 assert not backward_config(grid_problem(d, s_, c)).dq_wg_flush
@@ -606,21 +605,18 @@ def test_backward_dq_wg_flush_gated_keyed_checked_and_benched(monkeypatch):
     assert {"dqf_wg", "dqf_tl_wg"} <= set(bwd_devrun.BENCH_VARIANTS[256])
 
 
-def test_forward_256_row_tiles_gated_checked_and_benched(monkeypatch):
-    """256-row tiles (hd 64, four consumer warpgroups; built 2026-12-02, compiled only) are
-    refused by the gate and never picked; other head dims, wider key tiles and softcap are
-    refused as configs; check cases cover dense (odd lengths, 1k against cuDNN with repeats,
-    T > S with mask_skip, shorter than a tile), causal pairs and T < S, a window with lengths,
-    fp16; the bench times them at the hd 64 points."""
+def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_1k():
+    """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
+    and are picked, with mask_skip, for dense hd 64 calls up to 1k keys (no softcap) and
+    nowhere else on the grid; other head dims, wider key tiles and softcap are refused as
+    configs; check cases cover dense (odd lengths, 1k against cuDNN with repeats, T > S with
+    mask_skip, shorter than a tile), causal pairs and T < S, a window with lengths, fp16."""
     from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config
+    from jaxflash.kernels.choose import forward_config, schedule_for
     from jaxflash.kernels.devrun import grid_problem
     cfg = FwdConfig(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True)
-    assert verified.pending(cfg) == ("four consumer warpgroups (tile_m 256)",)
+    assert verified.pending(cfg) == ()
     assert cfg.num_mma_warpgroups == 4 and "_t256x64" in cfg.key
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tile_m 256"):
-        verified.require_verified(cfg, "forward")
     for bad in (dict(head_dim=128, tile_n=64), dict(head_dim=64, tile_n=128),
                 dict(head_dim=64, tile_n=64, has_softcap=True)):
         with pytest.raises(ValueError, match="tile_m 256"):
@@ -628,7 +624,15 @@ def test_forward_256_row_tiles_gated_checked_and_benched(monkeypatch):
     for d in (64, 128, 256):
         for s_ in (1024, 4096, 16384):
             for c in (0, 1):
-                assert forward_config(grid_problem(d, s_, c)).tile_m != 256
+                got = forward_config(grid_problem(d, s_, c))
+                assert (got.tile_m == 256) == (d == 64 and s_ == 1024 and not c), (d, s_, c)
+    got = forward_config(grid_problem(64, 1024, 0))
+    assert (got.tile_n, got.persistent, got.tile_pipe, got.mask_skip) == (64, True, True, True)
+    assert verified.pending(got) == ()
+    for kv in (100, 1000, 1024):
+        assert schedule_for(64, kv, False)["tile_m"] == 256
+    assert schedule_for(64, 1025, False)["tile_m"] == 192
+    assert schedule_for(64, 1024, False, softcap=True)["tile_m"] == 192
     cases = [(n, kw, p) for n, kw, p in devrun.CHECKS if kw.get("tile_m") == 256]
     assert len(cases) >= 7 and all(kw["head_dim"] == 64 for _, kw, _ in cases)
     kws = [kw for _, kw, _ in cases]
@@ -636,9 +640,6 @@ def test_forward_256_row_tiles_gated_checked_and_benched(monkeypatch):
     assert any(kw.get("has_window") and kw.get("has_kv_seqlen") for kw in kws)
     assert any(kw.get("mask_skip") for kw in kws) and any(not kw.get("persistent") for kw in kws)
     assert any(p[1] < 256 for _, _, p in cases) and any(p[-1].get("cudnn") for _, _, p in cases)
-    assert devrun._variant(64, False, devrun.VARIANTS["m256"]) is not None
-    assert devrun._variant(64, True, devrun.VARIANTS["m256_pairs"]).mask_select
-    assert (64, 1024, False) in devrun.VARIANT_POINTS
 
 
 def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch):
