@@ -605,9 +605,9 @@ def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     assert {"dqf_wg", "dqf_tl_wg"} <= set(bwd_devrun.BENCH_VARIANTS[256])
 
 
-def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_1k():
+def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
-    and are picked, with mask_skip, for dense hd 64 calls up to 1k keys (no softcap) and
+    and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and
     nowhere else on the grid; other head dims, wider key tiles and softcap are refused as
     configs; check cases cover dense (odd lengths, 1k against cuDNN with repeats, T > S with
     mask_skip, shorter than a tile), causal pairs and T < S, a window with lengths, fp16."""
@@ -629,9 +629,9 @@ def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_1k():
     got = forward_config(grid_problem(64, 1024, 0))
     assert (got.tile_n, got.persistent, got.tile_pipe, got.mask_skip) == (64, True, True, True)
     assert verified.pending(got) == ()
-    for kv in (100, 1000, 1024):
+    for kv in (100, 1000, 1024, 2048):
         assert schedule_for(64, kv, False)["tile_m"] == 256
-    assert schedule_for(64, 1025, False)["tile_m"] == 192
+    assert schedule_for(64, 2049, False)["tile_m"] == 192
     assert schedule_for(64, 1024, False, softcap=True)["tile_m"] == 192
     cases = [(n, kw, p) for n, kw, p in devrun.CHECKS if kw.get("tile_m") == 256]
     assert len(cases) >= 7 and all(kw["head_dim"] == 64 for _, kw, _ in cases)
@@ -663,3 +663,43 @@ def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch
                 assert not (pick.ctas_per_sm == 2 and pick.tile_m == 128)
     runs = [kw for _, kw, _ in devrun.CHECKS] + list(devrun.VARIANTS.values())
     assert not any(kw.get("ctas_per_sm") == 2 and kw.get("tile_m") == 128 for kw in runs)
+
+
+def test_forward_lazy_threshold_8_gated_keyed_checked_and_benched(monkeypatch):
+    """lazy_threshold 8 (FA4's conditional rescale, row sums of the rounded P; built
+    2026-12-02, compiled only) is keyed, refused without lazy_rescale or at other values,
+    gated and never picked; its check cases ramp the keys (rows move their reference), compare
+    against cuDNN's error, cover hd 128 / 256, dense and causal, fp16, softcap with a window
+    and lengths; the bench times the pick with it at every hd 128 / 256 grid point."""
+    from jaxflash.kernels import devrun
+    from jaxflash.kernels.choose import forward_config
+    from jaxflash.kernels.devrun import grid_problem
+    from jaxflash.kernels.fwd_cases import CHECKS
+    cfg = FwdConfig(head_dim=256, lazy_rescale=True, lazy_threshold=8)
+    assert cfg.key.endswith("lz8_dense") and "lz8" not in FwdConfig(
+        head_dim=256, lazy_rescale=True).key
+    assert verified.pending(cfg) == ("lazy_threshold 8",)
+    assert verified.pending(FwdConfig(head_dim=256, lazy_rescale=True)) == ()
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(NotImplementedError, match="lazy_threshold 8"):
+        verified.require_verified(cfg, "forward")
+    for bad in (dict(lazy_threshold=8), dict(lazy_rescale=True, lazy_threshold=4)):
+        with pytest.raises(ValueError, match="lazy_threshold"):
+            FwdConfig(head_dim=128, **bad)
+    for d in (64, 128, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert forward_config(grid_problem(d, s_, c)).lazy_threshold == 0
+                col = devrun.pick_columns(d, s_, c)["pick_lz8"]
+                assert (col is None) == (d == 64)
+                if col is not None:
+                    pick = forward_config(grid_problem(d, s_, c))
+                    assert col == dataclasses.replace(pick, lazy_rescale=True,
+                                                      lazy_threshold=8)
+    kws = [(kw, ex) for _, kw, (*_, ex) in CHECKS if kw.get("lazy_threshold") == 8]
+    assert len(kws) >= 7 and {kw["head_dim"] for kw, _ in kws} == {128, 256}
+    assert sum(1 for _, ex in kws if ex.get("cudnn")) >= 4
+    assert sum(1 for _, ex in kws if ex.get("k_ramp")) >= 4
+    assert any(kw.get("is_causal") for kw, _ in kws)
+    assert any(kw.get("dtype") == "float16" and kw.get("has_softcap") and kw.get("has_window")
+               for kw, _ in kws)

@@ -168,12 +168,11 @@ dqwg)
 lz8)
   # FA4's lazy threshold with rounded-P row sums (built 2026-12-02, gated): 7 float64 cases
   # (4 against cuDNN's error), sanitizers on two, two interleaved benches of the pick with it
+  P=$(python3 -c "print(','.join(f'{d}:{s}:{c}' for d in (128, 256) for s in (1024, 4096, 16384) for c in (0, 1)))")
   gated devrun "kw.get('lazy_threshold')" lz8 \
-    "bf16 h128 lz8 causal gqa T<S ramp;fp16 h128 lz8 window softcap seqlens" \
-    128:1024:0,128:1024:1,128:4096:0,128:4096:1,128:16384:0,128:16384:1,256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 \
+    "bf16 h128 lz8 causal gqa T<S ramp;fp16 h128 lz8 window softcap seqlens" "$P" \
     --columns pick,pick_lz8
-  timeout 150 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_lz8 \
-    --only 128:1024:0,128:1024:1,128:4096:0,128:4096:1,128:16384:0,128:16384:1,256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 \
+  timeout 150 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_lz8 --only "$P" \
     --out $OUT/cute-fwd-bench-lz8b-$D.json 2>&1 | tail -14 ;;
 m256)
   # 256-row tiles, hd 64 (built 2026-12-02, gated): 7 float64 checks, sanitizers on two, the hd

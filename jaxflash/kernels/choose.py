@@ -122,12 +122,14 @@ def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
       296 / 296 -> 321 / 324, hd 128 1k 389 / 403 -> 420 / 427, 4k 536 / 533 -> 582 / 572,
       16k 592 / 596 -> 608 / 611, hd 256 1k 413 / 416 -> 439 / 439, 4k 593 / 590 -> 603 /
       595, 16k 710 / 709 -> 710 / 711.
-    - dense hdim 64, S <= 1k, no softcap: 256-row tiles (four 64-row consumer warpgroups at 112
-      registers, 64-key stages, persistent with the tile pipe) with `mask_skip`: 1k has no
-      partial tile then (192 rows leave one tile of six a third full). Three benches
-      (2026-12-02 05:30-05:37 UTC, `h200-2026-12-02-cute-fwd-bench-m256{,b,c}.json`, ratio to
-      cuDNN, pick -> 256 rows / with mask_skip): 0.971 / 0.962 / 0.973 -> 1.088 / 1.075 /
-      1.088 and 1.122 / 1.116 / 1.126. Not at 4k dense (1.101 / 1.085 / 1.087 -> 1.080 /
+    - dense hdim 64, S <= 2k, no softcap: 256-row tiles (four 64-row consumer warpgroups at 112
+      registers, 64-key stages, persistent with the tile pipe) with `mask_skip`: 1k and 2k
+      have no partial tile then (192 rows leave one tile of six a third full at 1k). Three
+      benches at 1k (2026-12-02 05:30-05:37 UTC, `h200-2026-12-02-cute-fwd-bench-m256{,b,c}.
+      json`, ratio to cuDNN, pick -> 256 rows / with mask_skip): 0.971 / 0.962 / 0.973 ->
+      1.088 / 1.075 / 1.088 and 1.122 / 1.116 / 1.126; two at 2k (05:43 / 05:48 UTC,
+      `...-m256-2k{,b}.json`; the pick there: 192 rows with mask_skip): 1.067 / 1.059 ->
+      1.087 / 1.073 and 1.106 / 1.087. Not at 4k dense (1.101 / 1.085 / 1.087 -> 1.080 /
       1.063 / 1.068, with mask_skip 1.079 / 1.069 / 1.075), 16k dense (1.192 -> 1.048), nor
       causal with paired tiles (1k 1.105 / 1.122 / 1.082 -> 1.043 / 1.051 / 1.020, 4k 1.096
       -> 1.062). 7 float64 checks (error 0.98-1.00x cuDNN's), memcheck clean, racecheck's one
@@ -167,8 +169,8 @@ def _schedule(head_dim: int, kv_len: int, causal: bool, softcap: bool) -> dict:
         # two CTAs per SM: 64-row tiles, two 64-key stages, persistent, paired causal tiles
         return {"tile_m": 64, "ctas_per_sm": 2, "tile_n": 64, "persistent": True,
                 "tile_pipe": True, "tile_order": "pairs"}
-    if head_dim == 64 and not causal and kv_len <= 1024 and not softcap:
-        # four 64-row consumer warpgroups: no partial tile at 1k (`schedule_for`'s list)
+    if head_dim == 64 and not causal and kv_len <= 2048 and not softcap:
+        # four 64-row consumer warpgroups: no partial tile at 1k / 2k (`schedule_for`'s list)
         return {"tile_m": 256, "tile_n": 64, "persistent": True, "tile_pipe": True,
                 "mask_skip": True}
     if head_dim == 64:

@@ -76,7 +76,7 @@ RULES = {
     # shorter than a tile, causal pairs and T < S, fp16 window with lengths and empty rows;
     # error 0.98-1.00x cuDNN's), memcheck clean, racecheck's one report inside cuDNN's kernel
     # (H200, 2026-12-02 05:30 UTC, `h200-2026-12-02-cute-fwd-*m256*`): cleared, and picked at
-    # dense hd 64 S <= 1k (`choose.schedule_for`).
+    # dense hd 64 S <= 2k (`choose.schedule_for`).
     # lazy_threshold 8 (FA4's, with the row sums of the rounded P; 2026-12-02, compiled:
     # 0 spills at hd 128 / 256, 16 B at hd 64's 192-row tiles).
     "FwdConfig": (("two CTAs per SM at tile_m 128",
