@@ -27,8 +27,6 @@
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (gated): checks, sanitizers, bench (~4 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
-#   lz8     FwdConfig.lazy_threshold 8 (gated): checks, sanitizers, the hd 128 / 256 points
-#           with the pick beside pick_lz8, twice (~4 min)
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
 #           cases, the sanitizers on two, the pick against the variants at 1k / 4k  (~5 min)
@@ -165,15 +163,6 @@ dqwg)
   # D=256 points (columns dqf_wg / dqf_tl_wg beside dqf / dqf_tl, the picks)
   gated bwd_devrun "kw.get('dq_wg_flush')" dqwg "bf16 h256 dqg causal T>S;fp16 h192 dqg window kvlen" \
     256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 ;;
-lz8)
-  # FA4's lazy threshold with rounded-P row sums (built 2026-12-02, gated): 7 float64 cases
-  # (4 against cuDNN's error), sanitizers on two, two interleaved benches of the pick with it
-  P=$(python3 -c "print(','.join(f'{d}:{s}:{c}' for d in (128, 256) for s in (1024, 4096, 16384) for c in (0, 1)))")
-  gated devrun "kw.get('lazy_threshold')" lz8 \
-    "bf16 h128 lz8 causal gqa T<S ramp;fp16 h128 lz8 window softcap seqlens" "$P" \
-    --columns pick,pick_lz8
-  timeout 150 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_lz8 --only "$P" \
-    --out $OUT/cute-fwd-bench-lz8b-$D.json 2>&1 | tail -14 ;;
 m256)
   # 256-row tiles, hd 64 (built 2026-12-02, gated): 7 float64 checks, sanitizers on two, the hd
   # 64 points against the picks (the target: 1k dense, 0.96x cuDNN in grids cc13 / cc14)

@@ -81,12 +81,6 @@ class FwdConfig:
       warp raised its running max, through a warp-uniform branch (`OnlineSoftmax.step_lazy`;
       FlashAttention-4's conditional rescaling with threshold 0, so the results are bitwise
       those without it). The branch also lets ptxas keep most of the exp2 under the PV GEMM.
-    lazy_threshold: 0 (the exact mode above) or 8, FlashAttention-4's: a row keeps its
-      reference max until a block's max runs 8 (log2 units) past it, so probabilities reach 256
-      and most blocks skip the rescale. The row sum then adds the probabilities rounded to the
-      P GEMM's dtype, the values the GEMM multiplies, so O / sum cancels their rounding (with
-      the fp32 sum, a dominant probability's bf16 rounding did not cancel: error 1.04-1.16x
-      cuDNN's on the H200, 2026-12-01).
     tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt", "plain", or
       "pairs" (persistent with tile_pipe, causal / window: tile m with tile nm - 1 - m of the
       same head on one CTA, pairs dealt round-robin; `scheduler.TileScheduler`).
@@ -131,7 +125,6 @@ class FwdConfig:
     tile_pipe: bool = False
     wg_epilogue: bool = False
     lazy_rescale: bool = False
-    lazy_threshold: int = 0
     tile_order: str = "auto"
     l2_section_mb: int = 24
     m_align: str = "start"
@@ -185,9 +178,6 @@ class FwdConfig:
             return False, ("tile_m 256 (four consumer warpgroups at 112 registers) only at "
                            f"head_dim 64 with tile_n <= 64, no softcap (head_dim "
                            f"{self.head_dim}, tile_n {self.tile_n})")
-        if self.lazy_threshold not in (0, 8) or (self.lazy_threshold and not self.lazy_rescale):
-            return False, (f"lazy_threshold {self.lazy_threshold}: 0, or 8 with lazy_rescale "
-                           f"(lazy_rescale {self.lazy_rescale})")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
         if self.fresh_s and (self.tile_m != 128 or not self.intra_wg_overlap):
@@ -271,8 +261,7 @@ class FwdConfig:
                  + ("fs" if self.fresh_s else "")
                  + ("pp" if self.pingpong else "") + ("ps" if self.persistent else "")
                  + ("tp" if self.tile_pipe else "") + ("we" if self.wg_epilogue else "")
-                 + ("lz" if self.lazy_rescale else "")
-                 + (str(self.lazy_threshold) if self.lazy_threshold else ""))
+                 + ("lz" if self.lazy_rescale else ""))
         if self.lpt:
             sched += f"_lpt{self.l2_section_mb}"
         if self.tile_order == "pairs":

@@ -168,22 +168,15 @@ def pick_columns(D: int, S: int, causal: bool) -> dict:
         sel = (dataclasses.replace(pick, mask_select=not pick.mask_select) if causal else None)
     except ValueError:
         sel = None
-    # the pick with FA4's threshold 8 and rounded-P row sums (hd 128 / 256: at hd 64's
-    # 192-row tiles it spills)
-    try:
-        lz8 = (dataclasses.replace(pick, lazy_rescale=True, lazy_threshold=8) if D > 64
-               else None)
-    except ValueError:
-        lz8 = None
     return {"pick": pick, "pick_lazy": lazy, "pick_pairs": pairs, "pick_msk": msk,
-            "pick_sel": sel, "pick_lz8": lz8}
+            "pick_sel": sel}
 
 
 def bench_configs():
     cfgs = [FwdConfig(head_dim=d, is_causal=c) for d in BENCH_DIMS for c in (False, True)]
     cfgs += grid_choices()  # the "pick" column; its lazy twin for the points `bench` times:
     cfgs += [c for d in BENCH_DIMS for s in BENCH_S for causal in (False, True)
-             for name in ("pick_lazy", "pick_pairs", "pick_msk", "pick_sel", "pick_lz8")
+             for name in ("pick_lazy", "pick_pairs", "pick_msk", "pick_sel")
              if (c := pick_columns(d, s, causal)[name]) is not None]
     cfgs += [FwdConfig(head_dim=128, **kw) for _, kw, _ in SEG_BENCH]
     from jaxflash.kernels.feat_bench import feat_configs

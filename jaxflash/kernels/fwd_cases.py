@@ -12,12 +12,11 @@ from __future__ import annotations
 _MEND_PS = dict(head_dim=64, tile_m=192, persistent=True, m_align="end")
 
 # Shorthands for the cases below: mask_select on causal, the paired persistent loop, the
-# 64-row two-CTA tiles, 256-row tiles, FA4's lazy threshold.
+# 64-row two-CTA tiles.
 _SEL = dict(is_causal=True, mask_select=True)
 _PAIRS = dict(persistent=True, tile_pipe=True, tile_order="pairs")
 _C2_PAIRS = _PAIRS | dict(tile_m=64, ctas_per_sm=2, tile_n=64)
 _M256 = dict(head_dim=64, tile_m=256, tile_n=64)
-_LZ8 = dict(lazy_rescale=True, lazy_threshold=8)
 
 # (name, config kwargs, problem): problem = (B, T, S, N, K, extras); extras "repeat": n runs
 # the same inputs n times and requires bitwise-equal O and LSE (`bitwise_equal`).
@@ -418,24 +417,4 @@ CHECKS = [
                                                   mask_select=True),
      (3, 1000, 1000, 8, 2, {"window": (200, 37), "q_seqlen": [1000, 131, 0],
                             "kv_seqlen": [1000, 0, 255]})),
-    # lazy_threshold 8 (FA4's threshold, rounded-P row sums; gated until these pass) on the
-    # picks of hd 128 / 256: ramped keys (rows move their reference) against cuDNN's error,
-    # dense and causal, GQA, odd lengths, fp16, softcap with a window and lengths, a repeat.
-    ("bf16 h256 lz8 ps dense ramp", _LZ8 | dict(head_dim=256, persistent=True, tile_pipe=True),
-     (2, 1000, 2000, 8, 8, {"k_ramp": 6.0, "cudnn": True, "repeat": 2})),
-    ("bf16 h256 lz8 dense 4k", _LZ8 | dict(head_dim=256), (1, 4096, 4096, 4, 4, {"cudnn": True})),
-    ("bf16 h256 lz8 ps pairs causal ramp", _LZ8 | _PAIRS | _SEL | dict(head_dim=256),
-     (2, 1000, 1000, 8, 2, {"k_ramp": 4.0, "cudnn": True})),
-    ("bf16 h128 lz8 ps msk dense ramp", _LZ8 | dict(head_dim=128, persistent=True,
-                                                   tile_pipe=True, mask_skip=True),
-     (2, 700, 2000, 8, 8, {"k_ramp": 6.0, "cudnn": True})),
-    ("bf16 h128 lz8 dense 4k", _LZ8 | dict(head_dim=128, mask_skip=True),
-     (2, 4096, 4096, 8, 8, {"cudnn": True})),
-    ("bf16 h128 lz8 causal gqa T<S ramp", _LZ8 | _SEL | dict(head_dim=128, is_causal=True),
-     (2, 500, 900, 8, 2, {"k_ramp": 4.0})),
-    ("fp16 h128 lz8 window softcap seqlens", _LZ8 | dict(
-        dtype="float16", head_dim=128, has_window=True, has_softcap=True, has_q_seqlen=True,
-        has_kv_seqlen=True),
-     (3, 600, 700, 8, 2, {"window": (200, 37), "softcap": 30.0, "q_seqlen": [600, 131, 0],
-                          "kv_seqlen": [700, 0, 255], "k_ramp": 4.0})),
 ]

@@ -777,7 +777,7 @@ class FlashFwdSm90(FwdEpilogue):
         """(row_scale, whether the warp must rescale O: None = always) of a non-first block.
         Plain Python (inlined while tracing)."""
         if const_expr(self.lazy_rescale):
-            return softmax.step_lazy(acc_S, self.cfg.lazy_threshold, self.dtype)
+            return softmax.step_lazy(acc_S)
         return softmax.step(acc_S, is_first=False), None
 
     @cute.jit

@@ -102,15 +102,12 @@ class OnlineSoftmax(Carried):
         return row_scale
 
     @cute.jit
-    def step_lazy(self, acc_s: cute.Tensor, threshold: cutlass.Constexpr = LAZY_RESCALE_LOG2,
-                  p_dtype: cutlass.Constexpr = None):
+    def step_lazy(self, acc_s: cute.Tensor):
         """`step` (not the first block) with conditional rescaling: a row keeps its reference
-        max until the block's max exceeds it by more than ``threshold`` (log2 units; 0: any
-        growth), and the output / sum are rescaled only when a reference moves.
+        max until the block's max exceeds it by more than ``LAZY_RESCALE_LOG2`` (log2 units;
+        0: any growth), and the output / sum are rescaled only when a reference moves.
         Returns (row_scale, whether any row of the warp moved: the caller skips the O
-        rescale otherwise; with threshold 0 the skipped factors are exactly 1). With a
-        threshold above 0 the probabilities are rounded to ``p_dtype`` (the P GEMM's) before
-        they are summed, so the sum holds exactly what the GEMM weighs."""
+        rescale otherwise; with threshold 0 the skipped factors are exactly 1)."""
         s = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
         ncol = cute.size(s, mode=[1])
@@ -121,7 +118,7 @@ class OnlineSoftmax(Carried):
             prev = self.row_max[r]
             # -inf reference (nothing visible yet) and a finite max: +inf > threshold, moves;
             # both -inf: NaN, compares false, stays (its probabilities are exp2(-inf) = 0).
-            grow = (m - prev) * self.scale_log2 > Float32(threshold)
+            grow = (m - prev) * self.scale_log2 > Float32(LAZY_RESCALE_LOG2)
             m_safe = Float32(cutlass.select_(m == -Float32.inf, Float32(0.0), m))
             sc = Float32(cutlass.select_(
                 grow, cute.math.exp2((prev - m_safe) * self.scale_log2, fastmath=True),
@@ -134,10 +131,6 @@ class OnlineSoftmax(Carried):
             for c in cutlass.range_constexpr(ncol):
                 s[r, c] = cute.math.exp2(s[r, c] * self.scale_log2 + neg_ref_scaled,
                                          fastmath=True)
-            if cutlass.const_expr(threshold > 0):
-                # probabilities up to 2**threshold are not exact in bf16 / fp16 (1 is): sum the
-                # rounded values, so the dominant term's rounding cancels in O / sum
-                s[r, None].store(s[r, None].load().to(p_dtype).to(Float32))
             block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             row_scale[r] = sc
             self.row_sum[r] = self.row_sum[r] * sc + block_sum

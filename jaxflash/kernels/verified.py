@@ -77,11 +77,8 @@ RULES = {
     # error 0.98-1.00x cuDNN's), memcheck clean, racecheck's one report inside cuDNN's kernel
     # (H200, 2026-12-02 05:30 UTC, `h200-2026-12-02-cute-fwd-*m256*`): cleared, and picked at
     # dense hd 64 S <= 2k (`choose.schedule_for`).
-    # lazy_threshold 8 (FA4's, with the row sums of the rounded P; 2026-12-02, compiled:
-    # 0 spills at hd 128 / 256, 16 B at hd 64's 192-row tiles).
     "FwdConfig": (("two CTAs per SM at tile_m 128",
-                   lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),
-                  ("lazy_threshold 8", lambda c: c.lazy_threshold == 8)),
+                   lambda c: c.ctas_per_sm == 2 and c.tile_m == 128),),
     # dq_flat passed 17 float64 checks, determinism and the sanitizers on the H200 (2026-12-01
     # 17:05 UTC, `cute-bwd-{check,determinism}-dqf-*`): cleared, and picked (`choose`).
     # dq_flat with dq_writer passed 6 float64 checks (hd 96 / 128, fp16, windows, lengths with
