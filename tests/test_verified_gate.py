@@ -640,6 +640,9 @@ def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     assert any(kw.get("has_window") and kw.get("has_kv_seqlen") for kw in kws)
     assert any(kw.get("mask_skip") for kw in kws) and any(not kw.get("persistent") for kw in kws)
     assert any(p[1] < 256 for _, _, p in cases) and any(p[-1].get("cudnn") for _, _, p in cases)
+    assert devrun._variant(64, False, devrun.VARIANTS["m256"]) is not None
+    assert devrun._variant(64, True, devrun.VARIANTS["m256_pairs"]).mask_select
+    assert {(64, 1024, False), (64, 2048, False)} <= devrun.VARIANT_POINTS
 
 
 def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch):

@@ -25,7 +25,8 @@
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
-#   dqwg    backward dq_wg_flush at hd 192 / 256 (gated): checks, sanitizers, bench (~4 min)
+#   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
+#           sanitizers, bench (~2 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
 #   occ     ncu launch stats / occupancy of our 1k forward and cuDNN's           (~2 min)
 #   c2      64-row forward tiles at two CTAs per SM (cleared, picked at causal 1k): its check
@@ -159,12 +160,12 @@ featcheck)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
 dqwg)
-  # BwdConfig.dq_wg_flush (built 2026-12-02, gated): 6 float64 cases, sanitizers on two, the
+  # BwdConfig.dq_wg_flush (cleared 2026-12-02, not picked): 6 float64 cases, sanitizers on two, the
   # D=256 points (columns dqf_wg / dqf_tl_wg beside dqf / dqf_tl, the picks)
   gated bwd_devrun "kw.get('dq_wg_flush')" dqwg "bf16 h256 dqg causal T>S;fp16 h192 dqg window kvlen" \
     256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 ;;
 m256)
-  # 256-row tiles, hd 64 (built 2026-12-02, gated): 7 float64 checks, sanitizers on two, the hd
+  # 256-row tiles, hd 64 (cleared and picked 2026-12-02): 7 float64 checks, sanitizers on two, the hd
   # 64 points against the picks (the target: 1k dense, 0.96x cuDNN in grids cc13 / cc14)
   gated devrun "kw.get('tile_m') == 256" m256 \
     "bf16 h64 m256 ps dense gqa odd;fp16 h64 m256 window seqlens" \

@@ -89,7 +89,7 @@ RULES = {
     # float64 checks (hd 192 / 256, odd lengths, GQA with T < S, T > S, softcap, fp16 window
     # with key lengths; error 1.00x cuDNN's on the 2k case), memcheck and racecheck clean
     # (H200, 2026-12-02 05:33 UTC, `h200-2026-12-02-cute-bwd-*dqwg*`): cleared; not picked
-    # (fwd+bwd against dq_flat alone at D=256: 1.3-6% slower dense, within 0.5% causal).
+    # (fwd+bwd against dq_flat alone at D=256: 1-6% slower dense, within 1.3% causal).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
                   ("dq_arrive", lambda c: c.dq_arrive)),
     # tail_lpt (the last heads launched key-block-major) passed 8 float64 checks (hd 64 / 128 /
