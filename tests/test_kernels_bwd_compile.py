@@ -114,6 +114,10 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, dq_wg_flush=True, is_causal=True),
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, dq_wg_flush=True, has_window=True,
               has_kv_seqlen=True),
+    # q_multicast (opt-in, gated): key-block pairs in a cluster, Q / dO halves multicast
+    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, is_causal=True),
+    BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, q_multicast=True,
+              has_q_seqlen=True, has_kv_seqlen=True),
 ]
 
 
@@ -125,6 +129,14 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     assert ptx_files, "no PTX dumped"
     ptx = open(ptx_files[0]).read()
     assert ".target sm_90a" in ptx
+    # q_multicast: Q / dO loads multicast into the pair, stage releases arrive in both CTAs,
+    # and the CTAs leave through a cluster barrier; nothing of it in any other variant.
+    mc = ptx.count("multicast::cluster")
+    if cfg.q_multicast:
+        assert mc >= 2 and "mbarrier.arrive.shared::cluster" in ptx, mc
+        assert "barrier.cluster.wait" in ptx
+    else:
+        assert mc == 0 and "barrier.cluster" not in ptx
     dt = "bf16" if cfg.dtype == "bfloat16" else "f16"
     wg = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{dt}.{dt}"
     if cfg.split == "keys":

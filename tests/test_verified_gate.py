@@ -605,6 +605,33 @@ def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     assert {"dqf_wg", "dqf_tl_wg"} <= set(bwd_devrun.BENCH_VARIANTS[256])
 
 
+def test_backward_q_multicast_gated_keyed_refused_not_picked():
+    """q_multicast (key-block pairs sharing Q / dO loads by TMA multicast) is built and
+    compiled but not yet checked on a GPU: gated, keyed, refused where the pair's CTAs would
+    walk different query blocks, never picked; its check cases and bench columns exist."""
+    from jaxflash.kernels import bwd_devrun
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = BwdConfig(head_dim=256, dq_flat=True, q_multicast=True)
+    base = BwdConfig(head_dim=256, dq_flat=True)
+    assert "_qmc" in cfg.key and cfg.key != base.key
+    assert cfg.smem_bytes() == base.smem_bytes() and cfg.num_stages == base.num_stages
+    assert verified.pending(cfg) == ("q_multicast",) and verified.pending(base) == ()
+    for bad in (dict(has_window=True), dict(deterministic=True),
+                dict(is_causal=True, tail_lpt=True), dict(head_dim=128, tile_m=80)):
+        with pytest.raises(ValueError, match="q_multicast"):
+            BwdConfig(**{"head_dim": 256, "q_multicast": True, **bad})
+    for d in (64, 128, 192, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert not backward_config(grid_problem(d, s_, c)).q_multicast
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("q_multicast")]
+    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {128, 192, 256}
+    assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_kv_seqlen") for kw in kws)
+    assert "dqf_qmc" in bwd_devrun.BENCH_VARIANTS[256]
+    assert "edv_dqf_qmc" in bwd_devrun.BENCH_VARIANTS[128]
+
+
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
     and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and

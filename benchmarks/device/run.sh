@@ -25,6 +25,8 @@
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
+#   qmc     backward q_multicast (gated): checks, sanitizers, D=256 bench (~2.5 min)
+#   qmc128  q_multicast at hd 128: bench only (~1.5 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
@@ -159,6 +161,16 @@ featcheck)
   # 2026-12-02 when dispatch gave those calls the plain schedule)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
+qmc)
+  # BwdConfig.q_multicast (gated, built 2026-12-02): 9 float64 cases, sanitizers on two, the
+  # D=256 points (column dqf_qmc beside dqf / dqf_tl, the picks)
+  gated bwd_devrun "kw.get('q_multicast')" qmc "bf16 h256 qmc dense odd;bf16 h256 qmc causal T>S" \
+    256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 ;;
+qmc128)
+  # q_multicast at hd 128 (column edv_dqf_qmc beside the picks edv_dqf / edv_dqf_tl)
+  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \
+    --only 128:1024:0,128:1024:1,128:4096:0,128:4096:1,128:16384:0,128:16384:1 \
+    --out $OUT/cute-bwd-bench-qmc128-$D.json 2>&1 | tail -12 ;;
 dqwg)
   # BwdConfig.dq_wg_flush (cleared 2026-12-02, not picked): 6 float64 cases, sanitizers on two, the
   # D=256 points (columns dqf_wg / dqf_tl_wg beside dqf / dqf_tl, the picks)

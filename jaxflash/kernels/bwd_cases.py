@@ -339,6 +339,32 @@ CHECKS = [
                                       dq_wg_flush=True), (1, 400, 150, 2, 2, {})),
     ("bf16 h256 dqg softcap", dict(head_dim=256, has_softcap=True, dq_flat=True,
                                    dq_wg_flush=True), (2, 300, 333, 4, 2, {"softcap": 20.0})),
+    # q_multicast (key-block pairs in a cluster, Q / dO halves multicast to both): odd key
+    # block counts (300 / 700 / 150 keys: the pair's phantom CTA has every key masked), a
+    # single block, causal (the odd block's first query block fully masked), T > S, lengths
+    # with empty rows, softcap, fp16 hd 192, the key-split kernel (hd 128 causal GQA) and two
+    # 2k cases against cuDNN's error.
+    ("bf16 h256 qmc dense odd", dict(head_dim=256, dq_flat=True, q_multicast=True),
+     (2, 333, 300, 4, 4, {})),
+    ("bf16 h256 qmc tiny", dict(head_dim=256, dq_flat=True, q_multicast=True),
+     (1, 64, 64, 1, 1, {})),
+    ("bf16 h256 qmc causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                          q_multicast=True), (2, 500, 700, 8, 2, {})),
+    ("bf16 h256 qmc causal T>S", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                      q_multicast=True), (1, 400, 150, 2, 2, {})),
+    ("fp16 h192 qmc causal lengths", dict(dtype="float16", head_dim=192, is_causal=True,
+                                          has_q_seqlen=True, has_kv_seqlen=True, dq_flat=True,
+                                          q_multicast=True),
+     (3, 300, 400, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [400, 0, 255]})),
+    ("bf16 h256 qmc softcap", dict(head_dim=256, has_softcap=True, dq_flat=True,
+                                   q_multicast=True), (2, 300, 333, 4, 2, {"softcap": 20.0})),
+    ("bf16 h128 qmc causal gqa odd", dict(head_dim=128, is_causal=True, early_dv=True,
+                                          dq_flat=True, q_multicast=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h256 qmc dense 2k", dict(head_dim=256, dq_flat=True, q_multicast=True),
+     (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    ("bf16 h256 qmc causal 2k", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                     q_multicast=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

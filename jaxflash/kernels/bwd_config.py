@@ -121,6 +121,13 @@ class BwdConfig:
       staged, behind a barrier of its own 128 threads, instead of both meeting at BAR_DQ and
       warp 4 adding the whole tile: the warpgroups meet once per step (at the dS barrier)
       instead of twice; P^T / dS^T get two buffers (the dQ barrier no longer guards their reuse).
+    q_multicast: (not deterministic, window, segment ids, tail_lpt or tile_m 80) key blocks 2j
+      and 2j+1 of one (head, batch) run as a cluster of two CTAs walking the same query blocks
+      (those of block 2j: under causal masking block 2j+1's first one is fully masked), and
+      each CTA loads half of every Q and dO tile by TMA multicast into both CTAs' shared
+      memory (`jaxflash.kernels.q_multicast`): half the Q / dO bytes read from L2, where the
+      hd 256 kernel waits (Nsight Compute: L2 at 83% of peak). The pair's stage release is
+      coupled: a stage is refilled once both CTAs' consumers have released it.
     """
 
     dtype: str = "bfloat16"
@@ -145,6 +152,7 @@ class BwdConfig:
     dq_flat: bool = False
     tail_lpt: bool = False
     dq_wg_flush: bool = False
+    q_multicast: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -234,6 +242,16 @@ class BwdConfig:
             return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "
                            "head-dim-split kernel (hd 192 / 256), not deterministic (whose "
                            "ordered adds are whole tiles)")
+        if self.q_multicast:
+            extra = [n for n, on in (
+                ("window", self.has_window), ("segment ids", self.has_segments),
+                ("deterministic", self.deterministic), ("tail_lpt", self.tail_lpt),
+                ("tile_m 80", self.tile_m == 80)) if on]
+            if extra:
+                return False, (f"q_multicast with {', '.join(extra)}: the paired CTAs walk the "
+                               "even key block's query blocks in launch order (a window's end, "
+                               "segment ranges, ordered dQ adds or a remapped order would differ "
+                               "between the two)")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
@@ -309,6 +327,7 @@ class BwdConfig:
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
                 f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
+                f"{'_qmc' if self.q_multicast else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

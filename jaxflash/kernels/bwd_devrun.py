@@ -79,12 +79,16 @@ BENCH_VARIANTS = {
           "edv_ovl_dqw_dqf": dict(early_dv=True, overlap_dq=True, dq_writer=True,
                                   dq_flat=True),
           # tail_lpt (causal points only): the last heads launched key-block-major
-          "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True)},
+          "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True),
+          # q_multicast: key-block pairs sharing their Q / dO loads (TMA multicast)
+          "edv_dqf_qmc": dict(early_dv=True, dq_flat=True, q_multicast=True)},
     # "dqf_wg": dq_wg_flush (each warpgroup reduce-adds its own dQ half), "dqf_tl_wg" with
     # tail_lpt (the causal pick)
     256: {"dqf": dict(dq_flat=True), "dqf_tl": dict(dq_flat=True, tail_lpt=True),
           "dqf_wg": dict(dq_flat=True, dq_wg_flush=True),
-          "dqf_tl_wg": dict(dq_flat=True, tail_lpt=True, dq_wg_flush=True)},
+          "dqf_tl_wg": dict(dq_flat=True, tail_lpt=True, dq_wg_flush=True),
+          # q_multicast (every point; not with tail_lpt, so the causal pick is dqf_tl)
+          "dqf_qmc": dict(dq_flat=True, q_multicast=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -102,7 +106,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush")
+             "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush", "q_multicast")
 
 
 def variant_config(D, causal, vkw):

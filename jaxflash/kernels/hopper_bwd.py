@@ -23,28 +23,23 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
                                  B = K^T; the tile_m x hd tile is split over the two
                                  warpgroups by columns at tile_m 64, by 64-query rows at
                                  tile_m 128) then added to the float32 dQ accumulator in global
-                                 memory (other CTAs add to the same rows): by default written
-                                 to shared memory and added by TMA reduce-adds (one per step;
-                                 one per 8-column slab at tile_m 128) (``dq_accum="tma"``),
-                                 else one red.global.add.f32 per element
+                                 memory (other CTAs add to the same rows): staged in shared
+                                 memory and added by TMA reduce-adds (``dq_accum="tma"``; one
+                                 per 8-column slab at tile_m 128), or red.global.add.f32
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
-The host function first launches a small kernel zeroing the dQ accumulator (on the same stream),
-so the launch owns its output and the bridge needs no input/output aliasing.
+The host first zeroes dQ (same stream: no aliasing). `q_multicast`: CTAs in pairs (its module).
 
-Deterministic mode (``deterministic``): the dQ reduce-adds into one query block happen in key
-block order. A semaphore per (batch, head, query block), zeroed with dQ, counts the key blocks
-done; the CTA of key block n waits (one lane of warp 4 spinning on an acquire load) until it
-equals n - first, with first the lowest key block that visits that query block
-(`QueryBlockRange.n_block_first`), adds, waits for the add to complete and releases n + 1.
-CTA n only ever waits on CTAs of lower n of the same (kv head, batch), launched before it
-(grid x = key block), so there is no cycle.
+Deterministic mode: the dQ reduce-adds into a query block happen in key block order. A
+semaphore per (batch, head, query block), zeroed with dQ, counts the key blocks done; CTA n
+waits (one lane of warp 4 spinning on an acquire load) until it equals n - first (the lowest
+key block visiting that query block: `QueryBlockRange.n_block_first`), adds, waits for the add
+and releases n + 1. It only waits on lower n of its (kv head, batch), launched before it.
 
-Masking (jax.nn semantics, see `mask.py`): masked logits are -inf before the exponential, so P
-and dS are exactly 0 there; queries with no visible key, past q_seqlen or past T arrive with
-lse2 = +inf (the caller's preprocessing), giving P = 0 (never NaN); keys at or past kv_seqlen
-are masked in every step, so their dK/dV rows are 0.
+Masking (jax.nn semantics, `mask.py`): masked logits are -inf before the exponential (P = dS
+= 0); queries with no visible key, past q_seqlen or T arrive with lse2 = +inf (P = 0, never
+NaN); keys at or past kv_seqlen are masked in every step (dK / dV rows 0).
 
 ALiBi and segment ids reuse the forward's blocks (`mask.py`) on the transposed tile (rows =
 keys, columns = queries; |i - j| is symmetric, and `SegmentRows` / `apply_segment_mask` take
@@ -81,6 +76,7 @@ from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords,
                                    alibi_distance_dot, apply_alibi, apply_mask_kq,
                                    apply_segment_mask)
 from jaxflash.kernels.pipes import TmaPipelines
+from jaxflash.kernels.q_multicast import QMulticast
 
 LOG2_E = math.log2(math.e)
 
@@ -92,7 +88,7 @@ _ZERO_THREADS = 256
 _ZERO_PER_THREAD = 4
 
 
-class FlashBwdSm90(DqAccumulation):
+class FlashBwdSm90(DqAccumulation, QMulticast):
     """Hopper backward attention kernel for one `BwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), the bridge's order (see `bwd_launch`): q, k, v, do,
@@ -228,10 +224,11 @@ class FlashBwdSm90(DqAccumulation):
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
         sel = lambda l: cute.select(l, mode=[0, 1])
+        qdo_op, mc = self.qdo_load_op()  # TMA multicast to a key-block pair (`q_multicast`)
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(
-            g2s, mQ, sel(sQ_layout), (self.tile_m, self.hd), 1)
+            qdo_op, mQ, sel(sQ_layout), (self.tile_m, self.hd), mc)
         tma_dO, tma_mdO = cpasync.make_tiled_tma_atom(
-            g2s, mdO, sel(sdO_layout), (self.tile_m, self.hdv), 1)
+            qdo_op, mdO, sel(sdO_layout), (self.tile_m, self.hdv), mc)
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(g2s, mK, sK_layout, (self.tile_n, self.hd))
         tma_V, tma_mV = cpasync.make_tiled_tma_atom(g2s, mV, sV_layout, (self.tile_n, self.hdv))
         row1 = cute.select(sRow_layout, mode=[0])
@@ -272,7 +269,7 @@ class FlashBwdSm90(DqAccumulation):
                 Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
 
         S = mK.shape[0]
-        num_n_blocks = (S + self.tile_n - 1) // self.tile_n
+        num_n_blocks = self.pair_grid_x((S + self.tile_n - 1) // self.tile_n)
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
             tma_mdQ if self.dq_box else mdQ, mQSeqlen, mKVSeqlen,
@@ -281,7 +278,7 @@ class FlashBwdSm90(DqAccumulation):
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
-                 stream=stream, min_blocks_per_mp=1)
+                 stream=stream, min_blocks_per_mp=1, **self.pair_launch())
 
     # The two things the subclasses (`hopper_bwd_wide`, `hopper_bwd_m80`) change; everything
     # else of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing
@@ -380,9 +377,10 @@ class FlashBwdSm90(DqAccumulation):
         storage = smem.allocate(SharedStorage)
         pipes = TmaPipelines(self.num_mma_threads)
         pipe_kv = pipes.make(storage.mbar_kv.data_ptr(), 1, self.kv_bytes)
-        pipe_q = pipes.make(storage.mbar_q.data_ptr(), self.num_stages, self.q_bytes)
-        pipe_do = pipes.make(storage.mbar_do.data_ptr(), self.num_stages, self.do_bytes)
-        pipes.init_done()
+        qdo_cl = self.qdo_pipeline_layout()
+        pipe_q = pipes.make(storage.mbar_q.data_ptr(), self.num_stages, self.q_bytes, qdo_cl)
+        pipe_do = pipes.make(storage.mbar_do.data_ptr(), self.num_stages, self.do_bytes, qdo_cl)
+        pipes.init_done(self.cluster_shape())
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
@@ -425,7 +423,7 @@ class FlashBwdSm90(DqAccumulation):
             seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
         blocks = QueryBlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
                                  window_left, window_right)
-        m_min, m_max = blocks.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        m_min, m_max = blocks.m_block_min_max(self.range_block(n_block), seqlen_q, seqlen_k)
         mKVBlk = feats[3]
         if const_expr(self.cfg.has_segments):
             # Segment block skipping: only query blocks whose ids can meet this key block's
@@ -435,7 +433,7 @@ class FlashBwdSm90(DqAccumulation):
         num_m = m_max - m_min
         num_steps = group * num_m
 
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(self.cluster_shape())
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -455,6 +453,7 @@ class FlashBwdSm90(DqAccumulation):
                          tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
                          scale_log2, window_left, window_right, n_block, kv_head, batch, group,
                          m_min, num_m, num_steps, seqlen_k, T, mSem, blocks, feats)
+        self.pair_exit()
 
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
@@ -478,6 +477,7 @@ class FlashBwdSm90(DqAccumulation):
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.num_stages)
+            mc_kw = self.qdo_copy_kw()
             for step in cutlass.range(num_steps, unroll=1):
                 g = step // num_m
                 m_block = m_min + step - g * num_m
@@ -488,18 +488,19 @@ class FlashBwdSm90(DqAccumulation):
                                       (None, 0))
                 gLSE = cute.local_tile(mLSE[None, head, batch], (self.tile_m,), (None,))
                 gDelta = cute.local_tile(mDelta[None, head, batch], (self.tile_m,), (None,))
-                tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
-                tdOsdO, tdOgdO = layouts.tma_tiles(tma_dO, sdO, gdO)
+                tQsQ, tQgQ = self.qdo_tiles(tma_Q, sQ, gQ)
+                tdOsdO, tdOgdO = self.qdo_tiles(tma_dO, sdO, gdO)
                 tLsL, tLgL = layouts.tma_tiles(tma_LSE, sLSE, gLSE, rank=1)
                 tDsD, tDgD = layouts.tma_tiles(tma_Dl, sDelta, gDelta, rank=1)
                 pipe_q.producer_acquire(state)
                 bar = pipe_q.producer_get_barrier(state)
-                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar,
+                          **mc_kw)
                 cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
                 pipe_do.producer_acquire(state)
                 bar = pipe_do.producer_get_barrier(state)
                 cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                          tma_bar_ptr=bar)
+                          tma_bar_ptr=bar, **mc_kw)
                 cute.copy(tma_Dl, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=bar)
                 state.advance()
 
