@@ -162,10 +162,23 @@ featcheck)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
 qmc)
-  # BwdConfig.q_multicast (gated, built 2026-12-02): 9 float64 cases, sanitizers on two, the
-  # D=256 points (column dqf_qmc beside dqf / dqf_tl, the picks)
-  gated bwd_devrun "kw.get('q_multicast')" qmc "bf16 h256 qmc dense odd;bf16 h256 qmc causal T>S" \
-    256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 ;;
+  # BwdConfig.q_multicast (gated, built 2026-12-02): 9 float64 cases first (a pair that
+  # deadlocks ends the stage there: rc 124), the D=256 points (column dqf_qmc beside dqf /
+  # dqf_tl, the picks), then memcheck and racecheck on the one-block case (phantom CTA)
+  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('q_multicast')))")
+  timeout 120 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
+    --out $OUT/cute-bwd-check-qmc-$D.json > $OUT/cute-bwd-check-qmc-$D.log 2>&1
+  rc=$?; grep -v -i warn $OUT/cute-bwd-check-qmc-$D.log | tail -14; echo "check rc=$rc"
+  [ $rc = 124 ] && continue
+  timeout 200 python3 -m jaxflash.kernels.bwd_devrun bench \
+    --only 256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 \
+    --out $OUT/cute-bwd-bench-qmc-$D.json 2>&1 | tail -12
+  for tool in memcheck racecheck; do
+    timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
+      check --cases "bf16 h256 qmc tiny" --out $OUT/san-$tool.json > $OUT/cute-bwd-qmc-$tool-$D.log 2>&1
+    echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-qmc-$tool-$D.log
+  done
+  rm -f $OUT/san-*.json ;;
 qmc128)
   # q_multicast at hd 128 (column edv_dqf_qmc beside the picks edv_dqf / edv_dqf_tl)
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \
