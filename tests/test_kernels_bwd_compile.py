@@ -118,6 +118,10 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, is_causal=True),
     BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, q_multicast=True,
               has_q_seqlen=True, has_kv_seqlen=True),
+    # do_first (opt-in, gated; wide kernel): dP^T first, dO released after dV
+    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
+    BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,
+              has_window=True, has_softcap=True, has_kv_seqlen=True),
 ]
 
 

@@ -632,6 +632,29 @@ def test_backward_q_multicast_gated_keyed_refused_not_picked():
     assert "edv_dqf_qmc" in bwd_devrun.BENCH_VARIANTS[128]
 
 
+def test_backward_do_first_gated_keyed_wide_only_not_picked():
+    """do_first (the wide kernel's step takes dP^T first and releases dO after dV) is built
+    and compiled, not yet run on a GPU: gated, keyed, wide kernel only, never picked, with
+    check cases (alone, with tail_lpt, with q_multicast) and D=256 bench columns."""
+    from jaxflash.kernels import bwd_devrun
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    cfg = BwdConfig(head_dim=256, dq_flat=True, do_first=True)
+    base = BwdConfig(head_dim=256, dq_flat=True)
+    assert "_dof" in cfg.key and cfg.smem_bytes() == base.smem_bytes()
+    assert verified.pending(cfg) == ("do_first",)
+    with pytest.raises(ValueError, match="do_first"):
+        BwdConfig(head_dim=128, do_first=True)
+    for d in (192, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert not backward_config(grid_problem(d, s_, c)).do_first
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("do_first")]
+    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
+    assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
+    assert {"dqf_dof", "dqf_tl_dof", "dqf_qmc_dof"} <= set(bwd_devrun.BENCH_VARIANTS[256])
+
+
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
     and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and

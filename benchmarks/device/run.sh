@@ -25,7 +25,7 @@
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
-#   qmc     backward q_multicast (gated): checks, sanitizers, D=256 bench (~2.5 min)
+#   qmc     backward q_multicast and do_first (gated): checks, D=256 bench, sanitizers (~4 min)
 #   qmc128  q_multicast at hd 128: bench only (~1.5 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)
@@ -162,11 +162,12 @@ featcheck)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
 qmc)
-  # BwdConfig.q_multicast (gated, built 2026-12-02): 9 float64 cases first (a pair that
-  # deadlocks ends the stage there: rc 124), the D=256 points (column dqf_qmc beside dqf /
-  # dqf_tl, the picks), then memcheck and racecheck on the one-block case (phantom CTA)
-  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('q_multicast')))")
-  timeout 120 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
+  # BwdConfig.q_multicast and do_first (gated, built 2026-12-02): their 17 float64 cases
+  # first (a pair that deadlocks ends the stage there: rc 124), the D=256 points (columns
+  # dqf_qmc, dqf_dof, dqf_tl_dof, dqf_qmc_dof beside dqf / dqf_tl, the picks), then memcheck
+  # and racecheck on the one-block case (phantom CTA) and one do_first case
+  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('q_multicast') or kw.get('do_first')))")
+  timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
     --out $OUT/cute-bwd-check-qmc-$D.json > $OUT/cute-bwd-check-qmc-$D.log 2>&1
   rc=$?; grep -v -i warn $OUT/cute-bwd-check-qmc-$D.log | tail -14; echo "check rc=$rc"
   [ $rc = 124 ] && continue
@@ -175,7 +176,7 @@ qmc)
     --out $OUT/cute-bwd-bench-qmc-$D.json 2>&1 | tail -12
   for tool in memcheck racecheck; do
     timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
-      check --cases "bf16 h256 qmc tiny" --out $OUT/san-$tool.json > $OUT/cute-bwd-qmc-$tool-$D.log 2>&1
+      check --cases "bf16 h256 qmc tiny;bf16 h256 dof causal T>S softcap" --out $OUT/san-$tool.json > $OUT/cute-bwd-qmc-$tool-$D.log 2>&1
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-qmc-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;

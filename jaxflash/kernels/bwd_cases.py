@@ -365,6 +365,19 @@ CHECKS = [
      (1, 2048, 2048, 4, 4, {"cudnn": True})),
     ("bf16 h256 qmc causal 2k", dict(head_dim=256, is_causal=True, dq_flat=True,
                                      q_multicast=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    # do_first (hd 192 / 256: dP^T before S^T, dO released after dV, Q after dK): the wide
+    # dQ-path four, causal T > S with softcap, and with tail_lpt / q_multicast.
+    *_wide_dq_cases("dof", dq_flat=True, do_first=True),
+    ("bf16 h256 dof causal T>S softcap", dict(head_dim=256, is_causal=True, has_softcap=True,
+                                              dq_flat=True, do_first=True),
+     (1, 400, 150, 2, 2, {"softcap": 20.0})),
+    ("bf16 h256 dof tl causal gqa", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                         tail_lpt=True, do_first=True), (4, 500, 700, 8, 2, {})),
+    ("bf16 h256 dof qmc causal odd", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                          do_first=True, q_multicast=True),
+     (2, 333, 300, 4, 2, {})),
+    ("bf16 h256 dof qmc dense 2k", dict(head_dim=256, dq_flat=True, do_first=True,
+                                        q_multicast=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

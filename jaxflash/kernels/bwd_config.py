@@ -128,6 +128,12 @@ class BwdConfig:
       memory (`jaxflash.kernels.q_multicast`): half the Q / dO bytes read from L2, where the
       hd 256 kernel waits (Nsight Compute: L2 at 83% of peak). The pair's stage release is
       coupled: a stage is refilled once both CTAs' consumers have released it.
+    do_first: (hd 192 / 256) the wide kernel's step takes dP^T = V dO^T before S^T = K Q^T and
+      releases dO as soon as the dV GEMM is done, Q after the dK GEMM (instead of both after
+      dK), and the producer loads dO before Q: with one Q / dO stage at hd 256, the next
+      step's dO load then overlaps the dK and dQ GEMMs and Q's the dQ GEMM and the next dP^T
+      (today both overlap only dQ and its flush). The mask / softcap on S^T no longer runs
+      under the dP^T GEMM.
     """
 
     dtype: str = "bfloat16"
@@ -153,6 +159,7 @@ class BwdConfig:
     tail_lpt: bool = False
     dq_wg_flush: bool = False
     q_multicast: bool = False
+    do_first: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -252,6 +259,9 @@ class BwdConfig:
                                "even key block's query blocks in launch order (a window's end, "
                                "segment ranges, ordered dQ adds or a remapped order would differ "
                                "between the two)")
+        if self.do_first and self.split != "headdim":
+            return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
+                           "head-dim-split kernel (hd 192 / 256) only")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
@@ -327,7 +337,7 @@ class BwdConfig:
                 f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
                 f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
-                f"{'_qmc' if self.q_multicast else ''}"
+                f"{'_qmc' if self.q_multicast else ''}{'_dof' if self.do_first else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

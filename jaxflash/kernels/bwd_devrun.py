@@ -88,7 +88,12 @@ BENCH_VARIANTS = {
           "dqf_wg": dict(dq_flat=True, dq_wg_flush=True),
           "dqf_tl_wg": dict(dq_flat=True, tail_lpt=True, dq_wg_flush=True),
           # q_multicast (every point; not with tail_lpt, so the causal pick is dqf_tl)
-          "dqf_qmc": dict(dq_flat=True, q_multicast=True)},
+          "dqf_qmc": dict(dq_flat=True, q_multicast=True),
+          # do_first (dP^T first, dO released after dV): alone, with the causal pick's
+          # tail_lpt, and with q_multicast
+          "dqf_dof": dict(dq_flat=True, do_first=True),
+          "dqf_tl_dof": dict(dq_flat=True, tail_lpt=True, do_first=True),
+          "dqf_qmc_dof": dict(dq_flat=True, q_multicast=True, do_first=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -106,7 +111,8 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush", "q_multicast")
+             "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush", "q_multicast",
+             "do_first")
 
 
 def variant_config(D, causal, vkw):

@@ -492,16 +492,15 @@ class FlashBwdSm90(DqAccumulation, QMulticast):
                 tdOsdO, tdOgdO = self.qdo_tiles(tma_dO, sdO, gdO)
                 tLsL, tLgL = layouts.tma_tiles(tma_LSE, sLSE, gLSE, rank=1)
                 tDsD, tDgD = layouts.tma_tiles(tma_Dl, sDelta, gDelta, rank=1)
-                pipe_q.producer_acquire(state)
-                bar = pipe_q.producer_get_barrier(state)
-                cute.copy(tma_Q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar,
-                          **mc_kw)
-                cute.copy(tma_LSE, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar)
-                pipe_do.producer_acquire(state)
-                bar = pipe_do.producer_get_barrier(state)
-                cute.copy(tma_dO, tdOgdO[None, m_block], tdOsdO[None, state.index],
-                          tma_bar_ptr=bar, **mc_kw)
-                cute.copy(tma_Dl, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=bar)
+                # (pipeline, tile atom / gmem / smem, row atom / gmem / smem), in load order
+                for pipe, atom, gT, sT, ratom, gR, sR in self.qdo_load_order(
+                        (pipe_q, tma_Q, tQgQ, tQsQ, tma_LSE, tLgL, tLsL),
+                        (pipe_do, tma_dO, tdOgdO, tdOsdO, tma_Dl, tDgD, tDsD)):
+                    pipe.producer_acquire(state)
+                    bar = pipe.producer_get_barrier(state)
+                    cute.copy(atom, gT[None, m_block], sT[None, state.index], tma_bar_ptr=bar,
+                              **mc_kw)
+                    cute.copy(ratom, gR[None, m_block], sR[None, state.index], tma_bar_ptr=bar)
                 state.advance()
 
     @cute.jit

@@ -152,13 +152,19 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 ip = 0  # P^T of this step's buffer; ip + 1: dS^T
                 if const_expr(self.pds_bufs == 2):
                     ip = (step % 2) * 2
+                if const_expr(self.cfg.do_first):  # dP^T first: dO is what arrives first
+                    pipe_do.consumer_wait(state)
+                    layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
+                                  zero_init=True, wait=-1)
                 pipe_q.consumer_wait(state)
                 layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
                               zero_init=True, wait=-1)
-                pipe_do.consumer_wait(state)
-                layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
-                              zero_init=True, wait=-1)
-                warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+                if const_expr(not self.cfg.do_first):
+                    pipe_do.consumer_wait(state)
+                    layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
+                                  zero_init=True, wait=-1)
+                # S^T is ready; dP^T may still run (do_first: S^T is the last, wait for all)
+                warpgroup.wait_group(0 if self.cfg.do_first else 1)
                 if const_expr(self.cfg.has_softcap):
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
@@ -187,11 +193,16 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, ip + 1],
                               tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
                 # dV and dK done (groups complete in order) -> Q and dO are free: the producer
-                # loads the next step while dQ runs and is flushed.
+                # loads the next step while dQ runs and is flushed. do_first: dO as soon as dV
+                # is done (dK and dQ still queued), then Q.
                 layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1], tdQrKt,
-                              zero_init=True, wait=1)
+                              zero_init=True, wait=2 if self.cfg.do_first else 1)
+                if const_expr(self.cfg.do_first):
+                    pipe_do.consumer_release(state)
+                    warpgroup.wait_group(1)
                 pipe_q.consumer_release(state)
-                pipe_do.consumer_release(state)
+                if const_expr(not self.cfg.do_first):
+                    pipe_do.consumer_release(state)
                 state.advance()
                 warpgroup.wait_group(0)
                 self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,

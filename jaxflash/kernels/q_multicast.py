@@ -84,6 +84,11 @@ class QMulticast:
         return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                      cute.group_modes(gmem, 0, 2))
 
+    def qdo_load_order(self, q_load, do_load):
+        """The producer's per-step order of the Q (+ LSE) and dO (+ delta) loads: the order in
+        which the consumers first wait for them (`BwdConfig.do_first`: dO first)."""
+        return (do_load, q_load) if self.cfg.do_first else (q_load, do_load)
+
     def qdo_copy_kw(self) -> dict:
         """Extra `cute.copy` arguments of the Q / dO loads: both CTAs receive each half."""
         return {"mcast_mask": cutlass.Int16((1 << PAIR) - 1)} if self.paired else {}

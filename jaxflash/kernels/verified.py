@@ -93,7 +93,9 @@ RULES = {
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
                   ("dq_arrive", lambda c: c.dq_arrive),
                   # key-block pairs sharing Q / dO by TMA multicast (built 2026-12-02)
-                  ("q_multicast", lambda c: c.q_multicast)),
+                  ("q_multicast", lambda c: c.q_multicast),
+                  # the wide kernel's dO-first step order (built 2026-12-02)
+                  ("do_first", lambda c: c.do_first)),
     # tail_lpt (the last heads launched key-block-major) passed 8 float64 checks (hd 64 / 128 /
     # 256, GQA, many heads, T < S and T > S, lengths with empty rows, fp16, deterministic; 2k
     # vs cuDNN), memcheck and racecheck clean (H200, 2026-12-01 21:35-21:50 UTC,
