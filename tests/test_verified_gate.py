@@ -578,14 +578,22 @@ def test_forward_masked_calls_take_the_plain_schedule():
                        for kw in cases), (sched, feat)
 
 
+def _never_picked(flag: str) -> None:
+    """No point of the anchor grid dispatches to a backward config with ``flag`` set."""
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    for d in (64, 128, 192, 256):
+        for s_ in (1024, 4096, 16384):
+            for c in (0, 1):
+                assert not getattr(backward_config(grid_problem(d, s_, c)), flag), (flag, d, s_, c)
+
+
 def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     """dq_wg_flush (each warpgroup of the wide kernel reduce-adds its own dQ half) passed its
     H200 checks (2026-12-02) and is cleared, but lost to dq_flat alone there: it is keyed,
     double-buffers P^T / dS^T, is refused outside dq_flat / the wide kernel / deterministic,
     and dispatch never picks it; its check cases and D=256 bench columns stay."""
     from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
     cfg = BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_dqg" in cfg.key and cfg.num_stages == 1
@@ -595,10 +603,7 @@ def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
                 dict(head_dim=256, dq_flat=True, deterministic=True)):
         with pytest.raises(ValueError, match="dq_wg_flush"):
             BwdConfig(dq_wg_flush=True, **bad)
-    for d in (64, 128, 192, 256):
-        for s_ in (1024, 4096, 16384):
-            for c in (0, 1):
-                assert not backward_config(grid_problem(d, s_, c)).dq_wg_flush
+    _never_picked("dq_wg_flush")
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_wg_flush")]
     assert len(kws) >= 6 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_window") for kw in kws)
@@ -610,8 +615,6 @@ def test_backward_q_multicast_gated_keyed_refused_not_picked():
     compiled but not yet checked on a GPU: gated, keyed, refused where the pair's CTAs would
     walk different query blocks, never picked; its check cases and bench columns exist."""
     from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
     cfg = BwdConfig(head_dim=256, dq_flat=True, q_multicast=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_qmc" in cfg.key and cfg.key != base.key
@@ -621,10 +624,7 @@ def test_backward_q_multicast_gated_keyed_refused_not_picked():
                 dict(is_causal=True, tail_lpt=True), dict(head_dim=128, tile_m=80)):
         with pytest.raises(ValueError, match="q_multicast"):
             BwdConfig(**{"head_dim": 256, "q_multicast": True, **bad})
-    for d in (64, 128, 192, 256):
-        for s_ in (1024, 4096, 16384):
-            for c in (0, 1):
-                assert not backward_config(grid_problem(d, s_, c)).q_multicast
+    _never_picked("q_multicast")
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("q_multicast")]
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {128, 192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_kv_seqlen") for kw in kws)
@@ -637,18 +637,13 @@ def test_backward_do_first_gated_keyed_wide_only_not_picked():
     and compiled, not yet run on a GPU: gated, keyed, wide kernel only, never picked, with
     check cases (alone, with tail_lpt, with q_multicast) and D=256 bench columns."""
     from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
     cfg = BwdConfig(head_dim=256, dq_flat=True, do_first=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_dof" in cfg.key and cfg.smem_bytes() == base.smem_bytes()
     assert verified.pending(cfg) == ("do_first",)
     with pytest.raises(ValueError, match="do_first"):
         BwdConfig(head_dim=128, do_first=True)
-    for d in (192, 256):
-        for s_ in (1024, 4096, 16384):
-            for c in (0, 1):
-                assert not backward_config(grid_problem(d, s_, c)).do_first
+    _never_picked("do_first")
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("do_first")]
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
