@@ -68,13 +68,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels import layouts
-from jaxflash.kernels.bwd_config import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, BwdConfig
+from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, BwdConfig
 from jaxflash.kernels.bwd_order import block_coords
+from jaxflash.kernels.bwd_step_math import BwdStepMath
 from jaxflash.kernels.dq_accum import DqAccumulation
 from jaxflash.kernels.launch_args import LaunchArgs
-from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords,
-                                   alibi_distance_dot, apply_alibi, apply_mask_kq,
-                                   apply_segment_mask)
+from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords, apply_alibi,
+                                   apply_mask_kq, apply_segment_mask)
 from jaxflash.kernels.pipes import TmaPipelines
 from jaxflash.kernels.q_multicast import QMulticast
 
@@ -88,7 +88,7 @@ _ZERO_THREADS = 256
 _ZERO_PER_THREAD = 4
 
 
-class FlashBwdSm90(DqAccumulation, QMulticast):
+class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     """Hopper backward attention kernel for one `BwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), the bridge's order (see `bwd_launch`): q, k, v, do,
@@ -687,18 +687,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast):
         layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
                       zero_init=True, wait=wait, clear=clear)
 
-    def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
-                             stage: Int32, scale_log2: Float32):
-        """`probs_and_grads`, then P^T and dS^T in the input dtype (the RS operands of dV and
-        dK). Plain Python (inlined while `consume` is traced); `hopper_bwd_m80` converts
-        per column group instead."""
-        self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        rdS.store(acc_dP.load().to(self.dtype))
-        return rP, rdS
-
     def consumer_tiles(self, tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv, thr_dq,
                        tidx, sdS, sdQ):
         """A consumer thread's accumulators (dK / dV zeroed), its coordinates in the S^T and dQ
@@ -727,73 +715,3 @@ class FlashBwdSm90(DqAccumulation, QMulticast):
                                         else sdQ)
         return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds,
                 tdSsdS, tdQsdQ)
-
-    @cute.jit
-    def alibi_grad_step(self, acc_dS, coords: TileCoords, n_block: Int32, m_block: Int32,
-                        m_last: Int32, head: Int32, batch: Int32, warp_idx: Int32,
-                        mdAlibi: cute.Tensor, dslope: Float32):
-        """Add this step's sum dS_ij |i - j| to the thread's running d(slope) partial; after
-        the head's last query block, reduce it over the warp, let lane 0 write
-        alibi_parts[batch, head, n_block, consumer warp] and restart from 0."""
-        dslope = alibi_distance_dot(acc_dS, coords, n_block * self.tile_n,
-                                    m_block * self.tile_m, dslope)
-        if m_block == m_last:
-            total = cute.arch.warp_reduction_sum(dslope)
-            if cute.arch.lane_idx() == 0:
-                mdAlibi[batch, head, n_block, warp_idx - 4] = total
-            dslope = Float32(0.0)
-        return dslope
-
-    @cute.jit
-    def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,
-                        scale_log2: Float32):
-        """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) and
-        acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap, where acc_S
-        held t = tanh(.)). Columns are queries: each column's lse2/delta is read once."""
-        s = layouts.acc_as_rows_cols(acc_S)
-        dp = layouts.acc_as_rows_cols(acc_dP)
-        t0 = coords.t0
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            col = coords.base_col + t0[0, j][1]
-            lse2 = sLSE[col, stage]
-            delta = sDelta[col, stage]
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                x = s[r, j]
-                p = cute.math.exp2(x * scale_log2 - lse2, fastmath=True)
-                ds = p * (dp[r, j] - delta)
-                if const_expr(self.cfg.has_softcap):
-                    # d(c tanh(u))/du = c (1 - t^2); masked entries hold -inf: clamp to -1 so the
-                    # factor is 0 there instead of NaN (p is 0 as well).
-                    t = cute.arch.fmax(x, Float32(-1.0))
-                    ds = ds * (Float32(1.0) - t * t)
-                s[r, j] = p
-                dp[r, j] = ds
-
-    @cute.jit
-    def probs(self, acc_S, coords: TileCoords, sLSE, stage: Int32, scale_log2: Float32):
-        """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) (`early_dv`)."""
-        s = layouts.acc_as_rows_cols(acc_S)
-        t0 = coords.t0
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lse2 = sLSE[coords.base_col + t0[0, j][1], stage]
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
-
-    @cute.jit
-    def grads(self, acc_P, acc_dP, rT, coords: TileCoords, sDelta, stage: Int32):
-        """In place: acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap,
-        t = tanh(.) kept in rT) (`early_dv`)."""
-        p = layouts.acc_as_rows_cols(acc_P)
-        dp = layouts.acc_as_rows_cols(acc_dP)
-        t0 = coords.t0
-        tt = None
-        if const_expr(self.cfg.has_softcap):
-            tt = layouts.acc_as_rows_cols(rT)
-        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-            delta = sDelta[coords.base_col + t0[0, j][1], stage]
-            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-                ds = p[r, j] * (dp[r, j] - delta)
-                if const_expr(self.cfg.has_softcap):
-                    t = cute.arch.fmax(tt[r, j], Float32(-1.0))  # masked: -inf -> factor 0
-                    ds = ds * (Float32(1.0) - t * t)
-                dp[r, j] = ds
