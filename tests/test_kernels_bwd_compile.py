@@ -115,7 +115,8 @@ MATRIX = [
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, dq_wg_flush=True, has_window=True,
               has_kv_seqlen=True),
     # q_multicast (opt-in, gated): key-block pairs in a cluster, Q / dO halves multicast
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, is_causal=True),
+    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, is_causal=True,
+              tail_lpt=True),
     BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, q_multicast=True,
               has_q_seqlen=True, has_kv_seqlen=True),
     # do_first (opt-in, gated; wide kernel): dP^T first, dO released after dV

@@ -65,6 +65,19 @@ def test_backward_tail_order_launches_every_block_once(nn, K, B, T):
     assert all(first[(n - 1, k, b)] < first[(n, k, b)] for (n, k, b) in first if n > 0)
 
 
+@pytest.mark.parametrize("nn,K,B,T", [(8, 16, 16, 1024), (64, 8, 4, 4096), (2, 3, 2, 100)])
+def test_backward_tail_order_keeps_clusters_on_adjacent_blocks(nn, K, B, T):
+    """q_multicast's clusters (x = 2j, 2j + 1) get key blocks 2j', 2j' + 1 of one head, and
+    every block is launched once."""
+    from jaxflash.kernels.sched_model import bwd_block_coords
+    got = [bwd_block_coords(i, nn, K, B, T, 256 * 8, True, pair=2) for i in range(nn * K * B)]
+    assert sorted(got) == sorted((n, k, b) for n in range(nn) for k in range(K)
+                                 for b in range(B))
+    for i in range(0, len(got), 2):
+        (n0, k0, b0), (n1, k1, b1) = got[i], got[i + 1]
+        assert n0 % 2 == 0 and n1 == n0 + 1 and (k0, b0) == (k1, b1), (i, got[i], got[i + 1])
+
+
 def test_backward_tail_order_balances_causal():
     from jaxflash.kernels.sched_model import bwd_balance
     for D, tile_m, tile_n in ((128, 64, 128), (256, 64, 64)):

@@ -607,7 +607,6 @@ def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_wg_flush")]
     assert len(kws) >= 6 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_window") for kw in kws)
-    assert {"dqf_wg", "dqf_tl_wg"} <= set(bwd_devrun.BENCH_VARIANTS[256])
 
 
 def test_backward_q_multicast_gated_keyed_refused_not_picked():
@@ -620,16 +619,17 @@ def test_backward_q_multicast_gated_keyed_refused_not_picked():
     assert "_qmc" in cfg.key and cfg.key != base.key
     assert cfg.smem_bytes() == base.smem_bytes() and cfg.num_stages == base.num_stages
     assert verified.pending(cfg) == ("q_multicast",) and verified.pending(base) == ()
-    for bad in (dict(has_window=True), dict(deterministic=True),
-                dict(is_causal=True, tail_lpt=True), dict(head_dim=128, tile_m=80)):
+    assert "_tl" in BwdConfig(head_dim=256, is_causal=True, tail_lpt=True, q_multicast=True).key
+    for bad in (dict(has_window=True), dict(deterministic=True), dict(head_dim=128, tile_m=80)):
         with pytest.raises(ValueError, match="q_multicast"):
             BwdConfig(**{"head_dim": 256, "q_multicast": True, **bad})
     _never_picked("q_multicast")
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("q_multicast")]
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {128, 192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_kv_seqlen") for kw in kws)
-    assert "dqf_qmc" in bwd_devrun.BENCH_VARIANTS[256]
-    assert "edv_dqf_qmc" in bwd_devrun.BENCH_VARIANTS[128]
+    assert any(kw.get("tail_lpt") for kw in kws)
+    assert {"dqf_qmc", "dqf_tl_qmc"} <= set(bwd_devrun.BENCH_VARIANTS[256])
+    assert {"edv_dqf_qmc", "edv_dqf_tl_qmc"} <= set(bwd_devrun.BENCH_VARIANTS[128])
 
 
 def test_backward_do_first_gated_keyed_wide_only_not_picked():
@@ -647,7 +647,8 @@ def test_backward_do_first_gated_keyed_wide_only_not_picked():
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("do_first")]
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
-    assert {"dqf_dof", "dqf_tl_dof", "dqf_qmc_dof"} <= set(bwd_devrun.BENCH_VARIANTS[256])
+    assert {"dqf_dof", "dqf_tl_dof", "dqf_qmc_dof", "dqf_tl_qmc_dof"} <= set(
+        bwd_devrun.BENCH_VARIANTS[256])
 
 
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():

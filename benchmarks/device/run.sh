@@ -162,10 +162,11 @@ featcheck)
   timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
 qmc)
-  # BwdConfig.q_multicast and do_first (gated, built 2026-12-02): their 17 float64 cases
+  # BwdConfig.q_multicast and do_first (gated, built 2026-12-02): their 19 float64 cases
   # first (a pair that deadlocks ends the stage there: rc 124), the D=256 points (columns
-  # dqf_qmc, dqf_dof, dqf_tl_dof, dqf_qmc_dof beside dqf / dqf_tl, the picks), then memcheck
-  # and racecheck on the one-block case (phantom CTA) and one do_first case
+  # dqf_qmc, dqf_tl_qmc, dqf_dof, dqf_tl_dof, dqf_qmc_dof, dqf_tl_qmc_dof beside dqf /
+  # dqf_tl, the picks), then memcheck and racecheck on the one-block case (phantom CTA) and
+  # one do_first case
   C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('q_multicast') or kw.get('do_first')))")
   timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
     --out $OUT/cute-bwd-check-qmc-$D.json > $OUT/cute-bwd-check-qmc-$D.log 2>&1
@@ -181,13 +182,13 @@ qmc)
   done
   rm -f $OUT/san-*.json ;;
 qmc128)
-  # q_multicast at hd 128 (column edv_dqf_qmc beside the picks edv_dqf / edv_dqf_tl)
+  # q_multicast at hd 128 (edv_dqf_qmc / edv_dqf_tl_qmc beside the picks edv_dqf / edv_dqf_tl)
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \
     --only 128:1024:0,128:1024:1,128:4096:0,128:4096:1,128:16384:0,128:16384:1 \
     --out $OUT/cute-bwd-bench-qmc128-$D.json 2>&1 | tail -12 ;;
 dqwg)
   # BwdConfig.dq_wg_flush (cleared 2026-12-02, not picked): 6 float64 cases, sanitizers on two, the
-  # D=256 points (columns dqf_wg / dqf_tl_wg beside dqf / dqf_tl, the picks)
+  # D=256 points (its columns dqf_wg / dqf_tl_wg were dropped from BENCH_VARIANTS after that run)
   gated bwd_devrun "kw.get('dq_wg_flush')" dqwg "bf16 h256 dqg causal T>S;fp16 h192 dqg window kvlen" \
     256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 ;;
 m256)

@@ -121,7 +121,7 @@ class BwdConfig:
       staged, behind a barrier of its own 128 threads, instead of both meeting at BAR_DQ and
       warp 4 adding the whole tile: the warpgroups meet once per step (at the dS barrier)
       instead of twice; P^T / dS^T get two buffers (the dQ barrier no longer guards their reuse).
-    q_multicast: (not deterministic, window, segment ids, tail_lpt or tile_m 80) key blocks 2j
+    q_multicast: (not deterministic, window, segment ids or tile_m 80) key blocks 2j
       and 2j+1 of one (head, batch) run as a cluster of two CTAs walking the same query blocks
       (those of block 2j: under causal masking block 2j+1's first one is fully masked), and
       each CTA loads half of every Q and dO tile by TMA multicast into both CTAs' shared
@@ -252,13 +252,11 @@ class BwdConfig:
         if self.q_multicast:
             extra = [n for n, on in (
                 ("window", self.has_window), ("segment ids", self.has_segments),
-                ("deterministic", self.deterministic), ("tail_lpt", self.tail_lpt),
-                ("tile_m 80", self.tile_m == 80)) if on]
+                ("deterministic", self.deterministic), ("tile_m 80", self.tile_m == 80)) if on]
             if extra:
                 return False, (f"q_multicast with {', '.join(extra)}: the paired CTAs walk the "
-                               "even key block's query blocks in launch order (a window's end, "
-                               "segment ranges, ordered dQ adds or a remapped order would differ "
-                               "between the two)")
+                               "even key block's query blocks (a window's end, segment ranges "
+                               "or ordered dQ adds would differ between the two)")
         if self.do_first and self.split != "headdim":
             return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
                            "head-dim-split kernel (hd 192 / 256) only")

@@ -81,19 +81,20 @@ BENCH_VARIANTS = {
           # tail_lpt (causal points only): the last heads launched key-block-major
           "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True),
           # q_multicast: key-block pairs sharing their Q / dO loads (TMA multicast)
-          "edv_dqf_qmc": dict(early_dv=True, dq_flat=True, q_multicast=True)},
-    # "dqf_wg": dq_wg_flush (each warpgroup reduce-adds its own dQ half), "dqf_tl_wg" with
-    # tail_lpt (the causal pick)
+          "edv_dqf_qmc": dict(early_dv=True, dq_flat=True, q_multicast=True),
+          "edv_dqf_tl_qmc": dict(early_dv=True, dq_flat=True, tail_lpt=True, q_multicast=True)},
+    # (dq_wg_flush, "dqf_wg" / "dqf_tl_wg": 0.94-1.00x dqf / dqf_tl, 2026-12-02; no longer
+    # timed: `h200-2026-12-02-cute-bwd-bench-dqwg.json`)
     256: {"dqf": dict(dq_flat=True), "dqf_tl": dict(dq_flat=True, tail_lpt=True),
-          "dqf_wg": dict(dq_flat=True, dq_wg_flush=True),
-          "dqf_tl_wg": dict(dq_flat=True, tail_lpt=True, dq_wg_flush=True),
-          # q_multicast (every point; not with tail_lpt, so the causal pick is dqf_tl)
+          # q_multicast (every point; with tail_lpt, the causal pick's order, in pairs)
           "dqf_qmc": dict(dq_flat=True, q_multicast=True),
+          "dqf_tl_qmc": dict(dq_flat=True, tail_lpt=True, q_multicast=True),
           # do_first (dP^T first, dO released after dV): alone, with the causal pick's
           # tail_lpt, and with q_multicast
           "dqf_dof": dict(dq_flat=True, do_first=True),
           "dqf_tl_dof": dict(dq_flat=True, tail_lpt=True, do_first=True),
-          "dqf_qmc_dof": dict(dq_flat=True, q_multicast=True, do_first=True)},
+          "dqf_qmc_dof": dict(dq_flat=True, q_multicast=True, do_first=True),
+          "dqf_tl_qmc_dof": dict(dq_flat=True, tail_lpt=True, q_multicast=True, do_first=True)},
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }

@@ -10,6 +10,10 @@ launches those key-block-major (every tail head's block 0, then every block 1, .
 final wave ends with short CTAs (model: 1.01-1.02). Only the tail is reordered, so the heads
 whose CTAs run together still share Q / dO and their dQ accumulator in L2: the tail's heads
 are as many as fit an L2 budget (Q, dO and the float32 dQ rows of a head).
+
+With `BwdConfig.q_multicast` the CTAs come in clusters of two adjacent key blocks (grid x
+even, a cluster = x 2j and 2j + 1): the order is then that of the pairs, and both CTAs of a
+cluster take key blocks 2j' and 2j' + 1 of one head (``pair``).
 """
 from __future__ import annotations
 
@@ -21,11 +25,17 @@ TAIL_L2_BYTES = 24 * 1024 * 1024  # what the reordered heads' Q / dO / dQ rows m
 
 
 @cute.jit
-def block_coords(T: Int32, row_bytes: cutlass.Constexpr[int]):
+def block_coords(T: Int32, row_bytes: cutlass.Constexpr[int], pair: cutlass.Constexpr[int] = 1):
     """(n_block, kv_head, batch) of this CTA with the tail reordered (see the module).
-    ``row_bytes``: bytes of Q, dO and dQ per query row and head."""
+    ``row_bytes``: bytes of Q, dO and dQ per query row and head; ``pair``: CTAs per cluster
+    (key blocks that must stay adjacent: 1, or 2 under q_multicast)."""
     x, y, z = cute.arch.block_idx()
     nn, K, B = cute.arch.grid_dim()
+    rank = Int32(0)
+    if cutlass.const_expr(pair > 1):  # order the pairs; the rank picks the block within one
+        rank = x % pair
+        x = x // pair
+        nn = nn // pair
     linear = x + nn * (y + K * z)
     heads = K * B
     tail = cutlass.min(cutlass.max(Int32(TAIL_L2_BYTES) // cutlass.max(T * row_bytes, 1), 1),
@@ -37,4 +47,6 @@ def block_coords(T: Int32, row_bytes: cutlass.Constexpr[int]):
         r = linear - start
         n = r // tail
         hb = heads - tail + (r - n * tail)
+    if cutlass.const_expr(pair > 1):
+        n = n * pair + rank
     return n, hb % K, hb // K

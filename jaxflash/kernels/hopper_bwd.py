@@ -412,7 +412,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         T = mQ.shape[0]
         n_block, kv_head, batch = cute.arch.block_idx()
         if const_expr(self.cfg.tail_lpt):  # the last heads key-block-major (`bwd_order`)
-            n_block, kv_head, batch = block_coords(T, (self.hd + self.hdv) * 2 + self.hd * 4)
+            n_block, kv_head, batch = block_coords(T, (self.hd + self.hdv) * 2 + self.hd * 4,
+                                                   self.pair_size)
         S = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]
         seqlen_q = T

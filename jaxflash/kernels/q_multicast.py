@@ -12,10 +12,12 @@ rounded up to even: a phantom CTA past the last key block has every key masked a
 rows clipped by the TMA store). Both walk the query-block range of block 2j in the same order,
 so their pipelines move in step; for block 2j+1 the first block of that range under causal
 masking is fully masked (`QueryBlockRange.needs_mask` is true there: P = dS = 0), a wasted step
-instead of a second schedule. Per stage, CTA r loads half of the Q tile and half of the dO tile
-(`cpasync.tma_partition` with the pair as the CTA layout) and multicasts each half into both
-CTAs' shared memory, signalling each CTA's FULL barrier of that stage (whose producer still
-arrives with the whole tile's byte count). LSE / delta rows stay per-CTA loads (256 B each).
+instead of a second schedule. With `tail_lpt` the launch order is that of the pairs
+(`bwd_order.block_coords(pair=2)`), so a cluster always holds two adjacent blocks. Per stage,
+CTA r loads half of the Q tile and half of the dO tile (`cpasync.tma_partition` with the pair
+as the CTA layout) and multicasts each half into both CTAs' shared memory, signalling each
+CTA's FULL barrier of that stage (whose producer still arrives with the whole tile's byte
+count). LSE / delta rows stay per-CTA loads (256 B each).
 
 The stage can be refilled only when both CTAs' consumers are done with it: each consumer warp's
 release arrives on the EMPTY barrier of both CTAs (`PipelineTmaAsync` with the pair as its
@@ -42,6 +44,11 @@ class QMulticast:
     @property
     def paired(self) -> bool:
         return bool(self.cfg.q_multicast)
+
+    @property
+    def pair_size(self) -> int:
+        """CTAs per cluster along the key blocks (1: no cluster)."""
+        return PAIR if self.paired else 1
 
     def qdo_load_op(self):
         """(TMA op, multicast factor) of the Q and dO loads."""

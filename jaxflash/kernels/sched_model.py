@@ -86,10 +86,16 @@ def balance(cfg: FwdConfig, T: int, S: int, heads: int, batch: int,
 
 
 def bwd_block_coords(linear: int, nn: int, K: int, B: int, T: int, row_bytes: int,
-                     tail_lpt: bool) -> tuple[int, int, int]:
+                     tail_lpt: bool, pair: int = 1) -> tuple[int, int, int]:
     """`bwd_order.block_coords` (or the plain x / y / z order): the (n_block, kv_head, batch)
-    of the backward CTA launched `linear`-th."""
+    of the backward CTA launched `linear`-th (x fastest; ``pair``: CTAs per cluster along x,
+    nn a multiple of it)."""
     from jaxflash.kernels.bwd_order import TAIL_L2_BYTES
+    rank = 0
+    if pair > 1:
+        x, yz = linear % nn, linear // nn
+        rank, nn = x % pair, nn // pair
+        linear = x // pair + nn * yz
     heads = K * B
     hb, n = divmod(linear, nn)
     if tail_lpt:
@@ -98,7 +104,7 @@ def bwd_block_coords(linear: int, nn: int, K: int, B: int, T: int, row_bytes: in
         if linear >= start:
             n, rest = divmod(linear - start, tail)
             hb = heads - tail + rest
-    return n, hb % K, hb // K
+    return n * pair + rank, hb % K, hb // K
 
 
 def bwd_balance(D: int, S: int, tile_m: int, tile_n: int, tail_lpt: bool,
