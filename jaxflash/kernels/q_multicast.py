@@ -34,6 +34,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from jaxflash.kernels import layouts
+
 PAIR = 2
 
 
@@ -88,8 +90,7 @@ class QMulticast:
             return cpasync.tma_partition(atom, rank, cute.make_layout(PAIR),
                                          cute.group_modes(smem, 0, 2),
                                          cute.group_modes(gmem, 0, 2))
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                     cute.group_modes(gmem, 0, 2))
+        return layouts.tma_tiles(atom, smem, gmem)
 
     def qdo_load_order(self, q_load, do_load):
         """The producer's per-step order of the Q (+ LSE) and dO (+ delta) loads: the order in
@@ -105,9 +106,3 @@ class QMulticast:
         if self.paired:
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
-
-
-def consumer_arrivals(num_consumer_warps: int, paired: bool) -> int:
-    """EMPTY-barrier arrivals per stage: one per consumer warp of every CTA that reads it."""
-    return num_consumer_warps * (PAIR if paired else 1)
-
