@@ -91,11 +91,14 @@ RULES = {
     # (H200, 2026-12-02 05:33 UTC, `h200-2026-12-02-cute-bwd-*dqwg*`): cleared; not picked
     # (fwd+bwd against dq_flat alone at D=256: 1-6% slower dense, within 1.3% causal).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
-                  ("dq_arrive", lambda c: c.dq_arrive),
-                  # key-block pairs sharing Q / dO by TMA multicast (built 2026-12-02)
-                  ("q_multicast", lambda c: c.q_multicast),
-                  # the wide kernel's dO-first step order (built 2026-12-02)
-                  ("do_first", lambda c: c.do_first)),
+                  ("dq_arrive", lambda c: c.dq_arrive)),
+    # q_multicast (key-block pairs sharing Q / dO by TMA multicast) and do_first (the wide
+    # kernel's dO-first step) passed 19 float64 checks between them (hd 128 / 192 / 256, odd
+    # block counts with the phantom CTA, causal, T < S and T > S, lengths with empty rows,
+    # softcap, windows (do_first), tail_lpt; error 1.00x cuDNN's on the 2k cases), memcheck and
+    # racecheck clean (H200, 2026-12-02 12:33 UTC, `h200-2026-12-02-cute-bwd-*qmc*`): cleared;
+    # q_multicast picked at dense hd 256 from 4k keys (`choose.use_q_multicast`), do_first
+    # nowhere (within 1% of the picks, mostly behind).
     # tail_lpt (the last heads launched key-block-major) passed 8 float64 checks (hd 64 / 128 /
     # 256, GQA, many heads, T < S and T > S, lengths with empty rows, fp16, deterministic; 2k
     # vs cuDNN), memcheck and racecheck clean (H200, 2026-12-01 21:35-21:50 UTC,
