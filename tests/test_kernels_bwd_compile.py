@@ -123,9 +123,6 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,
               has_window=True, has_softcap=True, has_kv_seqlen=True),
-    # dq_split (opt-in, gated; hd 256 with q_multicast): the pair splits dQ by columns
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, dq_split=True,
-              is_causal=True, tail_lpt=True, has_softcap=True),
 ]
 
 
@@ -145,11 +142,6 @@ def test_compiles_for_sm90a(cfg, tmp_path):
         assert "barrier.cluster.wait" in ptx
     else:
         assert mc == 0 and "barrier.cluster" not in ptx
-    # dq_split: one DSMEM bulk copy of dS^T per step, the peer's K half loaded with K / V
-    copies = ptx.count("cp.async.bulk.shared::cluster.shared::cta")
-    assert copies == (1 if cfg.dq_split else 0), copies
-    if cfg.dq_split:
-        assert "mbarrier.arrive.release.cluster.shared::cluster" in ptx
     dt = "bf16" if cfg.dtype == "bfloat16" else "f16"
     wg = f"wgmma.mma_async.sync.aligned.m64n{{}}k16.f32.{dt}.{dt}"
     if cfg.split == "keys":
@@ -171,10 +163,7 @@ def test_compiles_for_sm90a(cfg, tmp_path):
             assert "bar.sync 3," not in ptx and "bar.arrive 3," not in ptx  # no BAR_DQ
     else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
-        want = {str(cfg.tile_m // 2), str(cfg.head_dim // 2)}
-        if cfg.dq_split:  # dQ: this CTA's hd / 2, 64 columns per warpgroup
-            want.add(str(cfg.head_dim // 4))
-        assert shapes == want, shapes
+        assert shapes == {str(cfg.tile_m // 2), str(cfg.head_dim // 2)}, shapes
         assert ".shared" in ptx and "wgmma" in ptx
     red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
     tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx

@@ -660,31 +660,6 @@ def test_backward_do_first_cleared_keyed_wide_only_not_picked():
         bwd_devrun.BENCH_VARIANTS[256])
 
 
-def test_backward_dq_split_gated_keyed_refused_not_picked():
-    """dq_split (a q_multicast pair splits each step's dQ tile by columns, the peer's dS^T
-    sent by DSMEM copy) is built and compiled, not yet checked on a GPU: gated, keyed, hd 256
-    with q_multicast and dq_flat only, within the shared-memory limit, never picked; its check
-    cases and D=256 bench columns exist."""
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    cfg = BwdConfig(head_dim=256, dq_flat=True, q_multicast=True, dq_split=True)
-    assert "_dqs" in cfg.key and cfg.num_stages == 1
-    assert cfg.smem_bytes() <= SMEM_LIMIT_BYTES
-    assert verified.pending(cfg) == ("dq_split",)
-    for bad in (dict(head_dim=256, dq_flat=True), dict(head_dim=256, q_multicast=True),
-                dict(head_dim=192, dq_flat=True, q_multicast=True),
-                dict(head_dim=256, dq_flat=True, q_multicast=True, do_first=True),
-                dict(head_dim=256, dq_flat=True, q_multicast=True, dq_wg_flush=True)):
-        with pytest.raises(ValueError, match="dq_split"):
-            BwdConfig(dq_split=True, **bad)
-    _never_picked("dq_split")
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_split")]
-    assert len(kws) >= 6 and all(kw["head_dim"] == 256 and kw["q_multicast"] for kw in kws)
-    assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_kv_seqlen") for kw in kws)
-    assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("has_softcap") for kw in kws)
-    assert {"dqf_qmc_dqs", "dqf_tl_qmc_dqs"} <= set(bwd_devrun.BENCH_VARIANTS[256])
-
-
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
     and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and

@@ -27,7 +27,6 @@
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   qmc     backward q_multicast and do_first (cleared 2026-12-02; qmc picked at dense hd 256 4k+): checks, D=256 bench, sanitizers (~4 min)
 #   qmc128  q_multicast at hd 128: bench only (~1.5 min)
-#   dqs     backward dq_split (gated): checks, D=256 bench, sanitizers          (~4 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
@@ -180,24 +179,6 @@ qmc)
     timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
       check --cases "bf16 h256 qmc tiny;bf16 h256 dof causal T>S softcap" --out $OUT/san-$tool.json > $OUT/cute-bwd-qmc-$tool-$D.log 2>&1
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-qmc-$tool-$D.log
-  done
-  rm -f $OUT/san-*.json ;;
-dqs)
-  # BwdConfig.dq_split (gated, built 2026-12-02 afternoon): its float64 cases first (a pair that
-  # deadlocks ends the stage: rc 124), the D=256 points (dqf_qmc_dqs / dqf_tl_qmc_dqs beside
-  # the picks), then memcheck and racecheck on the one-block case and causal T > S softcap
-  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('dq_split')))")
-  timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
-    --out $OUT/cute-bwd-check-dqs-$D.json > $OUT/cute-bwd-check-dqs-$D.log 2>&1
-  rc=$?; grep -v -i warn $OUT/cute-bwd-check-dqs-$D.log | tail -12; echo "check rc=$rc"
-  [ $rc = 124 ] && continue
-  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \
-    --only 256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 \
-    --out $OUT/cute-bwd-bench-dqs-$D.json 2>&1 | tail -12
-  for tool in memcheck racecheck; do
-    timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
-      check --cases "bf16 h256 dqs tiny;bf16 h256 dqs causal T>S softcap" --out $OUT/san-$tool.json > $OUT/cute-bwd-dqs-$tool-$D.log 2>&1
-    echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-dqs-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;
 qmc128)

@@ -134,13 +134,6 @@ class BwdConfig:
       step's dO load then overlaps the dK and dQ GEMMs and Q's the dQ GEMM and the next dP^T
       (today both overlap only dQ and its flush). The mask / softcap on S^T no longer runs
       under the dP^T GEMM.
-    dq_split: (hd 256 with q_multicast and dq_flat; not dq_wg_flush or do_first) the pair
-      splits the dQ tile of a step by columns instead of each CTA adding all of its own:
-      CTA r computes dQ[:, 128 r : 128 r + 128] = dS_own K_own[:, half r] + dS_peer
-      K_peer[:, half r] (K = 128 keys), with the peer's dS^T (8 KB) sent by a DSMEM bulk copy
-      and the peer's K half loaded once (`jaxflash.kernels.dq_split`): half the dQ
-      reduce-add bytes per CTA (the L2 traffic the hd 256 step waits on) and half the dQ
-      staging stores, for one 8 KB copy per step.
     """
 
     dtype: str = "bfloat16"
@@ -167,7 +160,6 @@ class BwdConfig:
     dq_wg_flush: bool = False
     q_multicast: bool = False
     do_first: bool = False
-    dq_split: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -268,10 +260,6 @@ class BwdConfig:
         if self.do_first and self.split != "headdim":
             return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
                            "head-dim-split kernel (hd 192 / 256) only")
-        if self.dq_split and (not self.q_multicast or not self.dq_flat or self.head_dim != 256
-                              or self.dq_wg_flush or self.do_first):
-            return False, ("dq_split needs q_multicast (the pair walks the same query blocks) "
-                           "and dq_flat at head_dim 256, without dq_wg_flush or do_first")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
@@ -312,15 +300,9 @@ class BwdConfig:
             # P^T and dS^T; 2 buffers with "red" or dq_wg_flush (no per-step barrier of both
             # warpgroups then guards their reuse)
             bufs = 1 if self.dq_accum == "tma" and not self.dq_wg_flush else 2
-            if self.dq_split:
-                bufs = 2  # the peer reads a step's dS^T while this CTA forms the next one
             ds = 2 * bufs * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
-        if self.dq_split:
-            dq //= 2  # this CTA's column half
-            # the peer's K half and two buffers of its dS^T
-            kv += self.tile_n * self.head_dim // 2 * elt + 2 * self.tile_n * self.tile_m * elt
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
 
     @property
@@ -354,7 +336,7 @@ class BwdConfig:
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
                 f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
                 f"{'_qmc' if self.q_multicast else ''}{'_dof' if self.do_first else ''}"
-                f"{'_dqs' if self.dq_split else ''}_{'-'.join(feats) or 'dense'}")
+                f"_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:

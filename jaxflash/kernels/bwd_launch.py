@@ -102,9 +102,6 @@ def dq_from_flat(acc, T: int, config: BwdConfig):
     8 c + 2 lr + va of the part. So the flat index factors as (wg, c, w, lq, lr, vb, va) and
     the tile as rows (w, vb, lq) x columns (wg, c, lr, va) at tile_m 64, rows
     (wg, w, vb, lq) x columns (c, lr, va) at tile_m 128.
-    With ``dq_split`` a block is four parts of H/4 columns, (CTA rank, warpgroup) in column
-    order; that is the same order (part 2 r + h of 8 chunks = chunks 8 h .. 8 h + 7 of part r
-    of the two-part order), so nothing changes here.
     """
     B, N, nblk, _ = acc.shape
     H = config.head_dim

@@ -46,7 +46,7 @@ class DqAccumulation:
         """`dq_flat`'s staging tile: tile_m x hd floats in fragment order, one part per
         warpgroup ([part size, warpgroups]; identity swizzle, so both kernels allocate and
         view it like the others)."""
-        part = self.tile_m * self.hd // self.dq_flat_parts()  # (`dq_split`: half the tile)
+        part = self.tile_m * self.hd // self.num_mma_wg
         return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0,
                                          cute.make_layout((part, self.num_mma_wg)))
 
@@ -113,8 +113,7 @@ class DqAccumulation:
                     wait_turn(sem, n_block - blocks.n_block_first(m_block))
                 with cute.arch.elect_one():
                     dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
-                    bulk_reduce_add_f32(dst + self.split_dq_offset(n_block), sdQ.iterator,
-                                        self.tile_m * self.dq_tile_cols() * 4)
+                    bulk_reduce_add_f32(dst, sdQ.iterator, self.tile_m * self.hd * 4)
                     cute.arch.cp_async_bulk_commit_group()
                 if const_expr(self.cfg.deterministic):
                     pass_turn(sem)

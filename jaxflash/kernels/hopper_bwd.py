@@ -72,7 +72,6 @@ from jaxflash.kernels.bwd_config import FLOAT_SCALARS, INT_SCALARS, BwdConfig
 from jaxflash.kernels.bwd_order import block_coords
 from jaxflash.kernels.bwd_step_math import BwdStepMath
 from jaxflash.kernels.dq_accum import DqAccumulation
-from jaxflash.kernels.dq_split import DqSplit
 from jaxflash.kernels.launch_args import LaunchArgs
 from jaxflash.kernels.mask import (QueryBlockRange, SegmentRows, TileCoords, apply_alibi,
                                    apply_mask_kq, apply_segment_mask)
@@ -89,7 +88,7 @@ _ZERO_THREADS = 256
 _ZERO_PER_THREAD = 4
 
 
-class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
+class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     """Hopper backward attention kernel for one `BwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), the bridge's order (see `bwd_launch`): q, k, v, do,
@@ -252,12 +251,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
         self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
         self.do_bytes = cute.size_in_bytes(self.dtype, sel(sdO_layout)) + self.tile_m * 4
         self.kv_bytes = (cute.size_in_bytes(self.dtype, sK_layout)
-                         + cute.size_in_bytes(self.dtype, sV_layout) + self.peer_k_bytes())
-        split_args = (None, None)  # `dq_split`: the peer's K half, loaded with K and V
-        if const_expr(self.dq_split):
-            split_args = cpasync.make_tiled_tma_atom(g2s, mK, self.peer_k_layout(),
-                                                     (self.tile_n, self.hd // 2))
-        split_n = 1 if self.dq_split else 0  # sizes of the dq_split buffers (0: none)
+                         + cute.size_in_bytes(self.dtype, sV_layout))
 
         @cute.struct
         class SharedStorage:
@@ -273,18 +267,13 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[
                 Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
-            mbar_dqs: cute.struct.MemRange[cutlass.Int64, 4 * split_n]
-            sKp: cute.struct.Align[cute.struct.MemRange[
-                self.dtype, cute.cosize(self.peer_k_layout()) * split_n], 1024]
-            sdSp: cute.struct.Align[cute.struct.MemRange[
-                self.dtype, cute.cosize(self.peer_ds_layout()) * split_n], 1024]
 
         S = mK.shape[0]
         num_n_blocks = self.pair_grid_x((S + self.tile_n - 1) // self.tile_n)
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
             tma_mdQ if self.dq_box else mdQ, mQSeqlen, mKVSeqlen,
-            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi, *split_args), tma_Q, tma_K, tma_V, tma_dO,
+            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi), tma_Q, tma_K, tma_V, tma_dO,
             tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
@@ -391,13 +380,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
         qdo_cl = self.qdo_pipeline_layout()
         pipe_q = pipes.make(storage.mbar_q.data_ptr(), self.num_stages, self.q_bytes, qdo_cl)
         pipe_do = pipes.make(storage.mbar_do.data_ptr(), self.num_stages, self.do_bytes, qdo_cl)
-        dqs = None  # `dq_split`: (its mbarriers, the peer's K half, the peer's dS^T buffers)
-        if const_expr(self.dq_split):
-            self.init_split_barriers(storage.mbar_dqs.data_ptr(), warp_idx)
-            kp_l, dsp_l = self.peer_k_layout(), self.peer_ds_layout()
-            dqs = (storage.mbar_dqs.data_ptr(),
-                   storage.sKp.get_tensor(kp_l.outer, swizzle=kp_l.inner),
-                   storage.sdSp.get_tensor(dsp_l.outer, swizzle=dsp_l.inner))
         pipes.init_done(self.cluster_shape())
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -459,8 +441,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
             if warp_idx == 0:
                 self.produce(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                              tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q,
-                             pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps,
-                             feats, dqs)
+                             pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps)
             if const_expr(self.dq_writer):
                 if warp_idx == 1:
                     self.write_dq(mdQ, sdQ, tma_dQ, kv_head, batch, group, m_min, num_m,
@@ -472,14 +453,14 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
                          pipe_kv, pipe_q, pipe_do, tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv,
                          tiled_mma_dq, tidx - 128, warp_idx, softmax_scale, pre_scale,
                          scale_log2, window_left, window_right, n_block, kv_head, batch, group,
-                         m_min, num_m, num_steps, seqlen_k, T, mSem, blocks, feats, dqs)
+                         m_min, num_m, num_steps, seqlen_k, T, mSem, blocks, feats)
         self.pair_exit()
 
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
                 tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q, pipe_do,
                 n_block: Int32, kv_head: Int32, batch: Int32, group: Int32, m_min: Int32,
-                num_m: Int32, num_steps: Int32, feats, dqs):
+                num_m: Int32, num_steps: Int32):
         """Warp 0: K and V once, then (Q + LSE, dO + delta) per step, in the consumers' order.
         Nothing at all is loaded for a key block no query sees (the consumers then only write
         zero dK/dV, into K's and V's buffers)."""
@@ -494,14 +475,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
             pipe_kv.producer_acquire(kv_state)
             cute.copy(tma_K, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
             cute.copy(tma_V, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-            if const_expr(self.dq_split):  # the peer's K, this CTA's column half of it
-                tma_Kp, mKp = feats[6], feats[7]
-                rank = self.split_rank(n_block)
-                gKp = cute.local_tile(mKp[None, None, kv_head, batch],
-                                      (self.tile_n, self.hd // 2), (n_block + 1 - 2 * rank, rank))
-                tKpsKp, tKpgKp = layouts.tma_tiles(tma_Kp, dqs[1], gKp)
-                cute.copy(tma_Kp, tKpgKp, tKpsKp,
-                          tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                  self.num_stages)
@@ -538,9 +511,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
-                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats,
-                dqs=None):
-        mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi = feats[:6]
+                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats):
+        mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi = feats
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -729,8 +701,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, DqSplit, BwdStepMath):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_mn = ((self.hd, self.tile_m) if self.dq_transposed
-                 else (self.tile_m, self.dq_tile_cols()))
+        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.hd)
         dq_coords = TileCoords.make(tiled_mma_dq, tidx, dq_mn)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)

@@ -59,7 +59,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         if config.split != "headdim":
             raise ValueError(f"FlashBwdSm90Wide serves head dims > 128, got {config.key}")
         # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
-        self.pds_bufs = 1 if self.dq_tma and not (config.dq_wg_flush or config.dq_split) else 2
+        self.pds_bufs = 1 if self.dq_tma and not config.dq_wg_flush else 2
 
     # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
@@ -78,10 +78,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tiled_mma_dv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(1, 2, 1),
             tiler_mn=(self.tile_n, halfv))
-        # dQ = dS K: 64 queries x hd (`dq_split`: this CTA's hd / 2), the columns split.
+        # dQ = dS K: 64 queries x hd, the head dim split.
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 2, 1),
-            tiler_mn=(self.tile_m, self.dq_tile_cols() // 2))
+            tiler_mn=(self.tile_m, half))
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
     def smem_layouts(self):
@@ -110,8 +110,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
-                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats,
-                dqs=None):
+                T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -133,9 +132,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sPdS)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
-        tdQrdSp = tdQrKp = None
-        if const_expr(self.dq_split):  # own K half; the peer's dS and K half (`dq_split`)
-            tdQrKt, tdQrdSp, tdQrKp = self.split_operands(wg_dq, sK, dqs[1], dqs[2], n_block)
         (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sPdS, sdQ)
@@ -182,8 +178,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 rP.store(acc_S.load().to(self.dtype))
                 rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                if const_expr(self.dq_split):
-                    self.wait_ds_free(dqs[0], step)
                 # This warpgroup's query columns of P^T and dS^T (the buffer is free: see the
                 # module docstring).
                 cute.copy(st_atom, thr_st_pds.retile(rP), tPsPdS[None, None, None, ip])
@@ -194,8 +188,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                         # The previous step's reduce has read sdQ once this barrier is passed.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                if const_expr(self.dq_split):
-                    self.send_ds(dqs[0], sPdS, dqs[2], n_block, step, warp_idx)
                 layouts.wgmma(tiled_mma_dv, acc_dV, tdVrP[None, None, None, ip],
                               tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
                 layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, ip + 1],
@@ -212,12 +204,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 if const_expr(not self.cfg.do_first):
                     pipe_do.consumer_release(state)
                 state.advance()
-                if const_expr(self.dq_split):
-                    # + the peer's dS times its K half, once its copy has landed
-                    self.wait_peer_ds(dqs[0], step)
-                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdSp[None, None, None, step % 2],
-                                  tdQrKp, zero_init=False, wait=0)
-                    self.release_peer_ds(dqs[0], n_block, step)
                 warpgroup.wait_group(0)
                 self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
                               head, batch, n_block, T, warp_idx, mSem, blocks)
