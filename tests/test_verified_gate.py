@@ -588,23 +588,32 @@ def _never_picked(flag: str) -> None:
                 assert not getattr(backward_config(grid_problem(d, s_, c)), flag), (flag, d, s_, c)
 
 
+def _double_buffered_wide_variant(flag: str, key: str, bad: list) -> list:
+    """A wide-kernel opt-in that double-buffers P^T / dS^T: keyed, 16 KB more shared memory
+    than dq_flat alone (still one Q / dO stage, within the limit), refused for each of
+    ``bad`` naming itself, never picked. Returns its check cases' kwargs."""
+    from jaxflash.kernels import bwd_devrun
+    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
+    cfg = BwdConfig(head_dim=256, dq_flat=True, **{flag: True})
+    base = BwdConfig(head_dim=256, dq_flat=True)
+    assert key in cfg.key and cfg.num_stages == base.num_stages == 1
+    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= SMEM_LIMIT_BYTES
+    for kw in bad:
+        with pytest.raises(ValueError, match=flag):
+            BwdConfig(**{flag: True, **kw})
+    _never_picked(flag)
+    return [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get(flag)]
+
+
 def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     """dq_wg_flush (each warpgroup of the wide kernel reduce-adds its own dQ half) passed its
     H200 checks (2026-12-02) and is cleared, but lost to dq_flat alone there: it is keyed,
     double-buffers P^T / dS^T, is refused outside dq_flat / the wide kernel / deterministic,
     and dispatch never picks it; its check cases and D=256 bench columns stay."""
-    from jaxflash.kernels import bwd_devrun
-    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)
-    base = BwdConfig(head_dim=256, dq_flat=True)
-    assert "_dqg" in cfg.key and cfg.num_stages == 1
-    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= 227 * 1024
-    assert verified.pending(cfg) == ()
-    for bad in (dict(head_dim=256), dict(head_dim=128, dq_flat=True),
-                dict(head_dim=256, dq_flat=True, deterministic=True)):
-        with pytest.raises(ValueError, match="dq_wg_flush"):
-            BwdConfig(dq_wg_flush=True, **bad)
-    _never_picked("dq_wg_flush")
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_wg_flush")]
+    assert verified.pending(BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)) == ()
+    kws = _double_buffered_wide_variant("dq_wg_flush", "_dqg", [
+        dict(head_dim=256), dict(head_dim=128, dq_flat=True),
+        dict(head_dim=256, dq_flat=True, deterministic=True)])
     assert len(kws) >= 6 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_window") for kw in kws)
 
@@ -666,19 +675,11 @@ def test_backward_dq_mid_gated_keyed_wide_only_not_picked():
     shared-memory limit, wide kernel with dq_flat only, never picked; check cases (alone,
     with tail_lpt, with q_multicast) and D=256 bench columns exist."""
     from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_mid=True)
-    base = BwdConfig(head_dim=256, dq_flat=True)
-    assert "_dqm" in cfg.key and cfg.num_stages == base.num_stages == 1
-    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= SMEM_LIMIT_BYTES
-    assert verified.pending(cfg) == ("dq_mid",)
-    for bad in (dict(head_dim=128, dq_flat=True), dict(head_dim=256),
-                dict(head_dim=256, dq_flat=True, do_first=True),
-                dict(head_dim=256, dq_flat=True, dq_wg_flush=True)):
-        with pytest.raises(ValueError, match="dq_mid"):
-            BwdConfig(dq_mid=True, **bad)
-    _never_picked("dq_mid")
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_mid")]
+    assert verified.pending(BwdConfig(head_dim=256, dq_flat=True, dq_mid=True)) == ("dq_mid",)
+    kws = _double_buffered_wide_variant("dq_mid", "_dqm", [
+        dict(head_dim=128, dq_flat=True), dict(head_dim=256),
+        dict(head_dim=256, dq_flat=True, do_first=True),
+        dict(head_dim=256, dq_flat=True, dq_wg_flush=True)])
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
     assert {"dqf_dqm", "dqf_tl_dqm", "dqf_qmc_dqm"} <= set(bwd_devrun.BENCH_VARIANTS[256])
