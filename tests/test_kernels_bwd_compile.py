@@ -123,10 +123,6 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,
               has_window=True, has_softcap=True, has_kv_seqlen=True),
-    # dq_mid (opt-in, gated; wide kernel): dK, dQ, dV, the dQ flush under dV
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, dq_mid=True, q_multicast=True),
-    BwdConfig(dtype="float16", head_dim=192, dq_flat=True, dq_mid=True, is_causal=True,
-              tail_lpt=True, has_softcap=True),
 ]
 
 

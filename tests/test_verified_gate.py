@@ -669,22 +669,6 @@ def test_backward_do_first_cleared_keyed_wide_only_not_picked():
         bwd_devrun.BENCH_VARIANTS[256])
 
 
-def test_backward_dq_mid_gated_keyed_wide_only_not_picked():
-    """dq_mid (the wide kernel queues dK, dQ, dV and flushes dQ under dV) is built and
-    compiled, not yet checked on a GPU: gated, keyed, double-buffers P^T / dS^T within the
-    shared-memory limit, wide kernel with dq_flat only, never picked; check cases (alone,
-    with tail_lpt, with q_multicast) and D=256 bench columns exist."""
-    from jaxflash.kernels import bwd_devrun
-    assert verified.pending(BwdConfig(head_dim=256, dq_flat=True, dq_mid=True)) == ("dq_mid",)
-    kws = _double_buffered_wide_variant("dq_mid", "_dqm", [
-        dict(head_dim=128, dq_flat=True), dict(head_dim=256),
-        dict(head_dim=256, dq_flat=True, do_first=True),
-        dict(head_dim=256, dq_flat=True, dq_wg_flush=True)])
-    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
-    assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
-    assert {"dqf_dqm", "dqf_tl_dqm", "dqf_qmc_dqm"} <= set(bwd_devrun.BENCH_VARIANTS[256])
-
-
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
     and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and

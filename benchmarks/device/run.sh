@@ -27,7 +27,6 @@
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   qmc     backward q_multicast and do_first (cleared 2026-12-02; qmc picked at dense hd 256 4k+): checks, D=256 bench, sanitizers (~4 min)
 #   qmc128  q_multicast at hd 128: bench only (~1.5 min)
-#   dqm     backward dq_mid (gated): checks, sanitizers on two, D=256 bench       (~3 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
@@ -182,12 +181,6 @@ qmc)
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-qmc-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;
-dqm)
-  # BwdConfig.dq_mid (gated, built 2026-12-02 afternoon): its float64 cases, memcheck and
-  # racecheck on two (P^T / dS^T double-buffered: racecheck is the test of that), the D=256
-  # points (dqf_dqm / dqf_tl_dqm / dqf_qmc_dqm beside the picks)
-  gated bwd_devrun "kw.get('dq_mid')" dqm "bf16 h256 dqm qmc dense odd;bf16 h256 dqm causal T>S softcap" \
-    256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 ;;
 qmc128)
   # q_multicast at hd 128 (edv_dqf_qmc / edv_dqf_tl_qmc beside the picks edv_dqf / edv_dqf_tl)
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \

@@ -393,14 +393,6 @@ CHECKS = [
      (2, 333, 300, 4, 2, {})),
     ("bf16 h256 dof qmc dense 2k", dict(head_dim=256, dq_flat=True, do_first=True,
                                         q_multicast=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    # dq_mid (hd 192 / 256: dK, dQ, dV; the dQ flush under dV, P^T / dS^T double-buffered):
-    # the wide dQ-path four, causal T > S with softcap, with tail_lpt and with q_multicast.
-    *_wide_dq_cases("dqm", dq_flat=True, dq_mid=True),
-    *_wide_order_cases("dqm", dq_flat=True, dq_mid=True),
-    ("bf16 h256 dqm qmc dense odd", dict(head_dim=256, dq_flat=True, q_multicast=True,
-                                         dq_mid=True), (2, 333, 300, 4, 4, {})),
-    ("bf16 h256 dqm qmc dense 2k", dict(head_dim=256, dq_flat=True, q_multicast=True,
-                                        dq_mid=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

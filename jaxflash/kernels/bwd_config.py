@@ -134,12 +134,6 @@ class BwdConfig:
       step's dO load then overlaps the dK and dQ GEMMs and Q's the dQ GEMM and the next dP^T
       (today both overlap only dQ and its flush). The mask / softcap on S^T no longer runs
       under the dP^T GEMM.
-    dq_mid: (hd 192 / 256 with dq_flat; not do_first or dq_wg_flush) the wide kernel's step
-      queues dK, dQ, dV in that order: Q is released when dK is done (its next load overlaps
-      the dQ and dV GEMMs and the flush), the dQ tile is staged and bulk-reduced while the
-      tensor cores run dV (today the flush runs with them idle), and dO is released when dV is
-      done (its next load overlaps the next S^T GEMM). P^T / dS^T get two buffers (the dQ
-      barrier no longer proves the other warpgroup's dV has read P^T).
     """
 
     dtype: str = "bfloat16"
@@ -166,7 +160,6 @@ class BwdConfig:
     dq_wg_flush: bool = False
     q_multicast: bool = False
     do_first: bool = False
-    dq_mid: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -267,10 +260,6 @@ class BwdConfig:
         if self.do_first and self.split != "headdim":
             return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
                            "head-dim-split kernel (hd 192 / 256) only")
-        if self.dq_mid and (self.split != "headdim" or not self.dq_flat or self.do_first
-                            or self.dq_wg_flush):
-            return False, ("dq_mid: a step order of the head-dim-split kernel (hd 192 / 256) "
-                           "with dq_flat, not with do_first or dq_wg_flush")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
         if self.dq_accum not in ("tma", "red"):
@@ -310,7 +299,7 @@ class BwdConfig:
         if self.split == "headdim":
             # P^T and dS^T; 2 buffers with "red" or dq_wg_flush (no per-step barrier of both
             # warpgroups then guards their reuse)
-            bufs = 1 if self.dq_accum == "tma" and not (self.dq_wg_flush or self.dq_mid) else 2
+            bufs = 1 if self.dq_accum == "tma" and not self.dq_wg_flush else 2
             ds = 2 * bufs * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
@@ -347,7 +336,7 @@ class BwdConfig:
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
                 f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
                 f"{'_qmc' if self.q_multicast else ''}{'_dof' if self.do_first else ''}"
-                f"{'_dqm' if self.dq_mid else ''}_{'-'.join(feats) or 'dense'}")
+                f"_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:

@@ -94,12 +94,9 @@ BENCH_VARIANTS = {
           "dqf_dof": dict(dq_flat=True, do_first=True),
           "dqf_tl_dof": dict(dq_flat=True, tail_lpt=True, do_first=True),
           "dqf_qmc_dof": dict(dq_flat=True, q_multicast=True, do_first=True),
-          "dqf_tl_qmc_dof": dict(dq_flat=True, tail_lpt=True, q_multicast=True, do_first=True),
-          # dq_mid (dK, dQ, dV; the dQ flush under dV): alone, with the causal pick's order,
-          # with the dense pick's q_multicast
-          "dqf_dqm": dict(dq_flat=True, dq_mid=True),
-          "dqf_tl_dqm": dict(dq_flat=True, tail_lpt=True, dq_mid=True),
-          "dqf_qmc_dqm": dict(dq_flat=True, q_multicast=True, dq_mid=True)},
+          "dqf_tl_qmc_dof": dict(dq_flat=True, tail_lpt=True, q_multicast=True, do_first=True)},
+    # (dq_split, "dqf_qmc_dqs": 0.94-0.99x q_multicast alone; dq_mid, "dqf_dqm": 0.75-0.85x
+    # dq_flat alone; 2026-12-02, both removed: `h200-2026-12-02-cute-bwd-bench-{dqs,dqm}.json`)
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -118,7 +115,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
              "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush", "q_multicast",
-             "do_first", "dq_mid")
+             "do_first")
 
 
 def variant_config(D, causal, vkw):

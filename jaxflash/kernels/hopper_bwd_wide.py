@@ -59,7 +59,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         if config.split != "headdim":
             raise ValueError(f"FlashBwdSm90Wide serves head dims > 128, got {config.key}")
         # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
-        self.pds_bufs = 1 if self.dq_tma and not (config.dq_wg_flush or config.dq_mid) else 2
+        self.pds_bufs = 1 if self.dq_tma and not config.dq_wg_flush else 2
 
     # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
@@ -188,41 +188,25 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                         # The previous step's reduce has read sdQ once this barrier is passed.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                if const_expr(self.cfg.dq_mid):
-                    # dK, dQ, dV: Q free after dK; the flush under dV; dO free after dV
-                    layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, ip + 1],
-                                  tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
-                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1],
-                                  tdQrKt, zero_init=True, wait=-1)
-                    layouts.wgmma(tiled_mma_dv, acc_dV, tdVrP[None, None, None, ip],
-                                  tdVrdOt[None, None, None, stage], zero_init=False, wait=2)
-                    pipe_q.consumer_release(state)
-                    warpgroup.wait_group(1)
-                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                                  head, batch, n_block, T, warp_idx, mSem, blocks)
-                    warpgroup.wait_group(0)
+                layouts.wgmma(tiled_mma_dv, acc_dV, tdVrP[None, None, None, ip],
+                              tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
+                layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, ip + 1],
+                              tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
+                # dV and dK done (groups complete in order) -> Q and dO are free: the producer
+                # loads the next step while dQ runs and is flushed. do_first: dO as soon as dV
+                # is done (dK and dQ still queued), then Q.
+                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1], tdQrKt,
+                              zero_init=True, wait=2 if self.cfg.do_first else 1)
+                if const_expr(self.cfg.do_first):
                     pipe_do.consumer_release(state)
-                    state.advance()
-                else:
-                    layouts.wgmma(tiled_mma_dv, acc_dV, tdVrP[None, None, None, ip],
-                                  tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
-                    layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, ip + 1],
-                                  tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
-                    # dV and dK done (groups complete in order) -> Q and dO are free: the producer
-                    # loads the next step while dQ runs and is flushed. do_first: dO as soon as dV
-                    # is done (dK and dQ still queued), then Q.
-                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1], tdQrKt,
-                                  zero_init=True, wait=2 if self.cfg.do_first else 1)
-                    if const_expr(self.cfg.do_first):
-                        pipe_do.consumer_release(state)
-                        warpgroup.wait_group(1)
-                    pipe_q.consumer_release(state)
-                    if const_expr(not self.cfg.do_first):
-                        pipe_do.consumer_release(state)
-                    state.advance()
-                    warpgroup.wait_group(0)
-                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                                  head, batch, n_block, T, warp_idx, mSem, blocks)
+                    warpgroup.wait_group(1)
+                pipe_q.consumer_release(state)
+                if const_expr(not self.cfg.do_first):
+                    pipe_do.consumer_release(state)
+                state.advance()
+                warpgroup.wait_group(0)
+                self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
+                              head, batch, n_block, T, warp_idx, mSem, blocks)
             if const_expr(self.cfg.dq_wg_flush):
                 if warp_idx == 8:  # (warp 4 waits in the epilogue) sdQ outlives the reads
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
