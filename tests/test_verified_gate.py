@@ -578,31 +578,21 @@ def test_forward_masked_calls_take_the_plain_schedule():
                        for kw in cases), (sched, feat)
 
 
-def _never_picked(flag: str) -> None:
-    """No point of the anchor grid dispatches to a backward config with ``flag`` set."""
+def _picked_where(flag: str, where) -> None:
+    """At each point (D, S, causal) of the anchor grid (and D=192), dispatch's backward config
+    has ``flag`` set exactly where ``where(D, S, causal)`` is true."""
     from jaxflash.kernels.choose import backward_config
     from jaxflash.kernels.devrun import grid_problem
     for d in (64, 128, 192, 256):
         for s_ in (1024, 4096, 16384):
             for c in (0, 1):
-                assert not getattr(backward_config(grid_problem(d, s_, c)), flag), (flag, d, s_, c)
+                got = bool(getattr(backward_config(grid_problem(d, s_, c)), flag))
+                assert got == bool(where(d, s_, c)), (flag, d, s_, c)
 
 
-def _double_buffered_wide_variant(flag: str, key: str, bad: list) -> list:
-    """A wide-kernel opt-in that double-buffers P^T / dS^T: keyed, 16 KB more shared memory
-    than dq_flat alone (still one Q / dO stage, within the limit), refused for each of
-    ``bad`` naming itself, never picked. Returns its check cases' kwargs."""
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    cfg = BwdConfig(head_dim=256, dq_flat=True, **{flag: True})
-    base = BwdConfig(head_dim=256, dq_flat=True)
-    assert key in cfg.key and cfg.num_stages == base.num_stages == 1
-    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= SMEM_LIMIT_BYTES
-    for kw in bad:
-        with pytest.raises(ValueError, match=flag):
-            BwdConfig(**{flag: True, **kw})
-    _never_picked(flag)
-    return [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get(flag)]
+def _never_picked(flag: str) -> None:
+    """No point of the anchor grid dispatches to a backward config with ``flag`` set."""
+    _picked_where(flag, lambda d, s_, c: False)
 
 
 def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
@@ -610,10 +600,18 @@ def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     H200 checks (2026-12-02) and is cleared, but lost to dq_flat alone there: it is keyed,
     double-buffers P^T / dS^T, is refused outside dq_flat / the wide kernel / deterministic,
     and dispatch never picks it; its check cases and D=256 bench columns stay."""
-    assert verified.pending(BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)) == ()
-    kws = _double_buffered_wide_variant("dq_wg_flush", "_dqg", [
-        dict(head_dim=256), dict(head_dim=128, dq_flat=True),
-        dict(head_dim=256, dq_flat=True, deterministic=True)])
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)
+    base = BwdConfig(head_dim=256, dq_flat=True)
+    assert "_dqg" in cfg.key and cfg.num_stages == 1
+    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= 227 * 1024
+    assert verified.pending(cfg) == ()
+    for bad in (dict(head_dim=256), dict(head_dim=128, dq_flat=True),
+                dict(head_dim=256, dq_flat=True, deterministic=True)):
+        with pytest.raises(ValueError, match="dq_wg_flush"):
+            BwdConfig(dq_wg_flush=True, **bad)
+    _never_picked("dq_wg_flush")
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_wg_flush")]
     assert len(kws) >= 6 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_window") for kw in kws)
 
@@ -635,12 +633,8 @@ def test_backward_q_multicast_cleared_keyed_refused_picked_at_dense_hd256_from_4
     for bad in (dict(has_window=True), dict(deterministic=True), dict(head_dim=128, tile_m=80)):
         with pytest.raises(ValueError, match="q_multicast"):
             BwdConfig(**{"head_dim": 256, "q_multicast": True, **bad})
-    for d in (64, 128, 192, 256):
-        for s_ in (1024, 4096, 16384):
-            for c in (0, 1):
-                got = backward_config(grid_problem(d, s_, c))
-                assert got.q_multicast == (d == 256 and s_ >= 4096 and not c), (d, s_, c)
-                assert got.dq_flat or not got.q_multicast
+    _picked_where("q_multicast", lambda d, s_, c: d == 256 and s_ >= 4096 and not c)
+    assert backward_config(grid_problem(256, 4096, 0)).dq_flat  # the pair's dQ path
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("q_multicast")]
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {128, 192, 256}
     assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_kv_seqlen") for kw in kws)

@@ -41,19 +41,6 @@ def _wide_dq_cases(tag: str, **flags):
     ]
 
 
-def _wide_order_cases(tag: str, **flags):
-    """Two more cases for a step order of the wide kernel (name "... {tag} ..."): causal
-    T > S with softcap (the mask and tanh around the reordered GEMMs), and tail_lpt's launch
-    order with GQA."""
-    return [
-        (f"bf16 h256 {tag} causal T>S softcap", dict(head_dim=256, is_causal=True,
-                                                     has_softcap=True, **flags),
-         (1, 400, 150, 2, 2, {"softcap": 20.0})),
-        (f"bf16 h256 {tag} tl causal gqa", dict(head_dim=256, is_causal=True, tail_lpt=True,
-                                                **flags), (4, 500, 700, 8, 2, {})),
-    ]
-
-
 # (name, config kwargs (shared by the forward and backward configs), problem):
 # problem = (B, T, S, N, K, extras)
 CHECKS = [
@@ -387,7 +374,11 @@ CHECKS = [
     # do_first (hd 192 / 256: dP^T before S^T, dO released after dV, Q after dK): the wide
     # dQ-path four, causal T > S with softcap, and with tail_lpt / q_multicast.
     *_wide_dq_cases("dof", dq_flat=True, do_first=True),
-    *_wide_order_cases("dof", dq_flat=True, do_first=True),
+    ("bf16 h256 dof causal T>S softcap", dict(head_dim=256, is_causal=True, has_softcap=True,
+                                              dq_flat=True, do_first=True),
+     (1, 400, 150, 2, 2, {"softcap": 20.0})),
+    ("bf16 h256 dof tl causal gqa", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                         tail_lpt=True, do_first=True), (4, 500, 700, 8, 2, {})),
     ("bf16 h256 dof qmc causal odd", dict(head_dim=256, is_causal=True, dq_flat=True,
                                           do_first=True, q_multicast=True),
      (2, 333, 300, 4, 2, {})),

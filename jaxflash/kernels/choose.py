@@ -218,10 +218,11 @@ def backward_config(problem) -> BwdConfig:
 
 def use_q_multicast(problem) -> bool:
     """q_multicast (key blocks 2j / 2j + 1 as a cluster, Q / dO halves multicast to both) on
-    plain dense hd 256 calls with at least 4k keys. H200, 2026-12-02 12:33 UTC
-    (`benchmarks/results/h200-2026-12-02-cute-bwd-bench-qmc.json`), fwd+bwd ms, dq_flat alone
-    -> with q_multicast: 4k dense 4.150 -> 3.927 (the one clear gain: the step there is L2-bound,
-    83% of peak in ncu), 16k dense 16.08 -> 15.98, 1k dense 1.190 -> 1.206 (slower: not
+    plain dense hd 256 calls with at least 4k keys. H200, 2026-12-02 12:33 / 12:49 UTC
+    (`benchmarks/results/h200-2026-12-02-cute-bwd-bench-{qmc,dqs}.json`), fwd+bwd ms, dq_flat
+    alone -> with q_multicast: 4k dense 4.150 -> 3.927 / 4.109 -> 4.051 (the clear gain: the
+    step there is L2-bound, 83% of peak in ncu), 16k dense 16.08 -> 15.98 / 15.93 -> 15.77,
+    1k dense 1.190 -> 1.206 (slower: not
     picked), causal 1k / 4k / 16k 1-6% slower than the tail_lpt pick (the coupled pair waits on
     its slower CTA). 19 float64 checks (hd 128 / 192 / 256, odd block counts with a phantom
     CTA, causal, T < S / T > S, lengths with empty rows, softcap, tail_lpt; error 1.00x
