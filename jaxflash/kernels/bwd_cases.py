@@ -384,6 +384,23 @@ CHECKS = [
      (2, 333, 300, 4, 2, {})),
     ("bf16 h256 dof qmc dense 2k", dict(head_dim=256, dq_flat=True, do_first=True,
                                         q_multicast=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    # dq_flat with dq_accum="red" (vector reds from registers into the fragment-ordered
+    # accumulator, no staging; two Q / dO stages at hd 256): the wide dQ-path four, causal
+    # 2k against cuDNN, q_multicast (odd block count: the phantom CTA), tail_lpt, and the
+    # key-split kernel at tile_m 64 (hd 128) and 128 (hd 64).
+    *_wide_dq_cases("dq4", dq_flat=True, dq_accum="red"),
+    ("bf16 h256 dq4 causal 2k", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                     dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    ("bf16 h256 dq4 qmc dense odd", dict(head_dim=256, dq_flat=True, dq_accum="red",
+                                         q_multicast=True), (2, 333, 300, 4, 4, {})),
+    ("bf16 h256 dq4 tl causal gqa", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                         dq_accum="red", tail_lpt=True),
+     (4, 500, 700, 8, 2, {})),
+    ("bf16 h128 edv dq4 causal gqa odd", dict(head_dim=128, is_causal=True, early_dv=True,
+                                              dq_flat=True, dq_accum="red"),
+     (2, 333, 301, 8, 2, {})),
+    ("bf16 h64 m128 dq4 dense 2k", dict(head_dim=64, tile_m=128, dq_flat=True,
+                                        dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

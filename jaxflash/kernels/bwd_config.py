@@ -109,7 +109,12 @@ class BwdConfig:
       (`bwd_launch.dq_from_flat`, fused with the scale and cast), instead of hd / 32 TMA
       tensor boxes of tile_m x 128 B per step (4 at hd 128, 8 at hd 256), or at tile_m 128
       hd / 8 boxes of 128 x 32 B. Both kernels. With dq_writer, that warp issues one bulk
-      reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`).
+      reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`). With
+      dq_accum="red" nothing is staged: each thread adds its fragment to the same
+      fragment-ordered accumulator from registers, one red.global.add.v4.f32 per 4 floats
+      (16-byte vector atomics, sm_90; a warp's one instruction covers 512 contiguous bytes),
+      so the step moves 2 x tile_m x hd x 4 fewer bytes through shared memory and frees the
+      staging tile (at hd 256 its 64 KB hold a second Q / dO stage).
     tail_lpt: (causal) launch the last heads' CTAs key-block-major, longest first, so the final
       wave ends with short CTAs (`jaxflash.kernels.bwd_order`).
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
@@ -239,11 +244,12 @@ class BwdConfig:
             return False, ("dq_writer needs dq_accum='tma', the key-split kernel at tile_m 64 "
                            "(head-dim halves per warpgroup) and neither deterministic (whose "
                            "ordered adds stay with warp 4) nor dq_arrive")
-        if self.dq_flat and (self.dq_accum != "tma" or self.tile_m not in (64, 128)
-                             or self.dq_arrive):
-            return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
-                           "dQ part is its head-dim half, or its 64 query rows), without "
-                           "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
+        if self.dq_flat and (self.tile_m not in (64, 128) or self.dq_arrive
+                             or (self.dq_accum == "red" and self.dq_writer)):
+            return False, ("dq_flat needs tile_m 64 or 128 (a warpgroup's dQ part is its "
+                           "head-dim half, or its 64 query rows), without dq_arrive (warp 4, "
+                           "or dq_writer's warp, issues the bulk reduces); with "
+                           "dq_accum='red' (vector reds from registers) not with dq_writer")
         if self.dq_wg_flush and (not self.dq_flat or self.deterministic
                                  or self.split != "headdim"):
             return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "

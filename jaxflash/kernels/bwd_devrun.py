@@ -94,7 +94,12 @@ BENCH_VARIANTS = {
           "dqf_dof": dict(dq_flat=True, do_first=True),
           "dqf_tl_dof": dict(dq_flat=True, tail_lpt=True, do_first=True),
           "dqf_qmc_dof": dict(dq_flat=True, q_multicast=True, do_first=True),
-          "dqf_tl_qmc_dof": dict(dq_flat=True, tail_lpt=True, q_multicast=True, do_first=True)},
+          "dqf_tl_qmc_dof": dict(dq_flat=True, tail_lpt=True, q_multicast=True, do_first=True),
+          # dq_flat with vector reds from registers (no dQ staging, two Q / dO stages)
+          "dq4": dict(dq_flat=True, dq_accum="red"),
+          "dq4_tl": dict(dq_flat=True, dq_accum="red", tail_lpt=True),
+          "dq4_qmc": dict(dq_flat=True, dq_accum="red", q_multicast=True),
+          "dq4_s1": dict(dq_flat=True, dq_accum="red", num_stages=1)},
     # (dq_split, "dqf_qmc_dqs": 0.94-0.99x q_multicast alone; dq_mid, "dqf_dqm": 0.75-0.85x
     # dq_flat alone; 2026-12-02, both removed: `h200-2026-12-02-cute-bwd-bench-{dqs,dqm}.json`)
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
@@ -323,8 +328,9 @@ def _direct_fwd_bwd(D, causal, scale, dq_accum, deterministic=False, **variant):
     """Forward + CuTe backward of one variant (bypasses the backend's choice)."""
     import jax
     fcfg = FwdConfig(head_dim=D, is_causal=causal)
-    bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum,
-                     deterministic=deterministic, **variant)
+    # a variant may name its own dq_accum
+    bcfg = BwdConfig(head_dim=D, is_causal=causal,
+                     **{"dq_accum": dq_accum, "deterministic": deterministic, **variant})
     return jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, scale))
 
 

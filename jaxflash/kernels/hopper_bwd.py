@@ -709,7 +709,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         tdSsdS = thr_st_ds.partition_D(sdS)
         tdQsdQ = None
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
-        if const_expr(self.dq_flat):
+        if const_expr(self.dq_flat and self.dq_tma):
             tdQsdQ = self.dq_flat_partition(sdQ, tidx)
         elif const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(layouts.transpose_mn(sdQ) if self.dq_transposed
