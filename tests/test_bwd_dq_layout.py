@@ -49,8 +49,11 @@ def test_dq_flat_refusals():
         BwdConfig(head_dim=128, tile_m=80, dq_flat=True)
     with pytest.raises(ValueError, match="dq_flat needs"):
         BwdConfig(head_dim=128, dq_arrive=True, dq_flat=True)
-    with pytest.raises(ValueError, match="dq_flat needs"):
-        BwdConfig(head_dim=128, dq_accum="red", dq_flat=True)
+    with pytest.raises(ValueError, match="dq_writer needs"):
+        BwdConfig(head_dim=128, dq_accum="red", dq_flat=True, dq_writer=True)
+    # vector reds from registers: no staging tile, so hd 256 gets a second Q / dO stage
+    red4 = BwdConfig(head_dim=256, dq_accum="red", dq_flat=True)
+    assert red4.num_stages == 2 and BwdConfig(head_dim=256, dq_flat=True).num_stages == 1
     assert dq_acc_shape(1, 5, 2, 128, BwdConfig(head_dim=128)) == (1, 5, 2, 128)
 
 

@@ -244,12 +244,10 @@ class BwdConfig:
             return False, ("dq_writer needs dq_accum='tma', the key-split kernel at tile_m 64 "
                            "(head-dim halves per warpgroup) and neither deterministic (whose "
                            "ordered adds stay with warp 4) nor dq_arrive")
-        if self.dq_flat and (self.tile_m not in (64, 128) or self.dq_arrive
-                             or (self.dq_accum == "red" and self.dq_writer)):
+        if self.dq_flat and (self.tile_m not in (64, 128) or self.dq_arrive):
             return False, ("dq_flat needs tile_m 64 or 128 (a warpgroup's dQ part is its "
                            "head-dim half, or its 64 query rows), without dq_arrive (warp 4, "
-                           "or dq_writer's warp, issues the bulk reduces); with "
-                           "dq_accum='red' (vector reds from registers) not with dq_writer")
+                           "or dq_writer's warp, issues the bulk reduces)")
         if self.dq_wg_flush and (not self.dq_flat or self.deterministic
                                  or self.split != "headdim"):
             return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "
