@@ -61,6 +61,8 @@ BENCH_VARIANTS = {
     64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
          "m128_dqf": dict(tile_m=128, dq_flat=True),
          "m128_dqf_tl": dict(tile_m=128, dq_flat=True, tail_lpt=True),
+         "m128_dq4": dict(tile_m=128, dq_flat=True, dq_accum="red"),
+         "m128_dq4_tl": dict(tile_m=128, dq_flat=True, dq_accum="red", tail_lpt=True),
          "m128_det": dict(tile_m=128, deterministic=True),
          "m128_ovl": dict(tile_m=128, overlap_dq=True),
          "m128_dqa": dict(tile_m=128, dq_arrive=True),
@@ -82,19 +84,18 @@ BENCH_VARIANTS = {
           "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True),
           # q_multicast: key-block pairs sharing their Q / dO loads (TMA multicast)
           "edv_dqf_qmc": dict(early_dv=True, dq_flat=True, q_multicast=True),
-          "edv_dqf_tl_qmc": dict(early_dv=True, dq_flat=True, tail_lpt=True, q_multicast=True)},
+          "edv_dqf_tl_qmc": dict(early_dv=True, dq_flat=True, tail_lpt=True, q_multicast=True),
+          # dq_flat with vector reds from registers (no dQ staging)
+          "edv_dq4": dict(early_dv=True, dq_flat=True, dq_accum="red"),
+          "edv_dq4_tl": dict(early_dv=True, dq_flat=True, dq_accum="red", tail_lpt=True)},
     # (dq_wg_flush, "dqf_wg" / "dqf_tl_wg": 0.94-1.00x dqf / dqf_tl, 2026-12-02; no longer
     # timed: `h200-2026-12-02-cute-bwd-bench-dqwg.json`)
     256: {"dqf": dict(dq_flat=True), "dqf_tl": dict(dq_flat=True, tail_lpt=True),
           # q_multicast (every point; with tail_lpt, the causal pick's order, in pairs)
           "dqf_qmc": dict(dq_flat=True, q_multicast=True),
           "dqf_tl_qmc": dict(dq_flat=True, tail_lpt=True, q_multicast=True),
-          # do_first (dP^T first, dO released after dV): alone, with the causal pick's
-          # tail_lpt, and with q_multicast
-          "dqf_dof": dict(dq_flat=True, do_first=True),
-          "dqf_tl_dof": dict(dq_flat=True, tail_lpt=True, do_first=True),
-          "dqf_qmc_dof": dict(dq_flat=True, q_multicast=True, do_first=True),
-          "dqf_tl_qmc_dof": dict(dq_flat=True, tail_lpt=True, q_multicast=True, do_first=True),
+          # (do_first, "dqf_dof" / "dqf_tl_dof" / "dqf_qmc_dof" / "dqf_tl_qmc_dof": within 1%
+          # of the picks, 2026-12-02; no longer timed: `h200-2026-12-02-cute-bwd-bench-qmc.json`)
           # dq_flat with vector reds from registers (no dQ staging, two Q / dO stages)
           "dq4": dict(dq_flat=True, dq_accum="red"),
           "dq4_tl": dict(dq_flat=True, dq_accum="red", tail_lpt=True),
