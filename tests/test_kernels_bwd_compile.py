@@ -124,6 +124,11 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, dq_accum="red", q_multicast=True),
     BwdConfig(dtype="float16", head_dim=64, tile_m=128, dq_flat=True, dq_accum="red",
               is_causal=True, has_window=True, has_kv_seqlen=True),
+    # rotate_m (opt-in, gated): each key block's query walk starts at its own offset
+    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, rotate_m=True,
+              is_causal=True),
+    BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, rotate_m=True,
+              is_causal=True, has_window=True, has_q_seqlen=True, has_kv_seqlen=True),
     # do_first (opt-in, gated; wide kernel): dP^T first, dO released after dV
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,

@@ -646,8 +646,8 @@ def test_backward_q_multicast_cleared_keyed_refused_picked_at_dense_hd256_from_4
 def test_backward_do_first_cleared_keyed_wide_only_not_picked():
     """do_first (the wide kernel's step takes dP^T first and releases dO after dV) passed its
     H200 checks (2026-12-02) but was within 1% of the picks (mostly behind): cleared, keyed,
-    wide kernel only, never picked; check cases (alone, with tail_lpt, with q_multicast) and
-    D=256 bench columns stay."""
+    wide kernel only, never picked; check cases (alone, with tail_lpt, with q_multicast)
+    stay (its bench columns were dropped after two runs)."""
     from jaxflash.kernels import bwd_devrun
     cfg = BwdConfig(head_dim=256, dq_flat=True, do_first=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
@@ -659,8 +659,48 @@ def test_backward_do_first_cleared_keyed_wide_only_not_picked():
     kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("do_first")]
     assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
     assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
-    assert {"dqf_dof", "dqf_tl_dof", "dqf_qmc_dof", "dqf_tl_qmc_dof"} <= set(
-        bwd_devrun.BENCH_VARIANTS[256])
+
+
+def test_backward_vector_red_dq_gated_keyed_two_stages_not_picked():
+    """dq_flat with dq_accum="red" (the dQ fragment added from registers by 16-byte vector
+    reds, no staging tile) is gated until its H200 checks pass: keyed apart from both the
+    staged dq_flat and the scalar reds, two Q / dO stages at hd 256 where the staged tile
+    leaves one, never picked while pending; check cases on both kernels."""
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_accum="red")
+    keys = {cfg.key, BwdConfig(head_dim=256, dq_flat=True).key,
+            BwdConfig(head_dim=256, dq_accum="red").key}
+    assert len(keys) == 3 and cfg.num_stages == 2
+    assert verified.pending(cfg) == ("dq_flat with dq_accum red",)
+    with pytest.raises(ValueError, match="deterministic"):
+        BwdConfig(head_dim=256, dq_flat=True, dq_accum="red", deterministic=True)
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    assert {backward_config(grid_problem(d, s_, c)).dq_accum for d in (64, 128, 192, 256)
+            for s_ in (1024, 4096, 16384) for c in (0, 1)} == {"tma"}
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS
+           if kw.get("dq_flat") and kw.get("dq_accum") == "red"]
+    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} >= {64, 128, 192, 256}
+    assert any(kw.get("q_multicast") for kw in kws) and any(kw.get("tail_lpt") for kw in kws)
+
+
+def test_backward_rotate_m_gated_keyed_refused_where_order_matters():
+    """rotate_m (each key block starts its query walk at its own offset) is gated until its
+    H200 checks pass, keyed, and refused where the walk's order matters (ordered dQ adds,
+    ALiBi's last-block flush, segment ranges, the dq_writer's loop, tile_m 80)."""
+    from jaxflash.kernels import bwd_devrun
+    cfg = BwdConfig(head_dim=256, dq_flat=True, rotate_m=True)
+    assert "_rot" in cfg.key and "_rot" not in BwdConfig(head_dim=256, dq_flat=True).key
+    assert verified.pending(cfg) == ("rotate_m",)
+    for bad in (dict(deterministic=True), dict(head_dim=96, has_alibi=True),
+                dict(head_dim=128, has_segments=True), dict(head_dim=128, dq_writer=True),
+                dict(head_dim=128, tile_m=80)):
+        with pytest.raises(ValueError, match="rotate_m"):
+            BwdConfig(**{"head_dim": 256, "rotate_m": True, **bad})
+    _never_picked("rotate_m")
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("rotate_m")]
+    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {64, 128, 192, 256}
+    assert any(kw.get("q_multicast") for kw in kws) and any(kw.get("tail_lpt") for kw in kws)
 
 
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():

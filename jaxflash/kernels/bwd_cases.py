@@ -401,6 +401,24 @@ CHECKS = [
      (2, 333, 301, 8, 2, {})),
     ("bf16 h64 m128 dq4 dense 2k", dict(head_dim=64, tile_m=128, dq_flat=True,
                                         dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    # rotate_m (each key block starts its query walk at its own offset): the wide dQ-path
+    # four, causal GQA T < S with q_multicast (the pair rotates together; odd block count),
+    # with the vector-red dQ, and the key-split kernel (hd 128 causal tail_lpt, hd 64 tile_m
+    # 128 causal T > S).
+    *_wide_dq_cases("rot", dq_flat=True, rotate_m=True),
+    ("bf16 h256 rot qmc causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True,
+                                              q_multicast=True, rotate_m=True),
+     (2, 500, 700, 8, 2, {})),
+    ("bf16 h256 rot dq4 qmc dense 2k", dict(head_dim=256, dq_flat=True, dq_accum="red",
+                                            q_multicast=True, rotate_m=True),
+     (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    ("bf16 h128 edv dqf tl rot causal gqa odd", dict(head_dim=128, is_causal=True,
+                                                     early_dv=True, dq_flat=True,
+                                                     tail_lpt=True, rotate_m=True),
+     (3, 333, 333, 6, 3, {})),
+    ("bf16 h64 m128 dqf rot causal T>S", dict(head_dim=64, tile_m=128, is_causal=True,
+                                              dq_flat=True, rotate_m=True),
+     (2, 700, 300, 4, 2, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

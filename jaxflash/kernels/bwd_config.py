@@ -133,6 +133,11 @@ class BwdConfig:
       memory (`jaxflash.kernels.q_multicast`): half the Q / dO bytes read from L2, where the
       hd 256 kernel waits (Nsight Compute: L2 at 83% of peak). The pair's stage release is
       coupled: a stage is refilled once both CTAs' consumers have released it.
+    rotate_m: (not deterministic, ALiBi, segment ids, dq_writer or tile_m 80) key block n
+      walks its query blocks starting at the (n mod range)-th (q_multicast: the pair's index),
+      so the ~60 CTAs of one head that run together reduce-add into different dQ tiles at
+      any moment instead of all into the same 64 x hd tile (L2 serializes read-modify-writes
+      of one line); the Q / dO tiles they read then differ too (all L2 hits after the first).
     do_first: (hd 192 / 256) the wide kernel's step takes dP^T = V dO^T before S^T = K Q^T and
       releases dO as soon as the dV GEMM is done, Q after the dK GEMM (instead of both after
       dK), and the producer loads dO before Q: with one Q / dO stage at hd 256, the next
@@ -165,6 +170,7 @@ class BwdConfig:
     dq_wg_flush: bool = False
     q_multicast: bool = False
     do_first: bool = False
+    rotate_m: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -261,6 +267,15 @@ class BwdConfig:
                 return False, (f"q_multicast with {', '.join(extra)}: the paired CTAs walk the "
                                "even key block's query blocks (a window's end, segment ranges "
                                "or ordered dQ adds would differ between the two)")
+        if self.rotate_m:
+            extra = [n for n, on in (
+                ("deterministic", self.deterministic), ("alibi", self.has_alibi),
+                ("segment ids", self.has_segments), ("dq_writer", self.dq_writer),
+                ("tile_m 80", self.tile_m == 80)) if on]
+            if extra:
+                return False, (f"rotate_m with {', '.join(extra)}: those walk the query "
+                               "blocks in order (ordered dQ adds, the d(slope) flush at the "
+                               "last block, segment ranges, the writer warp's own loop)")
         if self.do_first and self.split != "headdim":
             return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
                            "head-dim-split kernel (hd 192 / 256) only")
@@ -340,6 +355,7 @@ class BwdConfig:
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
                 f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
                 f"{'_qmc' if self.q_multicast else ''}{'_dof' if self.do_first else ''}"
+                f"{'_rot' if self.rotate_m else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -456,6 +456,18 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                          m_min, num_m, num_steps, seqlen_k, T, mSem, blocks, feats)
         self.pair_exit()
 
+    def step_block(self, step: Int32, m_min: Int32, num_m: Int32, n_block: Int32):
+        """Step -> (query head of the GQA group, query block), the same for the producer and
+        the consumers. With `rotate_m` each key block starts its walk at a different query
+        block of its range (offset n_block, or the pair's index under q_multicast, whose two
+        CTAs walk together), so the CTAs of one head add into different dQ tiles at any
+        moment instead of all into the same one. Plain Python (inlined while tracing)."""
+        g = step // num_m
+        r = step - g * num_m
+        if const_expr(self.cfg.rotate_m):
+            r = (r + (n_block // 2 if self.cfg.q_multicast else n_block)) % num_m
+        return g, m_min + r
+
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
                 tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q, pipe_do,
@@ -480,8 +492,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                                                  self.num_stages)
             mc_kw = self.qdo_copy_kw()
             for step in cutlass.range(num_steps, unroll=1):
-                g = step // num_m
-                m_block = m_min + step - g * num_m
+                g, m_block = self.step_block(step, m_min, num_m, n_block)
                 head = kv_head * group + g
                 gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd),
                                      (None, 0))
@@ -549,8 +560,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             for step in cutlass.range(num_steps, unroll=1):
-                g = step // num_m
-                m_block = m_min + step - g * num_m
+                g, m_block = self.step_block(step, m_min, num_m, n_block)
                 head = kv_head * group + g
                 stage = state.index
                 buf = step % 2

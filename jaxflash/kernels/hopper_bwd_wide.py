@@ -145,8 +145,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             for step in cutlass.range(num_steps, unroll=1):
-                g = step // num_m
-                m_block = m_min + step - g * num_m
+                g, m_block = self.step_block(step, m_min, num_m, n_block)
                 head = kv_head * group + g
                 stage = state.index
                 ip = 0  # P^T of this step's buffer; ip + 1: dS^T
