@@ -27,8 +27,8 @@
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   qmc     backward q_multicast and do_first (cleared 2026-12-02; qmc picked at dense hd 256 4k+): checks, D=256 bench, sanitizers (~4 min)
 #   qmc128  q_multicast at hd 128: bench only (~1.5 min)
-#   dq4     dq_flat with vector reds (gated): checks, D=256 bench, sanitizers (~4 min)
-#   dq4b    dq4 at hd 64 / 128 and again at D=256: bench only (~4 min)
+#   dq4     dq_flat with vector reds and rotate_m (gated): checks, sanitizers (~4 min)
+#   dq4b    their bench at the D=256 points (DQ4B_POINTS / DQ4B_TAG for others) (~6 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
@@ -184,28 +184,26 @@ qmc)
   done
   rm -f $OUT/san-*.json ;;
 dq4)
-  # dq_flat with dq_accum="red" (gated, built 2026-12-02 sixth session): its float64 cases first
-  # (rc 124 ends the stage), the D=256 points (dq4 / dq4_tl / dq4_qmc / dq4_s1 beside the
-  # picks dqf / dqf_tl / dqf_qmc), memcheck + racecheck on two cases
-  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('dq_flat') and kw.get('dq_accum') == 'red'))")
-  timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
+  # dq_flat with dq_accum="red" and rotate_m (gated, built 2026-12-02 sixth session): their
+  # float64 cases (rc 124 ends the stage), memcheck + racecheck on three cases
+  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if (kw.get('dq_flat') and kw.get('dq_accum') == 'red') or kw.get('rotate_m')))")
+  timeout 200 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
     --out $OUT/cute-bwd-check-dq4-$D.json > $OUT/cute-bwd-check-dq4-$D.log 2>&1
-  rc=$?; grep -v -i warn $OUT/cute-bwd-check-dq4-$D.log | tail -14; echo "check rc=$rc"
+  rc=$?; grep -v -i warn $OUT/cute-bwd-check-dq4-$D.log | tail -24; echo "check rc=$rc"
   [ $rc = 124 ] && continue
-  timeout 200 python3 -m jaxflash.kernels.bwd_devrun bench \
-    --only ${DQ4_POINTS:-256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1} \
-    --out $OUT/cute-bwd-bench-dq4-$D.json 2>&1 | tail -12
   for tool in memcheck racecheck; do
-    timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
-      check --cases "bf16 h256 dq4 qmc dense odd;fp16 h192 dq4 window kvlen" --out $OUT/san-$tool.json > $OUT/cute-bwd-dq4-$tool-$D.log 2>&1
+    timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
+      check --cases "bf16 h256 dq4 qmc dense odd;fp16 h192 dq4 window kvlen;bf16 h256 rot qmc causal gqa T<S" \
+      --out $OUT/san-$tool.json > $OUT/cute-bwd-dq4-$tool-$D.log 2>&1
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-dq4-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;
 dq4b)
-  # dq4 at hd 64 / 128 (m128_dq4, edv_dq4 beside the picks) and a second D=256 bench
-  timeout 280 python3 -m jaxflash.kernels.bwd_devrun bench \
-    --only ${DQ4B_POINTS:-256:4096:0,256:16384:0,256:4096:1,128:4096:0,128:16384:1,64:4096:0} \
-    --out $OUT/cute-bwd-bench-dq4b-$D.json 2>&1 | tail -12 ;;
+  # the D=256 points: dq4 / dq4_tl / dq4_qmc / dq4_s1 and the *_rot columns beside the picks
+  # dqf / dqf_tl / dqf_qmc (a second run: DQ4B_POINTS, e.g. hd 64 / 128's points)
+  timeout 560 python3 -m jaxflash.kernels.bwd_devrun bench \
+    --only ${DQ4B_POINTS:-256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1} \
+    --out $OUT/cute-bwd-bench-${DQ4B_TAG:-dq4}-$D.json 2>&1 | tail -12 ;;
 qmc128)
   # q_multicast at hd 128 (edv_dqf_qmc / edv_dqf_tl_qmc beside the picks edv_dqf / edv_dqf_tl)
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \
