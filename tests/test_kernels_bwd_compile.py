@@ -129,6 +129,11 @@ MATRIX = [
               is_causal=True),
     BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, rotate_m=True,
               is_causal=True, has_window=True, has_q_seqlen=True, has_kv_seqlen=True),
+    # hd 192 / 256 at tile_m 128 (opt-in, gated): dQ in head-dim halves by vector reds
+    BwdConfig(dtype="bfloat16", head_dim=256, tile_m=128, dq_flat=True, dq_accum="red",
+              is_causal=True, q_multicast=True, tail_lpt=True),
+    BwdConfig(dtype="float16", head_dim=192, tile_m=128, dq_flat=True, dq_accum="red",
+              has_window=True, has_q_seqlen=True, has_kv_seqlen=True, rotate_m=True),
     # do_first (opt-in, gated; wide kernel): dP^T first, dO released after dV
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,
@@ -234,7 +239,7 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=128, dq_arrive=True, dq_accum="red"), "dq_arrive"),
                     (dict(head_dim=256, dq_arrive=True), "dq_arrive"),
                     (dict(head_dim=128, dq_arrive=True, deterministic=True), "dq_arrive"),
-                    (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256"),
+                    (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256 needs dq_flat"),
                     (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),

@@ -764,3 +764,26 @@ def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch
                 assert not (pick.ctas_per_sm == 2 and pick.tile_m == 128)
     runs = [kw for _, kw, _ in devrun.CHECKS] + list(devrun.VARIANTS.values())
     assert not any(kw.get("ctas_per_sm") == 2 and kw.get("tile_m") == 128 for kw in runs)
+
+
+def test_backward_wide_tile_m_128_gated_one_buffer_fits_not_picked():
+    """hd 192 / 256 at 128 queries per step (dQ in head-dim halves added by vector reds) is
+    gated until its H200 checks pass: only with dq_flat + dq_accum="red", one Q / dO stage and
+    one P^T / dS^T buffer in the shared memory, keyed, never picked while pending."""
+    from jaxflash.kernels import bwd_devrun
+    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
+    cfg = BwdConfig(head_dim=256, tile_m=128, dq_flat=True, dq_accum="red")
+    assert cfg.num_stages == 1 and cfg.pds_buffers == 1
+    assert cfg.smem_bytes() <= SMEM_LIMIT_BYTES and "_t128x64" in cfg.key
+    assert verified.pending(cfg) == ("dq_flat with dq_accum red", "tile_m 128 at hd 192 / 256")
+    for bad in (dict(), dict(dq_flat=True), dict(dq_accum="red")):
+        with pytest.raises(ValueError, match="tile_m 128 at head_dim 256 needs"):
+            BwdConfig(head_dim=256, tile_m=128, **bad)
+    from jaxflash.kernels.choose import backward_config
+    from jaxflash.kernels.devrun import grid_problem
+    assert all(backward_config(grid_problem(d, s_, c)).tile_m == 64 for d in (192, 256)
+               for s_ in (1024, 4096, 16384) for c in (0, 1))
+    kws = [kw for _, kw, _ in bwd_devrun.CHECKS
+           if kw.get("tile_m") == 128 and kw["head_dim"] > 128]
+    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
+    assert any(kw.get("q_multicast") for kw in kws) and any(kw.get("rotate_m") for kw in kws)

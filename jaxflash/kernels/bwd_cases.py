@@ -419,6 +419,23 @@ CHECKS = [
     ("bf16 h64 m128 dqf rot causal T>S", dict(head_dim=64, tile_m=128, is_causal=True,
                                               dq_flat=True, rotate_m=True),
      (2, 700, 300, 4, 2, {})),
+    # hd 192 / 256 at tile_m 128 (128 queries per step, dQ in two head-dim halves added by
+    # vector reds, one P^T / dS^T buffer behind its own barrier): the wide dQ-path four,
+    # causal 2k against cuDNN, T > S with lengths and empty rows, q_multicast (phantom CTA),
+    # tail_lpt, rotate_m.
+    *_wide_dq_cases("w128", tile_m=128, dq_flat=True, dq_accum="red"),
+    ("bf16 h256 w128 causal 2k", dict(head_dim=256, is_causal=True, tile_m=128, dq_flat=True,
+                                      dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
+    ("bf16 h256 w128 causal T>S lengths", dict(head_dim=256, is_causal=True, tile_m=128,
+                                               dq_flat=True, dq_accum="red",
+                                               has_q_seqlen=True, has_kv_seqlen=True),
+     (3, 300, 200, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [200, 0, 77]})),
+    ("bf16 h256 w128 qmc dense odd", dict(head_dim=256, tile_m=128, dq_flat=True,
+                                          dq_accum="red", q_multicast=True),
+     (2, 333, 300, 4, 4, {})),
+    ("bf16 h256 w128 tl rot causal gqa", dict(head_dim=256, is_causal=True, tile_m=128,
+                                              dq_flat=True, dq_accum="red", tail_lpt=True,
+                                              rotate_m=True), (4, 500, 700, 8, 2, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

@@ -215,7 +215,13 @@ class BwdConfig:
             if extra:
                 return False, (f"tile_m 80 with {', '.join(extra)}: the 80-query step is dense "
                                "only (no masks, TMA dQ reduce-add, default schedule)")
-        if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS:
+        wide128 = self.tile_m == 128 and self.head_dim > KEY_SPLIT_MAX_HEAD_DIM
+        if wide128 and not (self.dq_flat and self.dq_accum == "red"):
+            return False, (f"tile_m 128 at head_dim {self.head_dim} needs dq_flat with "
+                           "dq_accum='red': the dQ GEMM then runs in head-dim chunks added "
+                           "from registers (a 128 x hd float32 tile fits neither the registers "
+                           "nor, beside 128-row Q / dO tiles, the shared memory)")
+        if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS and not wide128:
             return False, (f"tile_m 128 at head_dim {self.head_dim}: the 64 x 128 S^T and dP^T "
                            "tiles beside the dK / dV accumulators exceed the 240 registers "
                            f"(head dims {TILE_M128_HEAD_DIMS})")
@@ -255,8 +261,9 @@ class BwdConfig:
                            "head-dim half, or its 64 query rows), without dq_arrive (warp 4, "
                            "or dq_writer's warp, issues the bulk reduces)")
         if self.dq_wg_flush and (not self.dq_flat or self.deterministic
-                                 or self.split != "headdim"):
-            return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "
+                                 or self.split != "headdim" or self.dq_accum != "tma"):
+            return False, ("dq_wg_flush needs dq_flat with dq_accum='tma' (contiguous "
+                           "per-warpgroup parts, staged) in the "
                            "head-dim-split kernel (hd 192 / 256), not deterministic (whose "
                            "ordered adds are whole tiles)")
         if self.q_multicast:
@@ -316,13 +323,20 @@ class BwdConfig:
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
         ds = 2 * self.tile_n * self.tile_m * elt  # dS^T, 2 buffers
         if self.split == "headdim":
-            # P^T and dS^T; 2 buffers with "red" or dq_wg_flush (no per-step barrier of both
-            # warpgroups then guards their reuse)
-            bufs = 1 if self.dq_accum == "tma" and not self.dq_wg_flush else 2
-            ds = 2 * bufs * self.tile_n * self.tile_m * elt
+            ds = 2 * self.pds_buffers * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
+
+    @property
+    def pds_buffers(self) -> int:
+        """P^T / dS^T buffers of the head-dim-split kernel: 1 where a per-step barrier of both
+        warpgroups guards their reuse (the TMA flush's BAR_DQ; at tile_m 128 a barrier of its
+        own, since two 32 KB buffers do not fit beside 128-row Q / dO tiles), else 2 ("red"
+        or dq_wg_flush: a warpgroup may be one step ahead of the other)."""
+        if self.tile_m == 128 or (self.dq_accum == "tma" and not self.dq_wg_flush):
+            return 1
+        return 2
 
     @property
     def row_stage_stride(self) -> int:

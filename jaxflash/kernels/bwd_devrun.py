@@ -109,7 +109,12 @@ BENCH_VARIANTS = {
           "dqf_tl_rot": dict(dq_flat=True, tail_lpt=True, rotate_m=True),
           "dqf_qmc_rot": dict(dq_flat=True, q_multicast=True, rotate_m=True),
           "dq4_rot": dict(dq_flat=True, dq_accum="red", rotate_m=True),
-          "dq4_qmc_rot": dict(dq_flat=True, dq_accum="red", q_multicast=True, rotate_m=True)},
+          "dq4_qmc_rot": dict(dq_flat=True, dq_accum="red", q_multicast=True, rotate_m=True),
+          # 128 queries per step (dQ in head-dim halves by vector reds)
+          "w128": dict(tile_m=128, dq_flat=True, dq_accum="red"),
+          "w128_tl": dict(tile_m=128, dq_flat=True, dq_accum="red", tail_lpt=True),
+          "w128_qmc": dict(tile_m=128, dq_flat=True, dq_accum="red", q_multicast=True),
+          "w128_rot": dict(tile_m=128, dq_flat=True, dq_accum="red", rotate_m=True)},
     # (dq_split, "dqf_qmc_dqs": 0.94-0.99x q_multicast alone; dq_mid, "dqf_dqm": 0.75-0.85x
     # dq_flat alone; 2026-12-02, both removed: `h200-2026-12-02-cute-bwd-bench-{dqs,dqm}.json`)
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,

@@ -101,16 +101,7 @@ class DqAccumulation:
                     bulk_reduce_add_f32(dst + wg * part, sdQ.iterator + wg * part, part * 4)
                     cute.arch.cp_async_bulk_commit_group()
         elif const_expr(self.dq_flat and not self.dq_tma):
-            # No staging: the thread's fragment, 4 floats at a time, straight into its block
-            # of the fragment-ordered accumulator (the addresses `dq_flat_partition` gives
-            # shared memory, here over global memory; rows past T land in the padding).
-            dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
-            flat = cute.make_tensor(dst, cute.make_layout(1))  # only its iterator is read
-            tdQg = self.dq_flat_partition(flat, cute.arch.thread_idx()[0] - 128)  # consumer tid
-            r = cute.make_tensor(acc_dQ.iterator, cute.make_layout(cute.size(acc_dQ)))
-            for c in cutlass.range_constexpr(cute.size(tdQg) // 4):  # register i <-> index i
-                ptr = tdQg.iterator + cute.crd2idx(4 * c, tdQg.layout)
-                red_add_v4_f32(ptr, r[4 * c], r[4 * c + 1], r[4 * c + 2], r[4 * c + 3])
+            self.red_dq_flat(mdQ, acc_dQ, m_block, head, batch, 0)
         elif const_expr(self.dq_flat):
             # Fragment order, 16-byte stores, then one bulk reduce of the whole tile into its
             # block of the fragment-ordered accumulator.
@@ -195,6 +186,22 @@ class DqAccumulation:
                     cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,
                                              number_of_threads=_WG_AND_WRITER)
+
+    def red_dq_flat(self, mdQ, acc, m_block: Int32, head: Int32, batch: Int32, first: int):
+        """No staging: the thread's dQ registers, 4 floats at a time, straight into its block
+        of the fragment-ordered accumulator (the addresses `dq_flat_partition` gives shared
+        memory, here over global memory; rows past T land in the padding), one
+        red.global.add.v4.f32 each. ``acc`` holds the thread's 16-byte chunks ``first``,
+        ``first + 1``, ... of the whole fragment (the wide kernel's tile_m 128 computes dQ in
+        head-dim chunks: chunk j of the GEMM is fragment chunks j * size(acc) / 4 on).
+        Plain Python (inlined while `consume` is traced)."""
+        dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
+        flat = cute.make_tensor(dst, cute.make_layout(1))  # only its iterator is read
+        tdQg = self.dq_flat_partition(flat, cute.arch.thread_idx()[0] - 128)  # consumer tid
+        r = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
+        for c in range(cute.size(acc) // 4):  # register i <-> index i (traced: unrolled)
+            ptr = tdQg.iterator + cute.crd2idx(4 * (first + c), tdQg.layout)
+            red_add_v4_f32(ptr, r[4 * c], r[4 * c + 1], r[4 * c + 2], r[4 * c + 3])
 
     @cute.jit
     def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,

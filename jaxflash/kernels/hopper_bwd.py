@@ -115,6 +115,9 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         # `dq_flat`: the staging tile in fragment order, one bulk reduce (no TMA tensor map)
         self.dq_flat = config.dq_flat
         self.dq_box = self.dq_tma and not self.dq_flat
+        # dQ columns one dQ GEMM computes (the wide kernel at tile_m 128: a head-dim half per
+        # GEMM, two GEMMs per step)
+        self.dq_gemm_cols = self.hd
         # How the two warpgroups split the tile_m x hd dQ tile of a step: at tile_m 64 (one
         # wgmma M atom) by head-dim halves; at tile_m 128 by 64-query row halves, each with the
         # whole head dim: wgmma N = hd instead of hd/2 (half the instructions) and each
@@ -711,7 +714,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.hd)
+        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.dq_gemm_cols)
         dq_coords = TileCoords.make(tiled_mma_dq, tidx, dq_mn)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)

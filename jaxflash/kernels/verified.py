@@ -95,7 +95,10 @@ RULES = {
                   # vector reds from registers into the fragment-ordered dQ accumulator
                   ("dq_flat with dq_accum red", lambda c: c.dq_flat and c.dq_accum == "red"),
                   # each key block's query walk starts at its own offset
-                  ("rotate_m", lambda c: c.rotate_m)),
+                  ("rotate_m", lambda c: c.rotate_m),
+                  # hd 192 / 256 at 128 queries per step (`hopper_bwd_wide`, dq_halves)
+                  ("tile_m 128 at hd 192 / 256",
+                   lambda c: c.tile_m == 128 and c.split == "headdim")),
     # q_multicast (key-block pairs sharing Q / dO by TMA multicast) and do_first (the wide
     # kernel's dO-first step) passed 19 float64 checks between them (hd 128 / 192 / 256, odd
     # block counts with the phantom CTA, causal, T < S and T > S, lengths with empty rows,
