@@ -184,22 +184,23 @@ qmc)
   done
   rm -f $OUT/san-*.json ;;
 dq4)
-  # dq_flat with dq_accum="red" and rotate_m (gated, built 2026-12-02 sixth session): their
+  # dq_flat with dq_accum="red", rotate_m and the wide kernel at tile_m 128 (gated, built
+  # 2026-12-02 sixth session; the last is a dq_flat + "red" config too): their
   # float64 cases (rc 124 ends the stage), memcheck + racecheck on three cases
   C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if (kw.get('dq_flat') and kw.get('dq_accum') == 'red') or kw.get('rotate_m')))")
-  timeout 200 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
+  timeout 320 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
     --out $OUT/cute-bwd-check-dq4-$D.json > $OUT/cute-bwd-check-dq4-$D.log 2>&1
   rc=$?; grep -v -i warn $OUT/cute-bwd-check-dq4-$D.log | tail -24; echo "check rc=$rc"
   [ $rc = 124 ] && continue
   for tool in memcheck racecheck; do
     timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
-      check --cases "bf16 h256 dq4 qmc dense odd;fp16 h192 dq4 window kvlen;bf16 h256 rot qmc causal gqa T<S" \
+      check --cases "bf16 h256 dq4 qmc dense odd;bf16 h256 rot qmc causal gqa T<S;bf16 h256 w128 causal T>S lengths" \
       --out $OUT/san-$tool.json > $OUT/cute-bwd-dq4-$tool-$D.log 2>&1
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-dq4-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;
 dq4b)
-  # the D=256 points: dq4 / dq4_tl / dq4_qmc / dq4_s1 and the *_rot columns beside the picks
+  # the D=256 points: dq4 / dq4_tl / dq4_qmc / dq4_s1, the *_rot and w128* columns beside the picks
   # dqf / dqf_tl / dqf_qmc (a second run: DQ4B_POINTS, e.g. hd 64 / 128's points)
   timeout 560 python3 -m jaxflash.kernels.bwd_devrun bench \
     --only ${DQ4B_POINTS:-256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1} \
