@@ -413,8 +413,8 @@ def bench(out_path: str, only=None) -> None:
                             if variant_config(D, causal, vkw) is None:
                                 continue  # refused at this point (m80: causal)
                             try:
-                                t_v = _time(_direct_fwd_bwd(D, causal, scale, "tma", **vkw),
-                                            (q, k, v, do), iters)
+                                t_v = _time(_direct_fwd_bwd(D, causal, scale, **{
+                                    "dq_accum": "tma", **vkw}), (q, k, v, do), iters)
                                 row[f"{vn}_ms"] = t_v * 1e3
                                 row[f"{vn}_speedup"] = t_t / t_v
                                 row[f"{vn}_bwd_speedup"] = (t_t - t_f) / max(t_v - t_f, 1e-9)
