@@ -119,21 +119,6 @@ MATRIX = [
               tail_lpt=True),
     BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, q_multicast=True,
               has_q_seqlen=True, has_kv_seqlen=True),
-    # dq_flat with dq_accum="red" (opt-in, gated): 16-byte vector reds from registers into
-    # the fragment-ordered accumulator, no staging tile (two Q / dO stages at hd 256)
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, dq_accum="red", q_multicast=True),
-    BwdConfig(dtype="float16", head_dim=64, tile_m=128, dq_flat=True, dq_accum="red",
-              is_causal=True, has_window=True, has_kv_seqlen=True),
-    # rotate_m (opt-in, gated): each key block's query walk starts at its own offset
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, rotate_m=True,
-              is_causal=True),
-    BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, rotate_m=True,
-              is_causal=True, has_window=True, has_q_seqlen=True, has_kv_seqlen=True),
-    # hd 192 / 256 at tile_m 128 (opt-in, gated): dQ in head-dim halves by vector reds
-    BwdConfig(dtype="bfloat16", head_dim=256, tile_m=128, dq_flat=True, dq_accum="red",
-              is_causal=True, q_multicast=True, tail_lpt=True),
-    BwdConfig(dtype="float16", head_dim=192, tile_m=128, dq_flat=True, dq_accum="red",
-              has_window=True, has_q_seqlen=True, has_kv_seqlen=True, rotate_m=True),
     # do_first (opt-in, gated; wide kernel): dP^T first, dO released after dV
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
     BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,
@@ -185,12 +170,7 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     # dq_flat: flat bulk reduces of the fragment-ordered tile (one per step, or one per
     # warpgroup part from the dq_writer warp), no tensor-map reduce at all
     flat = ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
-    staged_flat = cfg.dq_flat and cfg.dq_accum == "tma"
-    assert flat == ((2 if cfg.dq_writer else 1) if staged_flat else 0), flat
-    # dq_flat with "red": one 16-byte red per 4 of the thread's dQ floats, nothing else
-    red4 = ptx.count("red.relaxed.gpu.global.add.v4.f32")
-    per_thread = cfg.tile_m * cfg.head_dim // (128 * cfg.num_mma_warpgroups)
-    assert red4 == (per_thread // 4 if cfg.dq_flat and not staged_flat else 0), red4
+    assert flat == ((2 if cfg.dq_writer else 1) if cfg.dq_flat else 0), flat
     if cfg.dq_flat:
         assert not red and not tma_reduce
     else:
@@ -239,7 +219,7 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=128, dq_arrive=True, dq_accum="red"), "dq_arrive"),
                     (dict(head_dim=256, dq_arrive=True), "dq_arrive"),
                     (dict(head_dim=128, dq_arrive=True, deterministic=True), "dq_arrive"),
-                    (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256 needs dq_flat"),
+                    (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256"),
                     (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),

@@ -661,48 +661,6 @@ def test_backward_do_first_cleared_keyed_wide_only_not_picked():
     assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
 
 
-def test_backward_vector_red_dq_gated_keyed_two_stages_not_picked():
-    """dq_flat with dq_accum="red" (the dQ fragment added from registers by 16-byte vector
-    reds, no staging tile) is gated until its H200 checks pass: keyed apart from both the
-    staged dq_flat and the scalar reds, two Q / dO stages at hd 256 where the staged tile
-    leaves one, never picked while pending; check cases on both kernels."""
-    from jaxflash.kernels import bwd_devrun
-    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_accum="red")
-    keys = {cfg.key, BwdConfig(head_dim=256, dq_flat=True).key,
-            BwdConfig(head_dim=256, dq_accum="red").key}
-    assert len(keys) == 3 and cfg.num_stages == 2
-    assert verified.pending(cfg) == ("dq_flat with dq_accum red",)
-    with pytest.raises(ValueError, match="deterministic"):
-        BwdConfig(head_dim=256, dq_flat=True, dq_accum="red", deterministic=True)
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
-    assert {backward_config(grid_problem(d, s_, c)).dq_accum for d in (64, 128, 192, 256)
-            for s_ in (1024, 4096, 16384) for c in (0, 1)} == {"tma"}
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS
-           if kw.get("dq_flat") and kw.get("dq_accum") == "red"]
-    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} >= {64, 128, 192, 256}
-    assert any(kw.get("q_multicast") for kw in kws) and any(kw.get("tail_lpt") for kw in kws)
-
-
-def test_backward_rotate_m_gated_keyed_refused_where_order_matters():
-    """rotate_m (each key block starts its query walk at its own offset) is gated until its
-    H200 checks pass, keyed, and refused where the walk's order matters (ordered dQ adds,
-    ALiBi's last-block flush, segment ranges, the dq_writer's loop, tile_m 80)."""
-    from jaxflash.kernels import bwd_devrun
-    cfg = BwdConfig(head_dim=256, dq_flat=True, rotate_m=True)
-    assert "_rot" in cfg.key and "_rot" not in BwdConfig(head_dim=256, dq_flat=True).key
-    assert verified.pending(cfg) == ("rotate_m",)
-    for bad in (dict(deterministic=True), dict(head_dim=96, has_alibi=True),
-                dict(head_dim=128, has_segments=True), dict(head_dim=128, dq_writer=True),
-                dict(head_dim=128, tile_m=80)):
-        with pytest.raises(ValueError, match="rotate_m"):
-            BwdConfig(**{"head_dim": 256, "rotate_m": True, **bad})
-    _never_picked("rotate_m")
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("rotate_m")]
-    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {64, 128, 192, 256}
-    assert any(kw.get("q_multicast") for kw in kws) and any(kw.get("tail_lpt") for kw in kws)
-
-
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
     and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and
@@ -764,26 +722,3 @@ def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch
                 assert not (pick.ctas_per_sm == 2 and pick.tile_m == 128)
     runs = [kw for _, kw, _ in devrun.CHECKS] + list(devrun.VARIANTS.values())
     assert not any(kw.get("ctas_per_sm") == 2 and kw.get("tile_m") == 128 for kw in runs)
-
-
-def test_backward_wide_tile_m_128_gated_one_buffer_fits_not_picked():
-    """hd 192 / 256 at 128 queries per step (dQ in head-dim halves added by vector reds) is
-    gated until its H200 checks pass: only with dq_flat + dq_accum="red", one Q / dO stage and
-    one P^T / dS^T buffer in the shared memory, keyed, never picked while pending."""
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    cfg = BwdConfig(head_dim=256, tile_m=128, dq_flat=True, dq_accum="red")
-    assert cfg.num_stages == 1 and cfg.pds_buffers == 1
-    assert cfg.smem_bytes() <= SMEM_LIMIT_BYTES and "_t128x64" in cfg.key
-    assert verified.pending(cfg) == ("dq_flat with dq_accum red", "tile_m 128 at hd 192 / 256")
-    for bad in (dict(), dict(dq_flat=True), dict(dq_accum="red")):
-        with pytest.raises(ValueError, match="tile_m 128 at head_dim 256 needs"):
-            BwdConfig(head_dim=256, tile_m=128, **bad)
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
-    assert all(backward_config(grid_problem(d, s_, c)).tile_m == 64 for d in (192, 256)
-               for s_ in (1024, 4096, 16384) for c in (0, 1))
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS
-           if kw.get("tile_m") == 128 and kw["head_dim"] > 128]
-    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
-    assert any(kw.get("q_multicast") for kw in kws) and any(kw.get("rotate_m") for kw in kws)

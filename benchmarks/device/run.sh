@@ -27,8 +27,6 @@
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
 #   qmc     backward q_multicast and do_first (cleared 2026-12-02; qmc picked at dense hd 256 4k+): checks, D=256 bench, sanitizers (~4 min)
 #   qmc128  q_multicast at hd 128: bench only (~1.5 min)
-#   dq4     dq_flat with vector reds and rotate_m (gated): checks, sanitizers (~4 min)
-#   dq4b    their bench at the D=256 points (DQ4B_POINTS / DQ4B_TAG for others) (~6 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)
 #   m256    256-row tiles at hd 64 (cleared, picked 2026-12-02): checks, sanitizers, bench
@@ -183,28 +181,6 @@ qmc)
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-qmc-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;
-dq4)
-  # dq_flat with dq_accum="red", rotate_m and the wide kernel at tile_m 128 (gated, built
-  # 2026-12-02 sixth session; the last is a dq_flat + "red" config too): their
-  # float64 cases (rc 124 ends the stage), memcheck + racecheck on three cases
-  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if (kw.get('dq_flat') and kw.get('dq_accum') == 'red') or kw.get('rotate_m')))")
-  timeout 320 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
-    --out $OUT/cute-bwd-check-dq4-$D.json > $OUT/cute-bwd-check-dq4-$D.log 2>&1
-  rc=$?; grep -v -i warn $OUT/cute-bwd-check-dq4-$D.log | tail -24; echo "check rc=$rc"
-  [ $rc = 124 ] && continue
-  for tool in memcheck racecheck; do
-    timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
-      check --cases "bf16 h256 dq4 qmc dense odd;bf16 h256 rot qmc causal gqa T<S;bf16 h256 w128 causal T>S lengths" \
-      --out $OUT/san-$tool.json > $OUT/cute-bwd-dq4-$tool-$D.log 2>&1
-    echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-dq4-$tool-$D.log
-  done
-  rm -f $OUT/san-*.json ;;
-dq4b)
-  # the D=256 points: dq4 / dq4_tl / dq4_qmc / dq4_s1, the *_rot and w128* columns beside the picks
-  # dqf / dqf_tl / dqf_qmc (a second run: DQ4B_POINTS, e.g. hd 64 / 128's points)
-  timeout 560 python3 -m jaxflash.kernels.bwd_devrun bench \
-    --only ${DQ4B_POINTS:-256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1} \
-    --out $OUT/cute-bwd-bench-${DQ4B_TAG:-dq4}-$D.json 2>&1 | tail -12 ;;
 qmc128)
   # q_multicast at hd 128 (edv_dqf_qmc / edv_dqf_tl_qmc beside the picks edv_dqf / edv_dqf_tl)
   timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \

@@ -384,58 +384,6 @@ CHECKS = [
      (2, 333, 300, 4, 2, {})),
     ("bf16 h256 dof qmc dense 2k", dict(head_dim=256, dq_flat=True, do_first=True,
                                         q_multicast=True), (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    # dq_flat with dq_accum="red" (vector reds from registers into the fragment-ordered
-    # accumulator, no staging; two Q / dO stages at hd 256): the wide dQ-path four, causal
-    # 2k against cuDNN, q_multicast (odd block count: the phantom CTA), tail_lpt, and the
-    # key-split kernel at tile_m 64 (hd 128) and 128 (hd 64).
-    *_wide_dq_cases("dq4", dq_flat=True, dq_accum="red"),
-    ("bf16 h256 dq4 causal 2k", dict(head_dim=256, is_causal=True, dq_flat=True,
-                                     dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    ("bf16 h256 dq4 qmc dense odd", dict(head_dim=256, dq_flat=True, dq_accum="red",
-                                         q_multicast=True), (2, 333, 300, 4, 4, {})),
-    ("bf16 h256 dq4 tl causal gqa", dict(head_dim=256, is_causal=True, dq_flat=True,
-                                         dq_accum="red", tail_lpt=True),
-     (4, 500, 700, 8, 2, {})),
-    ("bf16 h128 edv dq4 causal gqa odd", dict(head_dim=128, is_causal=True, early_dv=True,
-                                              dq_flat=True, dq_accum="red"),
-     (2, 333, 301, 8, 2, {})),
-    ("bf16 h64 m128 dq4 dense 2k", dict(head_dim=64, tile_m=128, dq_flat=True,
-                                        dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    # rotate_m (each key block starts its query walk at its own offset): the wide dQ-path
-    # four, causal GQA T < S with q_multicast (the pair rotates together; odd block count),
-    # with the vector-red dQ, and the key-split kernel (hd 128 causal tail_lpt, hd 64 tile_m
-    # 128 causal T > S).
-    *_wide_dq_cases("rot", dq_flat=True, rotate_m=True),
-    ("bf16 h256 rot qmc causal gqa T<S", dict(head_dim=256, is_causal=True, dq_flat=True,
-                                              q_multicast=True, rotate_m=True),
-     (2, 500, 700, 8, 2, {})),
-    ("bf16 h256 rot dq4 qmc dense 2k", dict(head_dim=256, dq_flat=True, dq_accum="red",
-                                            q_multicast=True, rotate_m=True),
-     (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    ("bf16 h128 edv dqf tl rot causal gqa odd", dict(head_dim=128, is_causal=True,
-                                                     early_dv=True, dq_flat=True,
-                                                     tail_lpt=True, rotate_m=True),
-     (3, 333, 333, 6, 3, {})),
-    ("bf16 h64 m128 dqf rot causal T>S", dict(head_dim=64, tile_m=128, is_causal=True,
-                                              dq_flat=True, rotate_m=True),
-     (2, 700, 300, 4, 2, {})),
-    # hd 192 / 256 at tile_m 128 (128 queries per step, dQ in two head-dim halves added by
-    # vector reds, one P^T / dS^T buffer behind its own barrier): the wide dQ-path four,
-    # causal 2k against cuDNN, T > S with lengths and empty rows, q_multicast (phantom CTA),
-    # tail_lpt, rotate_m.
-    *_wide_dq_cases("w128", tile_m=128, dq_flat=True, dq_accum="red"),
-    ("bf16 h256 w128 causal 2k", dict(head_dim=256, is_causal=True, tile_m=128, dq_flat=True,
-                                      dq_accum="red"), (1, 2048, 2048, 4, 4, {"cudnn": True})),
-    ("bf16 h256 w128 causal T>S lengths", dict(head_dim=256, is_causal=True, tile_m=128,
-                                               dq_flat=True, dq_accum="red",
-                                               has_q_seqlen=True, has_kv_seqlen=True),
-     (3, 300, 200, 4, 2, {"q_seqlen": [300, 131, 0], "kv_seqlen": [200, 0, 77]})),
-    ("bf16 h256 w128 qmc dense odd", dict(head_dim=256, tile_m=128, dq_flat=True,
-                                          dq_accum="red", q_multicast=True),
-     (2, 333, 300, 4, 4, {})),
-    ("bf16 h256 w128 tl rot causal gqa", dict(head_dim=256, is_causal=True, tile_m=128,
-                                              dq_flat=True, dq_accum="red", tail_lpt=True,
-                                              rotate_m=True), (4, 500, 700, 8, 2, {})),
     # Ordered dQ adds (semaphores); last, since a hang here ends the run (watchdog).
     ("bf16 h128 deterministic causal gqa", dict(head_dim=128, is_causal=True,
                                                 deterministic=True), (2, 500, 700, 8, 2, {})),

@@ -109,12 +109,7 @@ class BwdConfig:
       (`bwd_launch.dq_from_flat`, fused with the scale and cast), instead of hd / 32 TMA
       tensor boxes of tile_m x 128 B per step (4 at hd 128, 8 at hd 256), or at tile_m 128
       hd / 8 boxes of 128 x 32 B. Both kernels. With dq_writer, that warp issues one bulk
-      reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`). With
-      dq_accum="red" nothing is staged: each thread adds its fragment to the same
-      fragment-ordered accumulator from registers, one red.global.add.v4.f32 per 4 floats
-      (16-byte vector atomics, sm_90; a warp's one instruction covers 512 contiguous bytes),
-      so the step moves 2 x tile_m x hd x 4 fewer bytes through shared memory and frees the
-      staging tile (at hd 256 its 64 KB hold a second Q / dO stage).
+      reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`).
     tail_lpt: (causal) launch the last heads' CTAs key-block-major, longest first, so the final
       wave ends with short CTAs (`jaxflash.kernels.bwd_order`).
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
@@ -133,11 +128,6 @@ class BwdConfig:
       memory (`jaxflash.kernels.q_multicast`): half the Q / dO bytes read from L2, where the
       hd 256 kernel waits (Nsight Compute: L2 at 83% of peak). The pair's stage release is
       coupled: a stage is refilled once both CTAs' consumers have released it.
-    rotate_m: (not deterministic, ALiBi, segment ids, dq_writer or tile_m 80) key block n
-      walks its query blocks starting at the (n mod range)-th (q_multicast: the pair's index),
-      so the ~60 CTAs of one head that run together reduce-add into different dQ tiles at
-      any moment instead of all into the same 64 x hd tile (L2 serializes read-modify-writes
-      of one line); the Q / dO tiles they read then differ too (all L2 hits after the first).
     do_first: (hd 192 / 256) the wide kernel's step takes dP^T = V dO^T before S^T = K Q^T and
       releases dO as soon as the dV GEMM is done, Q after the dK GEMM (instead of both after
       dK), and the producer loads dO before Q: with one Q / dO stage at hd 256, the next
@@ -170,7 +160,6 @@ class BwdConfig:
     dq_wg_flush: bool = False
     q_multicast: bool = False
     do_first: bool = False
-    rotate_m: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -215,13 +204,7 @@ class BwdConfig:
             if extra:
                 return False, (f"tile_m 80 with {', '.join(extra)}: the 80-query step is dense "
                                "only (no masks, TMA dQ reduce-add, default schedule)")
-        wide128 = self.tile_m == 128 and self.head_dim > KEY_SPLIT_MAX_HEAD_DIM
-        if wide128 and not (self.dq_flat and self.dq_accum == "red"):
-            return False, (f"tile_m 128 at head_dim {self.head_dim} needs dq_flat with "
-                           "dq_accum='red': the dQ GEMM then runs in head-dim chunks added "
-                           "from registers (a 128 x hd float32 tile fits neither the registers "
-                           "nor, beside 128-row Q / dO tiles, the shared memory)")
-        if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS and not wide128:
+        if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS:
             return False, (f"tile_m 128 at head_dim {self.head_dim}: the 64 x 128 S^T and dP^T "
                            "tiles beside the dK / dV accumulators exceed the 240 registers "
                            f"(head dims {TILE_M128_HEAD_DIMS})")
@@ -256,14 +239,14 @@ class BwdConfig:
             return False, ("dq_writer needs dq_accum='tma', the key-split kernel at tile_m 64 "
                            "(head-dim halves per warpgroup) and neither deterministic (whose "
                            "ordered adds stay with warp 4) nor dq_arrive")
-        if self.dq_flat and (self.tile_m not in (64, 128) or self.dq_arrive):
-            return False, ("dq_flat needs tile_m 64 or 128 (a warpgroup's dQ part is its "
-                           "head-dim half, or its 64 query rows), without dq_arrive (warp 4, "
-                           "or dq_writer's warp, issues the bulk reduces)")
+        if self.dq_flat and (self.dq_accum != "tma" or self.tile_m not in (64, 128)
+                             or self.dq_arrive):
+            return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
+                           "dQ part is its head-dim half, or its 64 query rows), without "
+                           "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
         if self.dq_wg_flush and (not self.dq_flat or self.deterministic
-                                 or self.split != "headdim" or self.dq_accum != "tma"):
-            return False, ("dq_wg_flush needs dq_flat with dq_accum='tma' (contiguous "
-                           "per-warpgroup parts, staged) in the "
+                                 or self.split != "headdim"):
+            return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "
                            "head-dim-split kernel (hd 192 / 256), not deterministic (whose "
                            "ordered adds are whole tiles)")
         if self.q_multicast:
@@ -274,15 +257,6 @@ class BwdConfig:
                 return False, (f"q_multicast with {', '.join(extra)}: the paired CTAs walk the "
                                "even key block's query blocks (a window's end, segment ranges "
                                "or ordered dQ adds would differ between the two)")
-        if self.rotate_m:
-            extra = [n for n, on in (
-                ("deterministic", self.deterministic), ("alibi", self.has_alibi),
-                ("segment ids", self.has_segments), ("dq_writer", self.dq_writer),
-                ("tile_m 80", self.tile_m == 80)) if on]
-            if extra:
-                return False, (f"rotate_m with {', '.join(extra)}: those walk the query "
-                               "blocks in order (ordered dQ adds, the d(slope) flush at the "
-                               "last block, segment ranges, the writer warp's own loop)")
         if self.do_first and self.split != "headdim":
             return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
                            "head-dim-split kernel (hd 192 / 256) only")
@@ -323,20 +297,13 @@ class BwdConfig:
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
         ds = 2 * self.tile_n * self.tile_m * elt  # dS^T, 2 buffers
         if self.split == "headdim":
-            ds = 2 * self.pds_buffers * self.tile_n * self.tile_m * elt
+            # P^T and dS^T; 2 buffers with "red" or dq_wg_flush (no per-step barrier of both
+            # warpgroups then guards their reuse)
+            bufs = 1 if self.dq_accum == "tma" and not self.dq_wg_flush else 2
+            ds = 2 * bufs * self.tile_n * self.tile_m * elt
         rows = 2 * self.num_stages * self.row_stage_stride * 4
         dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
-
-    @property
-    def pds_buffers(self) -> int:
-        """P^T / dS^T buffers of the head-dim-split kernel: 1 where a per-step barrier of both
-        warpgroups guards their reuse (the TMA flush's BAR_DQ; at tile_m 128 a barrier of its
-        own, since two 32 KB buffers do not fit beside 128-row Q / dO tiles), else 2 ("red"
-        or dq_wg_flush: a warpgroup may be one step ahead of the other)."""
-        if self.tile_m == 128 or (self.dq_accum == "tma" and not self.dq_wg_flush):
-            return 1
-        return 2
 
     @property
     def row_stage_stride(self) -> int:
@@ -369,7 +336,6 @@ class BwdConfig:
                 f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
                 f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
                 f"{'_qmc' if self.q_multicast else ''}{'_dof' if self.do_first else ''}"
-                f"{'_rot' if self.rotate_m else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -61,9 +61,6 @@ BENCH_VARIANTS = {
     64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
          "m128_dqf": dict(tile_m=128, dq_flat=True),
          "m128_dqf_tl": dict(tile_m=128, dq_flat=True, tail_lpt=True),
-         "m128_dq4": dict(tile_m=128, dq_flat=True, dq_accum="red"),
-         "m128_dq4_tl": dict(tile_m=128, dq_flat=True, dq_accum="red", tail_lpt=True),
-         "m128_dqf_rot": dict(tile_m=128, dq_flat=True, rotate_m=True),
          "m128_det": dict(tile_m=128, deterministic=True),
          "m128_ovl": dict(tile_m=128, overlap_dq=True),
          "m128_dqa": dict(tile_m=128, dq_arrive=True),
@@ -85,38 +82,19 @@ BENCH_VARIANTS = {
           "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True),
           # q_multicast: key-block pairs sharing their Q / dO loads (TMA multicast)
           "edv_dqf_qmc": dict(early_dv=True, dq_flat=True, q_multicast=True),
-          "edv_dqf_tl_qmc": dict(early_dv=True, dq_flat=True, tail_lpt=True, q_multicast=True),
-          # dq_flat with vector reds from registers (no dQ staging)
-          "edv_dq4": dict(early_dv=True, dq_flat=True, dq_accum="red"),
-          "edv_dq4_tl": dict(early_dv=True, dq_flat=True, dq_accum="red", tail_lpt=True),
-          "edv_dqf_rot": dict(early_dv=True, dq_flat=True, rotate_m=True),
-          "edv_dqf_tl_rot": dict(early_dv=True, dq_flat=True, tail_lpt=True, rotate_m=True)},
+          "edv_dqf_tl_qmc": dict(early_dv=True, dq_flat=True, tail_lpt=True, q_multicast=True)},
     # (dq_wg_flush, "dqf_wg" / "dqf_tl_wg": 0.94-1.00x dqf / dqf_tl, 2026-12-02; no longer
     # timed: `h200-2026-12-02-cute-bwd-bench-dqwg.json`)
     256: {"dqf": dict(dq_flat=True), "dqf_tl": dict(dq_flat=True, tail_lpt=True),
           # q_multicast (every point; with tail_lpt, the causal pick's order, in pairs)
           "dqf_qmc": dict(dq_flat=True, q_multicast=True),
-          "dqf_tl_qmc": dict(dq_flat=True, tail_lpt=True, q_multicast=True),
-          # (do_first, "dqf_dof" / "dqf_tl_dof" / "dqf_qmc_dof" / "dqf_tl_qmc_dof": within 1%
-          # of the picks, 2026-12-02; no longer timed: `h200-2026-12-02-cute-bwd-bench-qmc.json`)
-          # dq_flat with vector reds from registers (no dQ staging, two Q / dO stages)
-          "dq4": dict(dq_flat=True, dq_accum="red"),
-          "dq4_tl": dict(dq_flat=True, dq_accum="red", tail_lpt=True),
-          "dq4_qmc": dict(dq_flat=True, dq_accum="red", q_multicast=True),
-          "dq4_s1": dict(dq_flat=True, dq_accum="red", num_stages=1),
-          # rotate_m: each key block's query walk starts at its own offset
-          "dqf_rot": dict(dq_flat=True, rotate_m=True),
-          "dqf_tl_rot": dict(dq_flat=True, tail_lpt=True, rotate_m=True),
-          "dqf_qmc_rot": dict(dq_flat=True, q_multicast=True, rotate_m=True),
-          "dq4_rot": dict(dq_flat=True, dq_accum="red", rotate_m=True),
-          "dq4_qmc_rot": dict(dq_flat=True, dq_accum="red", q_multicast=True, rotate_m=True),
-          # 128 queries per step (dQ in head-dim halves by vector reds)
-          "w128": dict(tile_m=128, dq_flat=True, dq_accum="red"),
-          "w128_tl": dict(tile_m=128, dq_flat=True, dq_accum="red", tail_lpt=True),
-          "w128_qmc": dict(tile_m=128, dq_flat=True, dq_accum="red", q_multicast=True),
-          "w128_rot": dict(tile_m=128, dq_flat=True, dq_accum="red", rotate_m=True)},
+          "dqf_tl_qmc": dict(dq_flat=True, tail_lpt=True, q_multicast=True)},
+    # (do_first, "dqf_dof" / "dqf_tl_dof" / "dqf_qmc_dof" / "dqf_tl_qmc_dof": within 1% of
+    # the picks, 2026-12-02; no longer timed: `h200-2026-12-02-cute-bwd-bench-qmc.json`)
     # (dq_split, "dqf_qmc_dqs": 0.94-0.99x q_multicast alone; dq_mid, "dqf_dqm": 0.75-0.85x
-    # dq_flat alone; 2026-12-02, both removed: `h200-2026-12-02-cute-bwd-bench-{dqs,dqm}.json`)
+    # dq_flat alone; 2026-12-02, both removed: `h200-2026-12-02-cute-bwd-bench-{dqs,dqm}.json`.
+    # The vector-red dQ "dq4*" (0.88-0.94x dqf), tile_m 128 "w128*" (0.92-0.99x) and rotate_m
+    # "*_rot" (within noise), sixth session, all removed: `...-cute-bwd-bench-dq4.json`.)
     # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
     # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
@@ -135,7 +113,7 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
 _BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
              "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush", "q_multicast",
-             "do_first", "rotate_m")
+             "do_first")
 
 
 def variant_config(D, causal, vkw):

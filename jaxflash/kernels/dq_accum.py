@@ -100,8 +100,6 @@ class DqAccumulation:
                     dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
                     bulk_reduce_add_f32(dst + wg * part, sdQ.iterator + wg * part, part * 4)
                     cute.arch.cp_async_bulk_commit_group()
-        elif const_expr(self.dq_flat and not self.dq_tma):
-            self.red_dq_flat(mdQ, acc_dQ, m_block, head, batch, 0)
         elif const_expr(self.dq_flat):
             # Fragment order, 16-byte stores, then one bulk reduce of the whole tile into its
             # block of the fragment-ordered accumulator.
@@ -187,22 +185,6 @@ class DqAccumulation:
                     cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,
                                              number_of_threads=_WG_AND_WRITER)
 
-    def red_dq_flat(self, mdQ, acc, m_block: Int32, head: Int32, batch: Int32, first: int):
-        """No staging: the thread's dQ registers, 4 floats at a time, straight into its block
-        of the fragment-ordered accumulator (the addresses `dq_flat_partition` gives shared
-        memory, here over global memory; rows past T land in the padding), one
-        red.global.add.v4.f32 each. ``acc`` holds the thread's 16-byte chunks ``first``,
-        ``first + 1``, ... of the whole fragment (the wide kernel's tile_m 128 computes dQ in
-        head-dim chunks: chunk j of the GEMM is fragment chunks j * size(acc) / 4 on).
-        Plain Python (inlined while `consume` is traced)."""
-        dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
-        flat = cute.make_tensor(dst, cute.make_layout(1))  # only its iterator is read
-        tdQg = self.dq_flat_partition(flat, cute.arch.thread_idx()[0] - 128)  # consumer tid
-        r = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
-        for c in range(cute.size(acc) // 4):  # register i <-> index i (traced: unrolled)
-            ptr = tdQg.iterator + cute.crd2idx(4 * (first + c), tdQg.layout)
-            red_add_v4_f32(ptr, r[4 * c], r[4 * c + 1], r[4 * c + 2], r[4 * c + 3])
-
     @cute.jit
     def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,
                batch: Int32, T: Int32):
@@ -229,18 +211,6 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, size: int, *, loc=
         None, [dst.llvm_ptr, src.toint(loc=loc, ip=ip).ir_value(), Int32(size).ir_value()],
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def red_add_v4_f32(dst: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *,
-                   loc=None, ip=None):
-    """dst[0:4] += (a, b, c, d) (global float32, 16-byte aligned), one relaxed gpu-scope vector
-    reduction (PTX 8.1+, sm_90). The DSL's `cute.arch.red` is scalar, hence the inline asm."""
-    llvm.inline_asm(
-        None, [dst.llvm_ptr] + [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
 
 

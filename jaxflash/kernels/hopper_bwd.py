@@ -115,9 +115,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         # `dq_flat`: the staging tile in fragment order, one bulk reduce (no TMA tensor map)
         self.dq_flat = config.dq_flat
         self.dq_box = self.dq_tma and not self.dq_flat
-        # dQ columns one dQ GEMM computes (the wide kernel at tile_m 128: a head-dim half per
-        # GEMM, two GEMMs per step)
-        self.dq_gemm_cols = self.hd
         # How the two warpgroups split the tile_m x hd dQ tile of a step: at tile_m 64 (one
         # wgmma M atom) by head-dim halves; at tile_m 128 by 64-query row halves, each with the
         # whole head dim: wgmma N = hd instead of hd/2 (half the instructions) and each
@@ -459,18 +456,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                          m_min, num_m, num_steps, seqlen_k, T, mSem, blocks, feats)
         self.pair_exit()
 
-    def step_block(self, step: Int32, m_min: Int32, num_m: Int32, n_block: Int32):
-        """Step -> (query head of the GQA group, query block), the same for the producer and
-        the consumers. With `rotate_m` each key block starts its walk at a different query
-        block of its range (offset n_block, or the pair's index under q_multicast, whose two
-        CTAs walk together), so the CTAs of one head add into different dQ tiles at any
-        moment instead of all into the same one. Plain Python (inlined while tracing)."""
-        g = step // num_m
-        r = step - g * num_m
-        if const_expr(self.cfg.rotate_m):
-            r = (r + (n_block // 2 if self.cfg.q_multicast else n_block)) % num_m
-        return g, m_min + r
-
     @cute.jit
     def produce(self, mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta, tma_Q,
                 tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q, pipe_do,
@@ -495,7 +480,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                                                  self.num_stages)
             mc_kw = self.qdo_copy_kw()
             for step in cutlass.range(num_steps, unroll=1):
-                g, m_block = self.step_block(step, m_min, num_m, n_block)
+                g = step // num_m
+                m_block = m_min + step - g * num_m
                 head = kv_head * group + g
                 gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.hd),
                                      (None, 0))
@@ -563,7 +549,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             for step in cutlass.range(num_steps, unroll=1):
-                g, m_block = self.step_block(step, m_min, num_m, n_block)
+                g = step // num_m
+                m_block = m_min + step - g * num_m
                 head = kv_head * group + g
                 stage = state.index
                 buf = step % 2
@@ -714,7 +701,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.dq_gemm_cols)
+        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.hd)
         dq_coords = TileCoords.make(tiled_mma_dq, tidx, dq_mn)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -722,7 +709,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         tdSsdS = thr_st_ds.partition_D(sdS)
         tdQsdQ = None
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
-        if const_expr(self.dq_flat and self.dq_tma):
+        if const_expr(self.dq_flat):
             tdQsdQ = self.dq_flat_partition(sdQ, tidx)
         elif const_expr(self.dq_tma):
             tdQsdQ = thr_dq.partition_C(layouts.transpose_mn(sdQ) if self.dq_transposed

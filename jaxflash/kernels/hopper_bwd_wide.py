@@ -28,12 +28,6 @@ split the *head dim* instead:
   needs the other warpgroup to have finished step i); so with `dq_wg_flush`, whose flush is
   per warpgroup.
 - Epilogue as the base kernel: dK * scale and dV through K's and V's buffers, TMA stores.
-- tile_m 128 (with dq_flat and dq_accum="red" only): S^T / dP^T are m64n64 per warpgroup (64
-  query columns each), dV / dK take K-dim 128, and the dQ GEMM is split by query rows (64 per
-  warpgroup) and computed in two head-dim halves (m64n{hd/2}, 64 registers at hd 256, added by
-  vector reds before the second reuses them): half the K / V operand reads and half the dQ /
-  Q / dO traffic into L2 per query, in 231424 B of shared memory with one Q / dO stage and one
-  P^T / dS^T buffer (reused behind `_BAR_PDS_FREE`).
 
 Every shared-memory tile read as an MN-major operand in hd/2-column slices (Q, dO, K) is laid
 out with swizzle atoms that fit hd/2 columns (hd 192: 96 = 3 x 32-column 64B atoms).
@@ -52,12 +46,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels import layouts
 from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.dq_accum import BAR_DQ
 from jaxflash.kernels.hopper_bwd import _BAR_DS, FlashBwdSm90
-
-# tile_m 128 (vector-red dQ, so BAR_DQ's id is free): the single P^T / dS^T buffer may be
-# overwritten (both warpgroups' GEMMs of the previous step are done).
-_BAR_PDS_FREE = BAR_DQ
 from jaxflash.kernels.mask import QueryBlockRange, TileCoords, apply_mask_kq
 
 
@@ -70,12 +59,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         if config.split != "headdim":
             raise ValueError(f"FlashBwdSm90Wide serves head dims > 128, got {config.key}")
         # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
-        self.pds_bufs = config.pds_buffers
-        # tile_m 128: the warpgroups split the dQ GEMM by query rows, each computing its 64 x hd
-        # rows in head-dim halves (two GEMMs, each added from registers before the next).
-        self.dq_halves = config.tile_m == 128
-        if self.dq_halves:
-            self.dq_gemm_cols = self.hd // 2
+        self.pds_bufs = 1 if self.dq_tma and not config.dq_wg_flush else 2
 
     # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
@@ -94,11 +78,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tiled_mma_dv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_, MN, Float32, atom_layout_mnk=(1, 2, 1),
             tiler_mn=(self.tile_n, halfv))
-        # dQ = dS K: 64 queries x hd, the head dim split; tile_m 128: 128 queries, the rows
-        # split, one head-dim half per GEMM.
+        # dQ = dS K: 64 queries x hd, the head dim split.
         tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, MN, MN, Float32,
-            atom_layout_mnk=(2, 1, 1) if self.dq_halves else (1, 2, 1), tiler_mn=(64, half))
+            self.dtype, self.dtype, MN, MN, Float32, atom_layout_mnk=(1, 2, 1),
+            tiler_mn=(self.tile_m, half))
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
     def smem_layouts(self):
@@ -148,12 +131,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tdKrdS = wg_dk.make_fragment_A(wg_dk.partition_A(sPdS))
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sPdS)))
-        if const_expr(self.dq_halves):  # B = K^T's head-dim half h for the h-th dQ GEMM
-            tdQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(
-                layouts.transpose_mn(sK), (self.hd // 2, self.tile_n), (h, 0))))
-                for h in range(2)]
-        else:
-            tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
+        tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
         (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sPdS, sdQ)
@@ -167,7 +145,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
             for step in cutlass.range(num_steps, unroll=1):
-                g, m_block = self.step_block(step, m_min, num_m, n_block)
+                g = step // num_m
+                m_block = m_min + step - g * num_m
                 head = kv_head * group + g
                 stage = state.index
                 ip = 0  # P^T of this step's buffer; ip + 1: dS^T
@@ -201,11 +180,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 rdS.store(acc_dP.load().to(self.dtype))
                 # This warpgroup's query columns of P^T and dS^T (the buffer is free: see the
                 # module docstring).
-                if const_expr(self.dq_halves):
-                    # One P^T / dS^T buffer: both warpgroups' GEMMs of the previous step
-                    # (each waited for its own) are done reading it.
-                    cute.arch.barrier(barrier_id=_BAR_PDS_FREE,
-                                      number_of_threads=self.num_mma_threads)
                 cute.copy(st_atom, thr_st_pds.retile(rP), tPsPdS[None, None, None, ip])
                 cute.copy(st_atom, thr_st_pds.retile(rdS), tPsPdS[None, None, None, ip + 1])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
@@ -221,8 +195,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 # dV and dK done (groups complete in order) -> Q and dO are free: the producer
                 # loads the next step while dQ runs and is flushed. do_first: dO as soon as dV
                 # is done (dK and dQ still queued), then Q.
-                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1],
-                              tdQrKt[0] if self.dq_halves else tdQrKt,
+                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1], tdQrKt,
                               zero_init=True, wait=2 if self.cfg.do_first else 1)
                 if const_expr(self.cfg.do_first):
                     pipe_do.consumer_release(state)
@@ -232,16 +205,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                     pipe_do.consumer_release(state)
                 state.advance()
                 warpgroup.wait_group(0)
-                if const_expr(self.dq_halves):
-                    # first half added, then the second computed into the same registers
-                    chunks = cute.size(acc_dQ) // 4
-                    self.red_dq_flat(mdQ, acc_dQ, m_block, head, batch, 0)
-                    layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1],
-                                  tdQrKt[1], zero_init=True, wait=0)
-                    self.red_dq_flat(mdQ, acc_dQ, m_block, head, batch, chunks)
-                else:
-                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                                  head, batch, n_block, T, warp_idx, mSem, blocks)
+                self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
+                              head, batch, n_block, T, warp_idx, mSem, blocks)
             if const_expr(self.cfg.dq_wg_flush):
                 if warp_idx == 8:  # (warp 4 waits in the epilogue) sdQ outlives the reads
                     cute.arch.cp_async_bulk_wait_group(0, read=True)

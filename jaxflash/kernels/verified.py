@@ -91,14 +91,7 @@ RULES = {
     # (H200, 2026-12-02 05:33 UTC, `h200-2026-12-02-cute-bwd-*dqwg*`): cleared; not picked
     # (fwd+bwd against dq_flat alone at D=256: 1-6% slower dense, within 1.3% causal).
     "BwdConfig": (("overlap_dq with tile_m 128", lambda c: c.overlap_dq and c.tile_m == 128),
-                  ("dq_arrive", lambda c: c.dq_arrive),
-                  # vector reds from registers into the fragment-ordered dQ accumulator
-                  ("dq_flat with dq_accum red", lambda c: c.dq_flat and c.dq_accum == "red"),
-                  # each key block's query walk starts at its own offset
-                  ("rotate_m", lambda c: c.rotate_m),
-                  # hd 192 / 256 at 128 queries per step (`hopper_bwd_wide`, dq_halves)
-                  ("tile_m 128 at hd 192 / 256",
-                   lambda c: c.tile_m == 128 and c.split == "headdim")),
+                  ("dq_arrive", lambda c: c.dq_arrive)),
     # q_multicast (key-block pairs sharing Q / dO by TMA multicast) and do_first (the wide
     # kernel's dO-first step) passed 19 float64 checks between them (hd 128 / 192 / 256, odd
     # block counts with the phantom CTA, causal, T < S and T > S, lengths with empty rows,
