@@ -25,7 +25,8 @@
 #   featcheck the plain schedules' float64 cases with windows / key lengths (~1.5 min)
 #   ncubwd  ncu (speed of light, memory tables, warp stalls, pipes) of our backward main kernel
 #           at D=256 4k dense and D=128 4k dense: where the wide kernel's step time goes (~3 min)
-#   qmc     backward q_multicast and do_first (cleared 2026-12-02; qmc picked at dense hd 256 4k+): checks, D=256 bench, sanitizers (~4 min)
+#   qmc     backward q_multicast and do_first (cleared 2026-12-02; q_multicast picked at dense
+#           hd 256 from 4k keys): checks, D=256 bench, sanitizers (~4 min)
 #   qmc128  q_multicast at hd 128: bench only (~1.5 min)
 #   dqwg    backward dq_wg_flush at hd 192 / 256 (cleared 2026-12-02, not picked): checks,
 #           sanitizers, bench (~2 min)

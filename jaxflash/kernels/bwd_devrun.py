@@ -321,9 +321,8 @@ def _direct_fwd_bwd(D, causal, scale, dq_accum, deterministic=False, **variant):
     """Forward + CuTe backward of one variant (bypasses the backend's choice)."""
     import jax
     fcfg = FwdConfig(head_dim=D, is_causal=causal)
-    # a variant may name its own dq_accum
-    bcfg = BwdConfig(head_dim=D, is_causal=causal,
-                     **{"dq_accum": dq_accum, "deterministic": deterministic, **variant})
+    bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum,
+                     deterministic=deterministic, **variant)
     return jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, scale))
 
 
@@ -391,6 +390,7 @@ def bench(out_path: str, only=None) -> None:
                             if variant_config(D, causal, vkw) is None:
                                 continue  # refused at this point (m80: causal)
                             try:
+                                # (a variant may name its own dq_accum)
                                 t_v = _time(_direct_fwd_bwd(D, causal, scale, **{
                                     "dq_accum": "tma", **vkw}), (q, k, v, do), iters)
                                 row[f"{vn}_ms"] = t_v * 1e3

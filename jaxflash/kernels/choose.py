@@ -222,9 +222,8 @@ def use_q_multicast(problem) -> bool:
     (`benchmarks/results/h200-2026-12-02-cute-bwd-bench-{qmc,dqs}.json`), fwd+bwd ms, dq_flat
     alone -> with q_multicast: 4k dense 4.150 -> 3.927 / 4.109 -> 4.051 (the clear gain: the
     step there is L2-bound, 83% of peak in ncu), 16k dense 16.08 -> 15.98 / 15.93 -> 15.77,
-    1k dense 1.190 -> 1.206 (slower: not
-    picked), causal 1k / 4k / 16k 1-6% slower than the tail_lpt pick (the coupled pair waits on
-    its slower CTA). 19 float64 checks (hd 128 / 192 / 256, odd block counts with a phantom
+    1k dense 1.190 -> 1.206 (slower: not picked), causal 1k / 4k / 16k 1-6% slower than the
+    tail_lpt pick (the coupled pair waits on its slower CTA). 19 float64 checks (hd 128 / 192 / 256, odd block counts with a phantom
     CTA, causal, T < S / T > S, lengths with empty rows, softcap, tail_lpt; error 1.00x
     cuDNN's on the 2k cases), memcheck and racecheck clean."""
     st = problem.statics
