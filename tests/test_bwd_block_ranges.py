@@ -20,7 +20,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402  (module level: the jit reads its annotations here)
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 
-from jaxflash.kernels.mask import QueryBlockRange  # noqa: E402
+from jaxflash.kernels.common.mask import QueryBlockRange  # noqa: E402
 
 TILE_N = 128
 # (T, S, window (left, right) or None, seqlen_q, seqlen_k): odd sizes, T > S and T < S, partial

@@ -6,8 +6,8 @@ hardware's fragment; this test pins the bookkeeping on both sides of it."""
 import numpy as np
 import pytest
 
-from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.bwd_launch import dq_acc_shape, dq_from_flat
+from jaxflash.kernels.variants.bwd import BwdConfig
+from jaxflash.kernels.variants.bwd_launch import dq_acc_shape, dq_from_flat
 
 
 def _flatten_like_the_kernel(dq: np.ndarray, tile_m: int) -> np.ndarray:
@@ -95,8 +95,8 @@ def test_bwd_phases_probe_times_what_dispatch_runs(monkeypatch):
     import jax.numpy as jnp
 
     from jaxflash import dispatch
-    from jaxflash.kernels import bwd_phases
-    from jaxflash.kernels.choose import use_dq_flat
+    from devtools import bwd_phases
+    from jaxflash.kernels.policy.choose import use_dq_flat
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
     q = jax.ShapeDtypeStruct((16, 1024, 16, 128), jnp.bfloat16)
     cfg = bwd_phases._problem_config(q, q, q, False)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.segments import block_summaries
+from jaxflash.kernels.variants.fwd import FwdConfig
+from jaxflash.kernels.common.segments import block_summaries
 
 
 def _sorted_ids(rng, B, L, max_docs):
@@ -110,7 +110,7 @@ def test_block_summaries_refuse_mismatched_batches():
 
 
 def test_fwd_inputs_order_and_shapes():
-    from jaxflash.kernels.fwd_launch import fwd_inputs, fwd_launch
+    from jaxflash.kernels.variants.fwd_launch import fwd_inputs, fwd_launch
     cfg = FwdConfig(head_dim=64, has_kv_seqlen=True, has_alibi=True, has_segments=True)
     B, T, S, N, K = 2, 300, 200, 4, 2
     q = jnp.zeros((B, T, N, 64), jnp.bfloat16)
@@ -138,7 +138,7 @@ def test_devrun_oracle_matches_the_reference_on_the_new_cases():
     ``implementation="xla"`` on ALiBi (with softcap and window) and segment ids (with lengths
     and causal), including rows whose segment has no key."""
     import jaxflash
-    from jaxflash.kernels import devrun
+    from devtools import devrun
     names = {"fp16 h64 alibi softcap window", "bf16 h128 segments", "bf16 h128 segments causal",
              "bf16 h64 segments random alibi kvlen"}
     cases = [c for c in devrun.CHECKS if c[0] in names]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cute
 
 from jaxflash import ffi  # noqa: E402
 from jaxflash.ffi import cache, compiler  # noqa: E402
-from jaxflash.kernels._selftest_config import SelfTestConfig, scale_add, selftest_launch  # noqa: E402
+from jaxflash.kernels.variants.selftest import SelfTestConfig, scale_add, selftest_launch  # noqa: E402
 from tests.common import runtime_only  # noqa: E402
 
 
@@ -80,8 +80,8 @@ def test_variant_key_ignores_runtime_values_and_tracks_binary_inputs():
     fixed = ffi.Launch(a.kernel, a.config, (ffi.TensorArg("float32", (None, 8)),) * 2,
                        a.outputs, a.scalars, arch="sm_90a")
     assert fixed.key != a.key
-    files = dict(ffi.variant.source_files(a.kernel, "jaxflash.kernels._selftest_config:X"))
-    assert {"jaxflash.kernels._selftest", "jaxflash.kernels._selftest_config",
+    files = dict(ffi.variant.source_files(a.kernel, "jaxflash.kernels.variants.selftest:X"))
+    assert {"jaxflash.kernels.selftest", "jaxflash.kernels.variants.selftest",
             "jaxflash.ffi.compiler"} <= set(files)
     assert ffi.Launch.from_json(a.to_json_str()) == a
 
@@ -303,7 +303,7 @@ def test_two_processes_share_one_compile(tmp_path):
     """The file lock: two processes lowering the same variant into one disk cache compile once."""
     import subprocess
     code = ("import sys; from jaxflash import ffi; "
-            "from jaxflash.kernels._selftest_config import SelfTestConfig, selftest_launch; "
+            "from jaxflash.kernels.variants.selftest import SelfTestConfig, selftest_launch; "
             "print('SOURCE', ffi.get_binary(selftest_launch(SelfTestConfig('float16'), "
             "'sm_100a')).source)")
     env = dict(os.environ, JAXFLASH_CACHE_DIR=str(tmp_path / "shared"))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("cutlass", reason="needs the CuTe DSL compiler")
-pytest.importorskip("jaxflash.kernels.hopper_fwd", reason="Hopper forward kernel not present")
+pytest.importorskip("jaxflash.kernels.sm90.fwd", reason="Hopper forward kernel not present")
 pytestmark = pytest.mark.cute
 
 import jaxflash  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 
 from jaxflash import ffi
 from jaxflash.ffi import cache
-from jaxflash.kernels._selftest_config import scale_add
+from jaxflash.kernels.variants.selftest import scale_add
 
 pytestmark = pytest.mark.gpu
 
@@ -123,7 +123,7 @@ _CMDBUF_SCRIPT = textwrap.dedent("""
     import glob, os, sys
     import jax, jax.numpy as jnp, numpy as np
     from jaxflash import ffi
-    from jaxflash.kernels._selftest_config import scale_add
+    from jaxflash.kernels.variants.selftest import scale_add
     ffi.register_runtime()
 
     def f(x, y):

@@ -29,7 +29,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402  (module level: the jit reads its annotations here)
 from cutlass.cute.runtime import from_dlpack  # noqa: E402
 
-from jaxflash.kernels.mask import BlockRange  # noqa: E402
+from jaxflash.kernels.common.mask import BlockRange  # noqa: E402
 from tests.test_bwd_block_ranges import PROBLEMS, _visible  # noqa: E402
 
 

@@ -3,7 +3,7 @@ supported head dim, both dtypes and every mask feature at least once; its PTX ho
 shapes, TMA, exp2 and dQ atomics the design relies on and ptxas does not serialize its wgmma;
 unsupported variants are refused with a reason; and jax.grad through
 ``flash_attention(implementation="cute")`` lowers for CUDA to the forward and backward custom
-calls with no T x S tensor (numerics run on the GPU: ``python -m jaxflash.kernels.bwd_devrun``).
+calls with no T x S tensor (numerics run on the GPU: ``python -m devtools.bwd_devrun``).
 
 Each compile takes 1-3 s on 2 cores (+ under a second of ptxas); the module about 40 s.
 """
@@ -18,9 +18,9 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
-from jaxflash.kernels import verified  # noqa: E402
-from jaxflash.kernels.bwd_config import BwdConfig, can_implement  # noqa: E402
-from jaxflash.kernels.choose import backward_config as config_for  # noqa: E402
+from jaxflash.kernels.policy import verified  # noqa: E402
+from jaxflash.kernels.variants.bwd import BwdConfig, can_implement  # noqa: E402
+from jaxflash.kernels.policy.choose import backward_config as config_for  # noqa: E402
 from tests.common import ptxas_report, runtime_only  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
@@ -128,7 +128,7 @@ MATRIX = [
 
 @pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
 def test_compiles_for_sm90a(cfg, tmp_path):
-    from jaxflash.kernels.bwd_standalone import compile_bwd
+    from devtools.bwd_standalone import compile_bwd
     compile_bwd(cfg, arch="sm_90a", dump_dir=str(tmp_path))
     ptx_files = glob.glob(str(tmp_path / "*.ptx"))
     assert ptx_files, "no PTX dumped"
@@ -257,8 +257,8 @@ def test_config_for_problem():
 def test_wide_head_dims_pick_the_head_dim_split_kernel():
     """hd 192 / 256: tile_n 64, the wide kernel, and the most Q / dO stages that fit (hd 256 with
     the float32 dQ tile in shared memory: 1; without it: 2); hd <= 128 unchanged."""
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    from jaxflash.kernels.bwd_launch import WIDE_KERNEL_REF, KERNEL_REF, bwd_launch
+    from jaxflash.kernels.variants.bwd import SMEM_LIMIT_BYTES
+    from jaxflash.kernels.variants.bwd_launch import WIDE_KERNEL_REF, KERNEL_REF, bwd_launch
     for hd, acc, stages in [(192, "tma", 2), (192, "red", 2), (256, "tma", 1), (256, "red", 2)]:
         c = BwdConfig(head_dim=hd, dq_accum=acc)
         assert (c.split, c.tile_n, c.num_stages) == ("headdim", 64, stages), c
@@ -280,8 +280,8 @@ def test_tile_m_128_is_keyed_and_picked_at_hd_64():
     ALiBi (which it refuses), and its LSE / delta padding and semaphore / segment-summary
     counts follow its 128-query blocks."""
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    from jaxflash.kernels.bwd_launch import num_q_blocks, padded_len
+    from jaxflash.kernels.variants.bwd import SMEM_LIMIT_BYTES
+    from jaxflash.kernels.variants.bwd_launch import num_q_blocks, padded_len
     c, d = BwdConfig(head_dim=64, tile_m=128), BwdConfig(head_dim=64)
     assert "_t128x128" in c.key and "_t64x128" in d.key
     assert verified.pending(c) == () and verified.pending(d) == ()
@@ -338,7 +338,7 @@ def _explain(qkv=None, **kw):
 
 
 def test_explain_names_the_backward(cuda_env, monkeypatch):
-    from jaxflash.kernels import verified
+    from jaxflash.kernels.policy import verified
     assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
     assert "_det_causal" in _explain(is_causal=True, deterministic=True)
     # The wide kernel (checked on the H200 on 2026-12-01) runs by default, no switch needed.
@@ -373,7 +373,7 @@ def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
 def test_wide_grad_lowers_to_the_cute_backward(cuda_env, H, monkeypatch):
     """jax.grad at D 192 / 256 runs our backward (two custom calls, float32 dQ accumulator),
     not the Pallas fallback, by default (GPU-checked on 2026-12-01, so `verified` admits it)."""
-    from jaxflash.kernels import verified
+    from jaxflash.kernels.policy import verified
     monkeypatch.delenv(verified.ENV, raising=False)
     import jax
     import jaxflash
@@ -436,7 +436,7 @@ def test_device_gradient_oracle_matches_the_reference(kw):
     import numpy as np
 
     import jaxflash
-    from jaxflash.kernels.bwd_devrun import np_grads
+    from devtools.bwd_devrun import np_grads
     B, T, S, N, K, H = 2, 11, 13, 4, 2, 16
     ks = jax.random.split(jax.random.key(int.from_bytes(os.urandom(4), "little")), 4)
     q, do = (jax.random.normal(kk, (B, T, N, H), jnp.float32) for kk in (ks[0], ks[3]))
@@ -470,7 +470,7 @@ def _seg_arrays(B=2, T=100, S=130):
 def test_explain_names_the_backward_for_alibi_and_segments(cuda_env, monkeypatch):
     import jax
     import jax.numpy as jnp
-    from jaxflash.kernels import verified
+    from jaxflash.kernels.policy import verified
     slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
     q_seg, kv_seg = _seg_arrays()
     # Checked on the H200 (2026-12-01): dispatched by default, no switch needed.
@@ -490,7 +490,7 @@ def test_explain_names_the_backward_for_alibi_and_segments(cuda_env, monkeypatch
 def test_grad_with_alibi_and_segments_lowers_to_custom_calls(cuda_env, monkeypatch):
     """jax.grad w.r.t. the slopes goes through the CuTe backward (its partials output
     [B, N, ceil(S/128), 8] is in the HLO) and no T x S tensor appears, by default."""
-    from jaxflash.kernels import verified
+    from jaxflash.kernels.policy import verified
     monkeypatch.delenv(verified.ENV, raising=False)
     import jax
     import jax.numpy as jnp
@@ -537,8 +537,8 @@ def test_cute_backward_passes_alibi_segments_and_reduces_dslopes(monkeypatch):
     from jaxflash import ffi
     from jaxflash._types import AttentionArrays, AttentionStatics
     from jaxflash.backends.cute import cute_backward
-    from jaxflash.kernels.bwd_launch import bwd_launch
-    from jaxflash.kernels.segments import block_summaries
+    from jaxflash.kernels.variants.bwd_launch import bwd_launch
+    from jaxflash.kernels.common.segments import block_summaries
     B, T, S, N, K, H = 2, 100, 300, 4, 2, 64
     cfg = BwdConfig(head_dim=H, is_causal=True, has_alibi=True, has_segments=True)
     launch = bwd_launch(cfg)
@@ -582,8 +582,8 @@ def test_tile_m_80_is_dense_hd128_only_keyed_padded_and_gated(monkeypatch):
     blocks, is refused with every feature it does not implement, never picked, and no
     longer gated (its GPU checks passed)."""
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels.bwd_config import SMEM_LIMIT_BYTES
-    from jaxflash.kernels.bwd_launch import M80_KERNEL_REF, bwd_launch, num_q_blocks, padded_len
+    from jaxflash.kernels.variants.bwd import SMEM_LIMIT_BYTES
+    from jaxflash.kernels.variants.bwd_launch import M80_KERNEL_REF, bwd_launch, num_q_blocks, padded_len
     c = BwdConfig(head_dim=128, tile_m=80)
     assert "_t80x128" in c.key and c.num_stages == 2
     # LSE / delta stages 96 floats apart (384 B): each stage is a TMA destination, which must

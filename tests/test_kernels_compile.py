@@ -16,8 +16,8 @@ import pytest
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the DSL is imported anywhere
 
-from jaxflash.kernels.choose import schedule_for  # noqa: E402
-from jaxflash.kernels.config import FwdConfig, can_implement  # noqa: E402
+from jaxflash.kernels.policy.choose import schedule_for  # noqa: E402
+from jaxflash.kernels.variants.fwd import FwdConfig, can_implement  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
@@ -59,7 +59,7 @@ MATRIX = [
 
 @pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
 def test_compiles_for_sm90a_with_wgmma(cfg, tmp_path):
-    from jaxflash.kernels.standalone import compile_fwd
+    from devtools.standalone import compile_fwd
     t0 = time.time()
     compile_fwd(cfg, num_heads=8, num_kv_heads=2, arch="sm_90a", dump_dir=str(tmp_path))
     elapsed = time.time() - t0
@@ -108,7 +108,7 @@ PTXAS_CLEAN_WIDE = [
 
 
 def _ptxas_clean(cfg, tmp_path, maxnreg):
-    from jaxflash.kernels.standalone import compile_fwd
+    from devtools.standalone import compile_fwd
     from tests.common import ptxas_report
     compile_fwd(cfg, arch="sm_90a", dump_dir=str(tmp_path))
     ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
@@ -188,10 +188,11 @@ def test_setmaxnreg_raises_fit_the_registers_the_producer_frees():
     its consumers' setmaxnreg.inc (otherwise it waits forever: the 128-row tiles at two CTAs
     per SM hung on the H200 on 2026-12-02 with 24 / 112 at 80 registers, 1024 registers short
     per CTA; removed)."""
-    from jaxflash.kernels import bwd_devrun, devrun
-    from jaxflash.kernels.bwd_config import BwdConfig
-    from jaxflash.kernels.hopper_bwd import FlashBwdSm90
-    from jaxflash.kernels.hopper_fwd import FlashFwdSm90
+    from devtools import bwd_devrun
+    from devtools import devrun
+    from jaxflash.kernels.variants.bwd import BwdConfig
+    from jaxflash.kernels.sm90.bwd import FlashBwdSm90
+    from jaxflash.kernels.sm90.fwd import FlashFwdSm90
     fwd = {FwdConfig(**kw).key: FwdConfig(**kw) for _, kw, _ in devrun.CHECKS}
     fwd.update({c.key: c for c in devrun.grid_choices()})
     for c in fwd.values():
@@ -247,7 +248,7 @@ def test_mask_skip_is_ptxas_clean_and_branches_over_the_compares(tmp_path):
                    mask_skip=True)
     assert on.key.endswith("_msk_dense")
     _ptxas_clean(on, tmp_path, 240)
-    from jaxflash.kernels.standalone import compile_fwd
+    from devtools.standalone import compile_fwd
     (tmp_path / "off").mkdir()
     compile_fwd(dataclasses.replace(on, mask_skip=False), arch="sm_90a",
                 dump_dir=str(tmp_path / "off"))
@@ -271,7 +272,7 @@ PTXAS_CLEAN_SELECT = [
 @pytest.mark.parametrize("cfg,maxnreg", PTXAS_CLEAN_SELECT, ids=lambda c: getattr(c, "key", ""))
 def test_mask_select_is_ptxas_clean_and_selects_once_per_score(cfg, maxnreg, tmp_path):
     _ptxas_clean(cfg, tmp_path, maxnreg)
-    from jaxflash.kernels.standalone import compile_fwd
+    from devtools.standalone import compile_fwd
     (tmp_path / "off").mkdir()
     compile_fwd(dataclasses.replace(cfg, mask_select=False), arch="sm_90a",
                 dump_dir=str(tmp_path / "off"))
@@ -302,7 +303,7 @@ def test_segment_variants_use_the_smaller_tiles():
 def test_alibi_segments_launch_compiles_through_the_bridge():
     """The bridge's launch with ALiBi slopes [1, N] and the four segment tensors compiles."""
     from jaxflash.ffi.compiler import compile_launch
-    from jaxflash.kernels.fwd_launch import fwd_launch
+    from jaxflash.kernels.variants.fwd_launch import fwd_launch
     launch = fwd_launch(FwdConfig(head_dim=64, is_causal=True, has_alibi=True,
                                   has_segments=True, has_q_seqlen=True))
     assert [t.shape for t in launch.inputs][3:] == [(None,), (1, None), (None, None),
@@ -314,7 +315,7 @@ def test_alibi_segments_launch_compiles_through_the_bridge():
 def test_compiles_through_the_bridge():
     """The launch the XLA bridge builds (dynamic batch, lengths and head counts) compiles."""
     from jaxflash.ffi.compiler import compile_launch
-    from jaxflash.kernels.fwd_launch import fwd_launch
+    from jaxflash.kernels.variants.fwd_launch import fwd_launch
     cfg = FwdConfig(dtype="bfloat16", head_dim=64, is_causal=True, has_window=True,
                     has_q_seqlen=True)
     launch = fwd_launch(cfg)
@@ -361,13 +362,13 @@ def test_can_implement(facts, ok, why):
 
 
 def test_kernel_class_can_implement():
-    from jaxflash.kernels.hopper_fwd import FlashFwdSm90
+    from jaxflash.kernels.sm90.fwd import FlashFwdSm90
     assert FlashFwdSm90.can_implement(FwdConfig(head_dim=64)) == (True, "")
 
 
 def test_config_for_problem():
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels.choose import forward_config as config_for
+    from jaxflash.kernels.policy.choose import forward_config as config_for
     st = AttentionStatics(scale=0.1, is_causal=True, window=(8, 0), softcap=5.0)
     p = Problem(batch=2, q_len=10, kv_len=12, num_heads=4, num_kv_heads=2, head_dim=64,
                 head_dim_v=64, dtype="bfloat16", statics=st, has_kv_seqlen=True)
@@ -424,7 +425,7 @@ def test_config_for_problem():
 ])
 def test_config_for_picks_the_measured_schedule(D, S, causal, extra, want):
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels.choose import forward_config as config_for
+    from jaxflash.kernels.policy.choose import forward_config as config_for
     softcap = extra.pop("softcap", None) if extra else None
     p = Problem(batch=2, q_len=S, kv_len=S, num_heads=4, num_kv_heads=4, head_dim=D,
                 head_dim_v=D, dtype="bfloat16",
@@ -435,7 +436,7 @@ def test_config_for_picks_the_measured_schedule(D, S, causal, extra, want):
 
 def test_backward_config_uses_early_dv_only_where_measured():
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels.choose import backward_config as config_for
+    from jaxflash.kernels.policy.choose import backward_config as config_for
     def cfg(D, **st):
         return config_for(Problem(batch=1, q_len=256, kv_len=256, num_heads=2, num_kv_heads=2,
                                   head_dim=D, head_dim_v=D, dtype="bfloat16",
@@ -475,7 +476,7 @@ def _ptxas_report(cfg, tmp_path):
     line is lowered for this check only."""
     import shutil
     import subprocess
-    from jaxflash.kernels.standalone import compile_fwd
+    from devtools.standalone import compile_fwd
     if shutil.which("ptxas") is None:
         return None
     compile_fwd(cfg, num_heads=8, num_kv_heads=8, arch="sm_90a", dump_dir=str(tmp_path))
@@ -510,7 +511,7 @@ def test_tile_coords_are_base_plus_thread0_offsets(tile_n, hdv):
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90
     from cutlass.cute.nvgpu import warpgroup
-    from jaxflash.kernels.layouts import acc_as_rows_cols
+    from jaxflash.kernels.common.layouts import acc_as_rows_cols
 
     K, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
     result = {}

@@ -3,9 +3,9 @@ sm_90 GPU, against the float32 reference (fresh random inputs; odd lengths, GQA/
 T != S, windows, softcap, per-batch lengths with empty rows). Skipped without a GPU.
 
 On a machine without the CuTe DSL the variants must be precompiled
-(``python -m jaxflash.kernels.devrun build`` / ``python -m jaxflash.aot``, then
+(``python -m devtools.devrun build`` / ``python -m jaxflash.aot``, then
 ``$JAXFLASH_KERNEL_DIR``). The same cases ran on the H200 on 2026-11-30 through
-``python -m jaxflash.kernels.devrun check`` (results in benchmarks/results/cute-fwd-h200-*.json).
+``python -m devtools.devrun check`` (results in benchmarks/results/cute-fwd-h200-*.json).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ import collections
 
 import pytest
 
-from jaxflash.kernels.config import FwdConfig
-from jaxflash.kernels.sched_model import balance, cta_tiles
+from jaxflash.kernels.variants.fwd import FwdConfig
+from devtools.sched_model import balance, cta_tiles
 
 
 @pytest.mark.parametrize("order", ["auto", "pairs"])
@@ -54,7 +54,7 @@ def test_pairs_needs_the_tile_pipe_and_a_mask():
 @pytest.mark.parametrize("nn,K,B,T", [(8, 16, 16, 1024), (32, 16, 4, 4096), (3, 5, 2, 300),
                                       (128, 16, 1, 16384), (1, 1, 1, 64)])
 def test_backward_tail_order_launches_every_block_once(nn, K, B, T):
-    from jaxflash.kernels.sched_model import bwd_block_coords
+    from devtools.sched_model import bwd_block_coords
     got = [bwd_block_coords(i, nn, K, B, T, 128 * 8, True) for i in range(nn * K * B)]
     assert sorted(got) == sorted((n, k, b) for n in range(nn) for k in range(K)
                                  for b in range(B))
@@ -69,7 +69,7 @@ def test_backward_tail_order_launches_every_block_once(nn, K, B, T):
 def test_backward_tail_order_keeps_clusters_on_adjacent_blocks(nn, K, B, T):
     """q_multicast's clusters (x = 2j, 2j + 1) get key blocks 2j', 2j' + 1 of one head, and
     every block is launched once."""
-    from jaxflash.kernels.sched_model import bwd_block_coords
+    from devtools.sched_model import bwd_block_coords
     got = [bwd_block_coords(i, nn, K, B, T, 256 * 8, True, pair=2) for i in range(nn * K * B)]
     assert sorted(got) == sorted((n, k, b) for n in range(nn) for k in range(K)
                                  for b in range(B))
@@ -79,7 +79,7 @@ def test_backward_tail_order_keeps_clusters_on_adjacent_blocks(nn, K, B, T):
 
 
 def test_backward_tail_order_balances_causal():
-    from jaxflash.kernels.sched_model import bwd_balance
+    from devtools.sched_model import bwd_balance
     for D, tile_m, tile_n in ((128, 64, 128), (256, 64, 64)):
         plain, tail = (bwd_balance(D, 1024, tile_m, tile_n, t) for t in (False, True))
         assert plain > 1.05 and tail < 1.03

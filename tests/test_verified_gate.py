@@ -1,5 +1,5 @@
 """The gate that keeps kernel variants not yet checked on a GPU out of dispatch
-(`jaxflash.kernels.verified`): refused with a reason naming the features, admitted with the
+(`jaxflash.kernels.policy.verified`): refused with a reason naming the features, admitted with the
 switch, and every variant the default dispatch picks today is verified."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from jaxflash.kernels import verified
-from jaxflash.kernels.bwd_config import BwdConfig
-from jaxflash.kernels.config import FwdConfig
+from jaxflash.kernels.policy import verified
+from jaxflash.kernels.variants.bwd import BwdConfig
+from jaxflash.kernels.variants.fwd import FwdConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +66,8 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
     """tile_m 192 WITH intra-warpgroup overlap passed its GPU checks (2026-12-01) and is what
     hdim 64 dense / causal calls get (but causal S <= 1k: two CTAs per SM since 2026-12-01
     late); the check cases and the bench column stay."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import schedule_for
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import schedule_for
     for cfg in (FwdConfig(head_dim=64, tile_m=192), FwdConfig(head_dim=64, tile_m=192,
                                                               is_causal=True, dtype="float16")):
         assert cfg.intra_wg_overlap and verified.pending(cfg) == ()
@@ -85,7 +85,7 @@ def test_forward_192_rows_with_overlap_checked_and_picked():
 def test_backward_tile_m_128_checked_and_benched():
     """tile_m 128 passed its 16 GPU checks (2026-12-01) and is hd 64's default; the bench
     keeps timing the 64-query step (and the deterministic mode at 128) beside it."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=64, tile_m=128)
     assert verified.pending(cfg) == ()
     names = [n for n, kw, _ in bwd_devrun.CHECKS if kw.get("tile_m") == 128]
@@ -99,7 +99,7 @@ def test_backward_tile_m_128_overlap_dq_gated_checked_and_benched(monkeypatch):
     """overlap_dq at tile_m 128 (ptxas-clean since 2026-12-01 with S^T / dQ zeroed before
     their GEMMs, no GPU run yet) is refused by the gate; check cases and the "m128_ovl" bench
     column run it by direct calls."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=64, tile_m=128, overlap_dq=True)
     assert cfg.check()[0] and verified.pending(cfg) == ("overlap_dq with tile_m 128",)
     assert verified.pending(BwdConfig(head_dim=64, overlap_dq=True)) == ()
@@ -115,7 +115,7 @@ def test_backward_tile_m_128_overlap_dq_gated_checked_and_benched(monkeypatch):
 def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
     """dq_arrive (compiled 2026-12-01, no GPU run yet) is refused by the gate; check cases
     and the "*_dqa" bench columns run it by direct calls."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=128, early_dv=True, dq_arrive=True)
     assert cfg.check()[0] and verified.pending(cfg) == ("dq_arrive",)
     monkeypatch.delenv(verified.ENV, raising=False)
@@ -132,7 +132,7 @@ def test_backward_tile_m_80_cleared_checked_and_benched(monkeypatch):
     """tile_m 80 at hd 128 dense passed its 6 float64 checks, memcheck and racecheck on the
     H200 (2026-12-01): admitted without the switch (choose never picks it: it was slower); its
     "m80" check cases run it by direct calls; it is refused at the causal points."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=128, tile_m=80)
     assert cfg.check()[0] and verified.pending(cfg) == ()
     monkeypatch.delenv(verified.ENV, raising=False)
@@ -151,7 +151,7 @@ def test_backward_tile_m_80_cleared_checked_and_benched(monkeypatch):
 def test_forward_tile_pipe_checked():
     """The persistent forward's tile pipe passed its device checks (2026-12-01): not gated;
     its check cases (every head dim, causal, fp16 lengths) and bench column stay."""
-    from jaxflash.kernels import devrun
+    from devtools import devrun
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True)
     assert verified.pending(cfg) == ()
     assert verified.pending(FwdConfig(head_dim=128, persistent=True)) == ()
@@ -173,7 +173,8 @@ def test_check_cases_compile_the_features_their_inputs_use():
     """Each GPU check case's config has exactly the features its inputs exercise: a variant
     compiled without a feature ignores that input, and the case would test a call dispatch
     never makes (one did on 2026-12-01: key lengths given, has_kv_seqlen missing)."""
-    from jaxflash.kernels import bwd_devrun, devrun
+    from devtools import bwd_devrun
+    from devtools import devrun
     for name, kw, (*_, ex) in devrun.CHECKS:
         assert devrun.case_mismatch(name, FwdConfig(**kw), ex) == ""
     for name, kw, (*_, ex) in bwd_devrun.CHECKS + bwd_devrun.DETERMINISM:
@@ -187,7 +188,7 @@ def test_check_cases_compile_the_features_their_inputs_use():
 def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function():
     """The backward checks compare with cuDNN's gradients only on cases that opt in; jax.nn's
     cuDNN path has no softcap, ALiBi or segment ids, so such a case's ratio would be noise."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     for name, kw, (*_, ex) in bwd_devrun.CHECKS:
         if ex.get("cudnn"):
             assert not (kw.get("has_softcap") or kw.get("has_alibi") or kw.get("has_segments")), name
@@ -196,7 +197,7 @@ def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function(
 def test_forward_fresh_s_wide_tiles_checked():
     """The 128-row `fresh_s` opt-in and the wider key tiles it fits passed their device checks
     (2026-12-01): not gated; devrun keeps a check case for every benched wide tile."""
-    from jaxflash.kernels import devrun
+    from devtools import devrun
     for cfg in (FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
                 FwdConfig(head_dim=256, tile_n=80, fresh_s=True, is_causal=True)):
         assert verified.pending(cfg) == ()
@@ -213,8 +214,8 @@ def test_forward_192_rows_persistent_checked_and_picked():
     not gated, and what hd 64 plain calls get where the key loop is short (S <= 1k; causal
     S <= 4k); devrun keeps its check cases (dense, causal, T < S, lengths, window + softcap,
     tile pipe) and bench column."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import schedule_for
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import schedule_for
     assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()
     assert schedule_for(64, 1024, False, softcap=True) == dict(tile_m=192, persistent=True)
     assert schedule_for(64, 1024, False)["tile_m"] == 256  # (since 2026-12-02)
@@ -236,15 +237,15 @@ def test_gate_rules_live_outside_the_hashed_sources():
     """Clearing a feature edits `verified.RULES`, which no kernel or config module imports, so
     it changes no artifact's key (the same holds for `choose.py`)."""
     from jaxflash.ffi.variant import source_files
-    files = {m for m, _ in source_files("jaxflash.kernels.hopper_fwd:FlashFwdSm90",
-                                        "jaxflash.kernels.config:FwdConfig")}
-    files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_wide:FlashBwdSm90Wide",
-                                         "jaxflash.kernels.bwd_config:BwdConfig")}
-    files |= {m for m, _ in source_files("jaxflash.kernels.hopper_bwd_m80:FlashBwdSm90M80",
-                                         "jaxflash.kernels.bwd_config:BwdConfig")}
-    assert "jaxflash.kernels.hopper_bwd_m80" in files
-    assert "jaxflash.kernels.config" in files and "jaxflash.kernels.hopper_bwd" in files
-    assert "jaxflash.kernels.verified" not in files and "jaxflash.kernels.choose" not in files
+    files = {m for m, _ in source_files("jaxflash.kernels.sm90.fwd:FlashFwdSm90",
+                                        "jaxflash.kernels.variants.fwd:FwdConfig")}
+    files |= {m for m, _ in source_files("jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide",
+                                         "jaxflash.kernels.variants.bwd:BwdConfig")}
+    files |= {m for m, _ in source_files("jaxflash.kernels.sm90.bwd_m80:FlashBwdSm90M80",
+                                         "jaxflash.kernels.variants.bwd:BwdConfig")}
+    assert "jaxflash.kernels.sm90.bwd_m80" in files
+    assert "jaxflash.kernels.variants.fwd" in files and "jaxflash.kernels.sm90.bwd" in files
+    assert "jaxflash.kernels.policy.verified" not in files and "jaxflash.kernels.policy.choose" not in files
     assert not hasattr(FwdConfig, "unverified") and not hasattr(BwdConfig, "unverified")
 
 
@@ -254,8 +255,8 @@ def test_forward_end_aligned_tiles_checked_and_picked():
     64 causal S <= 1k without softcap until two CTAs per SM overtook them there (2026-12-01
     late), so no longer picked; default keys do not name the field; devrun keeps their check
     cases and bench columns."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import schedule_for
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import schedule_for
     cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True, is_causal=True, m_align="end")
     assert verified.pending(cfg) == ()
     assert "_mend" in cfg.key
@@ -282,8 +283,8 @@ def test_forward_wg_epilogue_checked_and_picked():
     and racecheck on the H200 (2026-12-01): not gated, picked where it was faster in both
     runs (hd 128 dense S <= 1k; hd 128 and hd 64 causal S <= 1k until two CTAs per SM, with
     one consumer warpgroup, overtook them there), only with persistent + its own O buffer."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import schedule_for
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import schedule_for
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True)
     assert verified.pending(cfg) == () and cfg.key.endswith("tpwe_dense")
     assert schedule_for(128, 1024, False)["wg_epilogue"]
@@ -306,8 +307,10 @@ def test_forward_lazy_rescale_exact_checked_picked_on_long_keys():
     with / without it said so (kv_len > 8k at hd 64 dense and hd 256, no softcap; never at
     hd 128, where it lost everywhere); its float64 check cases include inputs whose row max
     grows block after block (k_ramp)."""
-    from jaxflash.kernels import devrun, lazy_exact, softmax
-    from jaxflash.kernels.choose import LAZY_MIN_KV_LEN, schedule_for
+    from devtools import devrun
+    from devtools import lazy_exact
+    from jaxflash.kernels.common import softmax
+    from jaxflash.kernels.policy.choose import LAZY_MIN_KV_LEN, schedule_for
     assert softmax.LAZY_RESCALE_LOG2 == 0.0
     cfg = FwdConfig(head_dim=128, lazy_rescale=True)
     assert verified.pending(cfg) == () and "lz" in cfg.key
@@ -333,8 +336,8 @@ def test_backward_dq_flat_checked_benched_and_picked():
     check cases cover both kernels (hd 96 / 128 / 192
     / 256), fp16, deterministic, and a bench column sits beside hd 128's and hd 256's
     defaults."""
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import use_dq_flat
+    from devtools import bwd_devrun
+    from jaxflash.kernels.policy.choose import use_dq_flat
     cfg = BwdConfig(head_dim=128, early_dv=True, dq_flat=True)
     assert cfg.check()[0] and verified.pending(cfg) == () and "_dqf" in cfg.key
     for masked in (False, True):
@@ -360,9 +363,9 @@ def test_backward_dq_flat_with_writer_cleared_not_picked():
     """dq_flat with dq_writer (the writer warp's one bulk reduce per warpgroup part) passed its
     checks and the sanitizers on the H200 (2026-12-01): cleared by the gate, not picked (two
     benches: within noise of dq_flat alone); its check cases and an hd 128 bench column stay."""
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import bwd_devrun
+    from jaxflash.kernels.policy.choose import backward_config
+    from devtools.devrun import grid_problem
     cfg = BwdConfig(head_dim=128, early_dv=True, overlap_dq=True, dq_writer=True,
                     dq_flat=True)
     assert cfg.check()[0] and verified.pending(cfg) == ()
@@ -381,8 +384,8 @@ def test_forward_pairs_cleared_and_picked_where_measured():
     check cases cover hd 64 (192 rows, end-aligned too) / 96 / 128 / 256, odd and even tile
     counts, T < S and T > S, window with lengths, fp16, and a "pick_pairs" bench column sits
     beside the pick at every causal grid point."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import schedule_for
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import schedule_for
     cfg = FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_pipe=True,
                     tile_order="pairs")
     assert verified.pending(cfg) == ()
@@ -410,9 +413,9 @@ def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
     deterministic, lengths with empty rows, fp16, T < S and T > S, and bench columns sit beside
     each head dim's default at the causal points (1k included)."""
     import dataclasses
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import bwd_devrun
+    from jaxflash.kernels.policy.choose import backward_config
+    from devtools.devrun import grid_problem
     cfg = BwdConfig(head_dim=128, is_causal=True, early_dv=True, dq_flat=True, tail_lpt=True)
     assert verified.pending(cfg) == () and "_tl" in cfg.key
     with pytest.raises(ValueError, match="tail_lpt"):
@@ -439,9 +442,9 @@ def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
     causal S <= 1k at hd 64 / 128 without softcap (64-key stages, paired tiles); tile_m 64 and
     ctas_per_sm 2 come together; shared memory is held to half the SM's; check cases cover
     hd 64 / 96 / 128, persistent or not, pairs, window with lengths, softcap, fp16."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import forward_config
+    from devtools.devrun import grid_problem
     cfg = FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
                     tile_pipe=True)
     assert verified.pending(cfg) == () and "_c2" in cfg.key
@@ -476,9 +479,9 @@ def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
     with it flipped at every dense grid point; check cases cover key lengths on and off the
     tile, per-batch lengths with an empty one, T > S, the dense picks of hd 64 / 128 / 256 and
     the two-CTA tile."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config, schedule_for
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import forward_config, schedule_for
+    from devtools.devrun import grid_problem
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, mask_skip=True)
     assert verified.pending(cfg) == () and cfg.key.endswith("_msk_dense")
     assert "_msk" not in FwdConfig(head_dim=128).key
@@ -510,9 +513,9 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     else; the bench times the pick with it flipped at every causal grid point; check cases
     cover the causal picks, T < S, softcap, a window with lengths (empty rows), a dense key
     tail, hd 64 / 96 / 128 / 192 / 256."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config, schedule_for
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import forward_config, schedule_for
+    from devtools.devrun import grid_problem
     cfg = FwdConfig(head_dim=128, is_causal=True, mask_select=True)
     assert verified.pending(cfg) == () and cfg.key.endswith("_sel_causal")
     with pytest.raises(ValueError, match="mask_select"):
@@ -536,7 +539,7 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     assert schedule_for(192, 4096, True)["mask_select"]
     assert schedule_for(96, 4096, True) == {"mask_select": True}
     # the masked calls off the grid: timed with and without it before dispatch gives it them
-    from jaxflash.kernels.feat_bench import FEAT_BENCH, columns, feat_configs
+    from devtools.feat_bench import FEAT_BENCH, columns, feat_configs
     feats = feat_configs()
     assert {c.key for c in feats} <= {c.key for c in devrun.bench_configs()}
     assert all(c.has_window or c.has_kv_seqlen for c in feats)
@@ -554,8 +557,8 @@ def test_forward_masked_calls_take_the_plain_schedule():
     query lengths, ALiBi and segment ids keep the default; the float64 cases hold each picked
     schedule together with a window or lengths."""
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config, schedule_for
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import forward_config, schedule_for
 
     def pick(D, S, causal, window=None, **flags):
         st = AttentionStatics(scale=D ** -0.5, is_causal=causal, window=window)
@@ -581,8 +584,8 @@ def test_forward_masked_calls_take_the_plain_schedule():
 def _picked_where(flag: str, where) -> None:
     """At each point (D, S, causal) of the anchor grid (and D=192), dispatch's backward config
     has ``flag`` set exactly where ``where(D, S, causal)`` is true."""
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
+    from jaxflash.kernels.policy.choose import backward_config
+    from devtools.devrun import grid_problem
     for d in (64, 128, 192, 256):
         for s_ in (1024, 4096, 16384):
             for c in (0, 1):
@@ -600,7 +603,7 @@ def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
     H200 checks (2026-12-02) and is cleared, but lost to dq_flat alone there: it is keyed,
     double-buffers P^T / dS^T, is refused outside dq_flat / the wide kernel / deterministic,
     and dispatch never picks it; its check cases and D=256 bench columns stay."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_dqg" in cfg.key and cfg.num_stages == 1
@@ -621,9 +624,9 @@ def test_backward_q_multicast_cleared_keyed_refused_picked_at_dense_hd256_from_4
     checks (2026-12-02): cleared, keyed, refused where the pair's CTAs would walk different
     query blocks, and picked at plain dense hd 256 from 4k keys only (where it was measured
     faster); its check cases and bench columns stay."""
-    from jaxflash.kernels import bwd_devrun
-    from jaxflash.kernels.choose import backward_config
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import bwd_devrun
+    from jaxflash.kernels.policy.choose import backward_config
+    from devtools.devrun import grid_problem
     cfg = BwdConfig(head_dim=256, dq_flat=True, q_multicast=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_qmc" in cfg.key and cfg.key != base.key
@@ -648,7 +651,7 @@ def test_backward_do_first_cleared_keyed_wide_only_not_picked():
     H200 checks (2026-12-02) but was within 1% of the picks (mostly behind): cleared, keyed,
     wide kernel only, never picked; check cases (alone, with tail_lpt, with q_multicast)
     stay (its bench columns were dropped after two runs)."""
-    from jaxflash.kernels import bwd_devrun
+    from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=256, dq_flat=True, do_first=True)
     base = BwdConfig(head_dim=256, dq_flat=True)
     assert "_dof" in cfg.key and cfg.smem_bytes() == base.smem_bytes()
@@ -667,9 +670,9 @@ def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     nowhere else on the grid; other head dims, wider key tiles and softcap are refused as
     configs; check cases cover dense (odd lengths, 1k against cuDNN with repeats, T > S with
     mask_skip, shorter than a tile), causal pairs and T < S, a window with lengths, fp16."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config, schedule_for
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import forward_config, schedule_for
+    from devtools.devrun import grid_problem
     cfg = FwdConfig(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True)
     assert verified.pending(cfg) == ()
     assert cfg.num_mma_warpgroups == 4 and "_t256x64" in cfg.key
@@ -706,9 +709,9 @@ def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch
     setmaxnreg.inc wants more registers than the producer's decrease frees at 80 per thread,
     `test_setmaxnreg_raises_fit_the_registers_the_producer_frees`): the gate refuses them,
     dispatch never picks them, and no check case or bench column runs them."""
-    from jaxflash.kernels import devrun
-    from jaxflash.kernels.choose import forward_config
-    from jaxflash.kernels.devrun import grid_problem
+    from devtools import devrun
+    from jaxflash.kernels.policy.choose import forward_config
+    from devtools.devrun import grid_problem
     cfg = FwdConfig(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, persistent=True,
                     tile_pipe=True)
     assert verified.pending(cfg) == ("two CTAs per SM at tile_m 128",)

@@ -13,10 +13,10 @@ export CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD
 bash ../shared/device/pack_runtime.sh .device "$PY"
 # the commit the artifacts are built from: results files name it (benchmarks/envinfo.py)
 echo "$(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- jaxflash || echo -dirty)" > .device/COMMIT
-"$PY" -m jaxflash.kernels.devrun build --out .device/kernels
-"$PY" -m jaxflash.kernels.bwd_devrun build --out .device/kernels
+"$PY" -m devtools.devrun build --out .device/kernels
+"$PY" -m devtools.bwd_devrun build --out .device/kernels
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
-"$PY" -m jaxflash.ffi.gpu_selftest artifacts/ffi_selftest
+"$PY" -m devtools.gpu_selftest artifacts/ffi_selftest
 # whatever the API-level GPU tests reach through dispatch (recorded by running them once here)
 "$PY" -m tests.collect_variants --out .device/kernels tests/test_backends.py -k "cute or hopper_gpu" \
   tests/test_kernels_hopper_gpu.py | tail -3

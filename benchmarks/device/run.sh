@@ -77,12 +77,12 @@ checks)
   # backward cases never yet run on a GPU first (NEW_RE, a regex over case names: none
   # pending since the dq_chunks cases ran, 2026-12-01 ~12:00 UTC), then the rest
   NEW_RE=${NEW_RE:-^$}
-  NEW=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if re.search('$NEW_RE', n)))")
-  [ -n "$NEW" ] && timeout 180 python3 -m jaxflash.kernels.bwd_devrun check --cases "$NEW" --out $OUT/cute-bwd-check-new-$D.json 2>&1 | tail -40
-  OLD=$(python3 -c "import re; from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if not re.search('$NEW_RE', n)))")
-  timeout 330 python3 -m jaxflash.kernels.bwd_devrun check --cases "$OLD" --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -30
-  timeout 200 python3 -m jaxflash.kernels.devrun check --out $OUT/cute-fwd-check-$D.json 2>&1 | tail -30
-  timeout 120 python3 -m jaxflash.kernels.bwd_devrun determinism --out $OUT/cute-bwd-determinism-$D.json 2>&1 | tail -8
+  NEW=$(python3 -c "import re; from devtools.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if re.search('$NEW_RE', n)))")
+  [ -n "$NEW" ] && timeout 180 python3 -m devtools.bwd_devrun check --cases "$NEW" --out $OUT/cute-bwd-check-new-$D.json 2>&1 | tail -40
+  OLD=$(python3 -c "import re; from devtools.bwd_devrun import CHECKS; print(';'.join(n for n, _, _ in CHECKS if not re.search('$NEW_RE', n)))")
+  timeout 330 python3 -m devtools.bwd_devrun check --cases "$OLD" --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -30
+  timeout 200 python3 -m devtools.devrun check --out $OUT/cute-fwd-check-$D.json 2>&1 | tail -30
+  timeout 120 python3 -m devtools.bwd_devrun determinism --out $OUT/cute-bwd-determinism-$D.json 2>&1 | tail -8
   JAXFLASH_KERNEL_DIR=$PWD/artifacts/ffi_selftest/kernels JAXFLASH_FFI_EXPORT_DIR=$PWD/artifacts/ffi_selftest \
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ffi_gpu.py 2>&1 | tail -4 ;;
 api)
@@ -131,7 +131,7 @@ msk2)
   # mask_skip at every dense point, the pick with and without it, reps interleaved (the
   # first msk bench timed the columns one after another): two benches
   for run in a b; do
-    timeout 240 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_msk --only \
+    timeout 240 python3 -m devtools.devrun bench --columns pick,pick_msk --only \
       64:1024:0,128:1024:0,256:1024:0,64:4096:0,128:4096:0,256:4096:0,64:16384:0,128:16384:0,256:16384:0 \
       --out $OUT/cute-fwd-bench-msk2$run-$D.json 2>&1 | tail -10
   done ;;
@@ -147,20 +147,20 @@ selcheck)
   check_cases devrun "kw.get('mask_select')" sel ;;
 sel2)
   # mask_select's second bench
-  timeout 240 python3 -m jaxflash.kernels.devrun bench --columns pick,pick_sel --only \
+  timeout 240 python3 -m devtools.devrun bench --columns pick,pick_sel --only \
     64:1024:1,128:1024:1,128:4096:1,128:16384:1,256:1024:1,256:4096:1,256:16384:1 \
     --out $OUT/cute-fwd-bench-sel2-$D.json 2>&1 | tail -8 ;;
 featsel)
   # masked calls off the grid (windows, key lengths): dispatch's variant beside the default
   # schedule and with mask_select flipped, reps interleaved, twice (`feat_bench.columns`)
   for run in a b; do
-    timeout 200 python3 -m jaxflash.kernels.feat_bench --out $OUT/cute-fwd-featsel$run-$D.json \
+    timeout 200 python3 -m devtools.feat_bench --out $OUT/cute-fwd-featsel$run-$D.json \
       2>&1 | tail -6
   done ;;
 featcheck)
   # the float64 cases of the plain schedules with windows / key lengths together (added
   # 2026-12-02 when dispatch gave those calls the plain schedule)
-  timeout 150 python3 -m jaxflash.kernels.devrun check --cases "$(python3 -c "from jaxflash.kernels.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
+  timeout 150 python3 -m devtools.devrun check --cases "$(python3 -c "from devtools.fwd_cases import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('persistent') and (kw.get('has_window') or kw.get('has_kv_seqlen')) and (kw.get('mask_skip') or kw.get('mask_select') or kw.get('tile_m') == 192 and kw.get('is_causal'))))")" \
     --out $OUT/cute-fwd-check-featcheck-$D.json 2>&1 | grep -v -i warn | tail -14 ;;
 qmc)
   # BwdConfig.q_multicast and do_first (gated, built 2026-12-02): their 19 float64 cases
@@ -168,23 +168,23 @@ qmc)
   # dqf_qmc, dqf_tl_qmc, dqf_dof, dqf_tl_dof, dqf_qmc_dof, dqf_tl_qmc_dof beside dqf /
   # dqf_tl, the picks), then memcheck and racecheck on the one-block case (phantom CTA) and
   # one do_first case
-  C=$(python3 -c "from jaxflash.kernels.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('q_multicast') or kw.get('do_first')))")
-  timeout 150 python3 -m jaxflash.kernels.bwd_devrun check --cases "$C" \
+  C=$(python3 -c "from devtools.bwd_devrun import CHECKS; print(';'.join(n for n, kw, _ in CHECKS if kw.get('q_multicast') or kw.get('do_first')))")
+  timeout 150 python3 -m devtools.bwd_devrun check --cases "$C" \
     --out $OUT/cute-bwd-check-qmc-$D.json > $OUT/cute-bwd-check-qmc-$D.log 2>&1
   rc=$?; grep -v -i warn $OUT/cute-bwd-check-qmc-$D.log | tail -14; echo "check rc=$rc"
   [ $rc = 124 ] && continue
-  timeout 200 python3 -m jaxflash.kernels.bwd_devrun bench \
+  timeout 200 python3 -m devtools.bwd_devrun bench \
     --only 256:1024:0,256:1024:1,256:4096:0,256:4096:1,256:16384:0,256:16384:1 \
     --out $OUT/cute-bwd-bench-qmc-$D.json 2>&1 | tail -12
   for tool in memcheck racecheck; do
-    timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
+    timeout 60 compute-sanitizer --tool $tool --print-limit 20 python3 -m devtools.bwd_devrun \
       check --cases "bf16 h256 qmc tiny;bf16 h256 dof causal T>S softcap" --out $OUT/san-$tool.json > $OUT/cute-bwd-qmc-$tool-$D.log 2>&1
     echo "$tool rc=$?"; tail -1 $OUT/cute-bwd-qmc-$tool-$D.log
   done
   rm -f $OUT/san-*.json ;;
 qmc128)
   # q_multicast at hd 128 (edv_dqf_qmc / edv_dqf_tl_qmc beside the picks edv_dqf / edv_dqf_tl)
-  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench \
+  timeout 240 python3 -m devtools.bwd_devrun bench \
     --only 128:1024:0,128:1024:1,128:4096:0,128:4096:1,128:16384:0,128:16384:1 \
     --out $OUT/cute-bwd-bench-qmc128-$D.json 2>&1 | tail -12 ;;
 dqwg)
@@ -205,7 +205,7 @@ occ)
   # for the next stage; only our forward and cuDNN's are profiled now, clocks unlocked as in
   # the profiles that worked; the second, filtered run was still at its first kernel at 200 s)
   timeout 150 ncu --clock-control none --section LaunchStats --section Occupancy \
-    --kernel-name regex:"FlashFwdSm90|sdpa" --launch-count 2 python3 -m jaxflash.kernels.bwd_phases --only 128:1024:0 --ncu-loop 1 \
+    --kernel-name regex:"FlashFwdSm90|sdpa" --launch-count 2 python3 -m devtools.bwd_phases --only 128:1024:0 --ncu-loop 1 \
     --forward > $OUT/ncu-occupancy-fwd-h128-1k-$D.txt 2>&1
   grep -E "^  [a-zA-Z_].*\(|Block Limit|Registers Per Thread|Shared Memory Per Block|Block Size|Grid Size|Theoretical Occupancy|Achieved Occupancy|Duration" \
     $OUT/ncu-occupancy-fwd-h128-1k-$D.txt | cut -c1-110 | head -80 ;;
@@ -218,7 +218,7 @@ ncubwd)
       --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
       --section WarpStateStats --section Occupancy \
       --metrics lts__t_sectors_op_red.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-      --kernel-name regex:"cutlass_kernel_.*FlashBwd" --launch-count 1 python3 -m jaxflash.kernels.bwd_phases \
+      --kernel-name regex:"cutlass_kernel_.*FlashBwd" --launch-count 1 python3 -m devtools.bwd_phases \
       --only $pt --ncu-loop 1 > $OUT/ncu-bwd-${pt//:/-}-$D.txt 2>&1
     echo "ncu $pt rc=$?"
     grep -E "^  [a-zA-Z_].*\(|Duration|Throughput|Pipe|Stall|lts__|sm__pipe|Bank|Warp Cycles|Issued|Eligible|Active Warps" \
@@ -231,12 +231,12 @@ grid)
   # alone in its call: 2026-12-01 with --budget-s 430 left three D=256 fwd+bwd points unmeasured
   timeout 585 python3 -m benchmarks.bench --out $OUT --name h200-$D --budget-s 530 --stall-s 120 2>&1 | tail -40 ;;
 kbench)
-  timeout 200 python3 -m jaxflash.kernels.devrun bench --out $OUT/cute-fwd-bench-$D.json 2>&1 | tail -25
-  timeout 240 python3 -m jaxflash.kernels.bwd_devrun bench --out $OUT/cute-bwd-bench-$D.json 2>&1 | tail -25 ;;
+  timeout 200 python3 -m devtools.devrun bench --out $OUT/cute-fwd-bench-$D.json 2>&1 | tail -25
+  timeout 240 python3 -m devtools.bwd_devrun bench --out $OUT/cute-bwd-bench-$D.json 2>&1 | tail -25 ;;
 sanitize)  # compute-sanitizer on small cases of the 2026-12-01 backward kernels
   SAN=${SAN_CASES:-"bf16 h256 tiny;bf16 h192 causal T>S;bf16 h64 alibi odd;bf16 h128 segments"}
   for tool in memcheck racecheck; do
-    timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool $tool --print-limit 20 python3 -m jaxflash.kernels.bwd_devrun \
+    timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool $tool --print-limit 20 python3 -m devtools.bwd_devrun \
       check --cases "$SAN" --out $OUT/san-$tool.json > $OUT/cute-bwd-$tool-$D.log 2>&1
     tail -3 $OUT/cute-bwd-$tool-$D.log
   done ;;

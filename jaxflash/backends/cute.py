@@ -7,10 +7,10 @@ module is not in this checkout; the kernel's ``can_implement`` rejects the call 
 features); or the CuTe DSL is absent and no precompiled artifact of the variant is in
 ``$JAXFLASH_KERNEL_DIR`` (the message holds the ``python -m jaxflash.aot`` command that builds it).
 
-Forward: `jaxflash.kernels.hopper_fwd.FlashFwdSm90`, described by `jaxflash.kernels.fwd_launch`.
-Backward: `jaxflash.kernels.hopper_bwd.FlashBwdSm90` (`jaxflash.kernels.bwd_launch`) when its
+Forward: `jaxflash.kernels.sm90.fwd.FlashFwdSm90`, described by `jaxflash.kernels.variants.fwd_launch`.
+Backward: `jaxflash.kernels.sm90.bwd.FlashBwdSm90` (`jaxflash.kernels.variants.bwd_launch`) when its
 config accepts the call (dtype, head dims 64/96/128; 192/256 by
-`jaxflash.kernels.hopper_bwd_wide.FlashBwdSm90Wide`, causal/window/softcap/lengths, GQA/MQA;
+`jaxflash.kernels.sm90.bwd_wide.FlashBwdSm90Wide`, causal/window/softcap/lengths, GQA/MQA;
 at 64/96/128 also segment ids, and ALiBi at 64/96 (not with softcap; d(slopes) returned);
 ``deterministic=True`` orders the dQ adds) and a binary is available; otherwise our Pallas
 backward kernels on the (out, lse) this forward produced (same math). `explain` says which one
@@ -48,17 +48,17 @@ def fwd_launch_for(problem, arch: str | None = None):
         raise NotImplementedError(
             f"no CuTe forward kernel for {arch} (kernels exist for {', '.join(archs)}; the "
             "target comes from $CUTE_DSL_ARCH, else the local GPU)")
-    kernel_module = "jaxflash.kernels.hopper_fwd"
+    kernel_module = "jaxflash.kernels.sm90.fwd"
     for mod in (kernel_module, cfg_ref.partition(":")[0], launch_ref.partition(":")[0]):
         if not _module_present(mod):
             raise NotImplementedError(f"the CuTe forward kernel is not in this checkout "
                                       f"(module {mod} missing)")
-    from jaxflash.kernels import choose
+    from jaxflash.kernels.policy import choose
     try:
         config = choose.forward_config(problem)  # runs the kernel's can_implement
     except ValueError as e:
         raise NotImplementedError(f"the CuTe forward kernel cannot serve this call: {e}") from e
-    from jaxflash.kernels.verified import require_verified
+    from jaxflash.kernels.policy.verified import require_verified
     require_verified(config, "forward")
     return load_ref(launch_ref)(config, arch)
 
@@ -75,12 +75,12 @@ def bwd_launch_for(problem, arch: str | None = None):
         if not _module_present(mod):
             raise NotImplementedError(f"the CuTe backward kernel is not in this checkout "
                                       f"(module {mod} missing)")
-    from jaxflash.kernels import choose
+    from jaxflash.kernels.policy import choose
     try:
         config = choose.backward_config(problem)
     except ValueError as e:
         raise NotImplementedError(str(e)) from e
-    from jaxflash.kernels.verified import require_verified
+    from jaxflash.kernels.policy.verified import require_verified
     require_verified(config, "backward")
     launch = load_ref(launch_ref)(config, arch)  # names the kernel class (key / hd split)
     kernel_module = launch.kernel.partition(":")[0]
@@ -129,7 +129,7 @@ class CuteBackend(Backend):
         import jax.numpy as jnp
 
         from jaxflash import ffi
-        from jaxflash.kernels.fwd_launch import fwd_inputs, fwd_scalars
+        from jaxflash.kernels.variants.fwd_launch import fwd_inputs, fwd_scalars
         launch = fwd_launch_for(problem)
         B, T, N, _ = q.shape
         # The launch's optional inputs in its order; segment block summaries (for the kernel's
@@ -178,7 +178,7 @@ def bwd_finish(dq_acc, T: int, cfg, scale: float, dtype):
     """dQ [B, T, N, H] from the kernel's float32 accumulator: un-permuted (`dq_flat`), scaled
     and cast, in one XLA fusion."""
     import jax.numpy as jnp
-    from jaxflash.kernels.bwd_launch import dq_from_flat
+    from jaxflash.kernels.variants.bwd_launch import dq_from_flat
     if cfg.dq_flat:  # fragment order -> [B, T, N, H]
         dq_acc = dq_from_flat(dq_acc, T, cfg)
     return (dq_acc * jnp.float32(scale)).astype(dtype)
@@ -193,8 +193,8 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
     import jax.numpy as jnp
 
     from jaxflash import ffi
-    from jaxflash.kernels.bwd_launch import dq_acc_shape, num_q_blocks, padded_len
-    from jaxflash.kernels.fwd_launch import fwd_scalars
+    from jaxflash.kernels.variants.bwd_launch import dq_acc_shape, num_q_blocks, padded_len
+    from jaxflash.kernels.variants.fwd_launch import fwd_scalars
     B, T, N, H = q.shape
     cfg = launch.config
     Tp = padded_len(T, cfg)
@@ -209,7 +209,7 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
         inputs.append(jnp.asarray(arrays.alibi_slopes, jnp.float32).reshape(1, N))
     if cfg.has_segments:
         # Block summaries with rows = keys, columns = queries (the backward's loop).
-        from jaxflash.kernels.segments import block_summaries
+        from jaxflash.kernels.common.segments import block_summaries
         qs = jnp.asarray(arrays.q_segment_ids, jnp.int32)
         ks = jnp.asarray(arrays.kv_segment_ids, jnp.int32)
         kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
@@ -219,8 +219,8 @@ def cute_backward(launch, q, k, v, arrays, statics, out, lse, dout):
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
                   jax.ShapeDtypeStruct(v.shape, v.dtype)]
     if cfg.has_alibi:  # per-warp partial sums of dS_ij |i - j|
-        from jaxflash.kernels.bwd_config import ALIBI_PARTS
-        from jaxflash.kernels.bwd_launch import num_k_blocks
+        from jaxflash.kernels.variants.bwd import ALIBI_PARTS
+        from jaxflash.kernels.variants.bwd_launch import num_k_blocks
         out_shapes.append(jax.ShapeDtypeStruct(
             (B, N, num_k_blocks(k.shape[1], cfg), ALIBI_PARTS), jnp.float32))
     if cfg.deterministic:  # the kernel's ordering semaphores (scratch)

@@ -11,7 +11,7 @@ THE KERNEL INTERFACE (what a kernel must offer the bridge)
      ``FlashFwdSm90``. The bridge refers to it by the string ``"jaxflash.kernels.<name>:Class"``
      and imports it only when it must compile.
    - Its config: a ``@dataclasses.dataclass(frozen=True)`` defined in a module that does NOT
-     import ``cutlass`` (e.g. ``jaxflash/kernels/config.py``), because machines without the DSL
+     import ``cutlass`` (e.g. ``jaxflash/kernels/variants/fwd.py``), because machines without the DSL
      (the GPU box) must still form the variant key. Fields hold everything that changes the
      binary (dtype, head dims, mask features, tile config, ...) and are JSON values only
      (str, int, float, bool, None, tuples of those); ``Config(**fields)`` must rebuild it.
@@ -54,7 +54,7 @@ THE KERNEL INTERFACE (what a kernel must offer the bridge)
 Calling a kernel (what a backend adapter does)::
 
     from jaxflash import ffi
-    launch = ffi.Launch(kernel="jaxflash.kernels._selftest:ScaleAdd", config=SelfTestConfig(),
+    launch = ffi.Launch(kernel="jaxflash.kernels.selftest:ScaleAdd", config=SelfTestConfig(),
                         inputs=(ffi.TensorArg("float32", (None, None)),) * 2,
                         outputs=(ffi.TensorArg("float32", (None, None)),), scalars=("alpha",))
     (out,) = ffi.call(launch, x, y, out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 KERNELS = {
     # The bridge's own test kernel: out = alpha * x + y.
-    "selftest": ("jaxflash.kernels._selftest_config:SelfTestConfig",
-                 "jaxflash.kernels._selftest_config:selftest_launch", ("sm_90a", "sm_100a")),
+    "selftest": ("jaxflash.kernels.variants.selftest:SelfTestConfig",
+                 "jaxflash.kernels.variants.selftest:selftest_launch", ("sm_90a", "sm_100a")),
     # FlashAttention forward for Hopper.
-    "hopper_fwd": ("jaxflash.kernels.config:FwdConfig",
-                   "jaxflash.kernels.fwd_launch:fwd_launch", ("sm_90a",)),
+    "hopper_fwd": ("jaxflash.kernels.variants.fwd:FwdConfig",
+                   "jaxflash.kernels.variants.fwd_launch:fwd_launch", ("sm_90a",)),
     # FlashAttention backward for Hopper (dQ, dK, dV; the backend falls back to Pallas otherwise).
-    "hopper_bwd": ("jaxflash.kernels.bwd_config:BwdConfig",
-                   "jaxflash.kernels.bwd_launch:bwd_launch", ("sm_90a",)),
+    "hopper_bwd": ("jaxflash.kernels.variants.bwd:BwdConfig",
+                   "jaxflash.kernels.variants.bwd_launch:bwd_launch", ("sm_90a",)),
 }

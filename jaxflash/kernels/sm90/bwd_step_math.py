@@ -1,0 +1,102 @@
+"""The backward step's elementwise math, shared by every Hopper backward kernel
+(`FlashBwdSm90`, `FlashBwdSm90Wide`, `FlashBwdSm90M80`): P^T from S^T and the LSE rows, dS^T
+from dP^T and the delta rows (times the softcap derivative), and the ALiBi slope gradient.
+
+The tiles are transposed (rows = keys, columns = queries), so every per-query value (lse2,
+delta) is read once per column from shared memory. Masked scores hold -inf before the
+exponential: P = dS = 0 there, never NaN (queries with no visible key arrive with lse2 = +inf).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from jaxflash.kernels.common import layouts
+from jaxflash.kernels.common.mask import TileCoords, alibi_distance_dot
+
+
+class BwdStepMath:
+    """Mixin of `FlashBwdSm90`: needs ``cfg``, ``dtype``, ``tile_m`` and ``tile_n``."""
+
+    def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
+                             stage: Int32, scale_log2: Float32):
+        """`probs_and_grads`, then P^T and dS^T in the input dtype (the RS operands of dV and
+        dK). Plain Python (inlined while `consume` is traced); `hopper_bwd_m80` converts
+        per column group instead."""
+        self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        return rP, rdS
+
+    @cute.jit
+    def alibi_grad_step(self, acc_dS, coords: TileCoords, n_block: Int32, m_block: Int32,
+                        m_last: Int32, head: Int32, batch: Int32, warp_idx: Int32,
+                        mdAlibi: cute.Tensor, dslope: Float32):
+        """Add this step's sum dS_ij |i - j| to the thread's running d(slope) partial; after
+        the head's last query block, reduce it over the warp, let lane 0 write
+        alibi_parts[batch, head, n_block, consumer warp] and restart from 0."""
+        dslope = alibi_distance_dot(acc_dS, coords, n_block * self.tile_n,
+                                    m_block * self.tile_m, dslope)
+        if m_block == m_last:
+            total = cute.arch.warp_reduction_sum(dslope)
+            if cute.arch.lane_idx() == 0:
+                mdAlibi[batch, head, n_block, warp_idx - 4] = total
+            dslope = Float32(0.0)
+        return dslope
+
+    @cute.jit
+    def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,
+                        scale_log2: Float32):
+        """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) and
+        acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap, where acc_S
+        held t = tanh(.)). Columns are queries: each column's lse2/delta is read once."""
+        s = layouts.acc_as_rows_cols(acc_S)
+        dp = layouts.acc_as_rows_cols(acc_dP)
+        t0 = coords.t0
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            col = coords.base_col + t0[0, j][1]
+            lse2 = sLSE[col, stage]
+            delta = sDelta[col, stage]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                x = s[r, j]
+                p = cute.math.exp2(x * scale_log2 - lse2, fastmath=True)
+                ds = p * (dp[r, j] - delta)
+                if const_expr(self.cfg.has_softcap):
+                    # d(c tanh(u))/du = c (1 - t^2); masked entries hold -inf: clamp to -1 so the
+                    # factor is 0 there instead of NaN (p is 0 as well).
+                    t = cute.arch.fmax(x, Float32(-1.0))
+                    ds = ds * (Float32(1.0) - t * t)
+                s[r, j] = p
+                dp[r, j] = ds
+
+    @cute.jit
+    def probs(self, acc_S, coords: TileCoords, sLSE, stage: Int32, scale_log2: Float32):
+        """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) (`early_dv`)."""
+        s = layouts.acc_as_rows_cols(acc_S)
+        t0 = coords.t0
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lse2 = sLSE[coords.base_col + t0[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
+
+    @cute.jit
+    def grads(self, acc_P, acc_dP, rT, coords: TileCoords, sDelta, stage: Int32):
+        """In place: acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap,
+        t = tanh(.) kept in rT) (`early_dv`)."""
+        p = layouts.acc_as_rows_cols(acc_P)
+        dp = layouts.acc_as_rows_cols(acc_dP)
+        t0 = coords.t0
+        tt = None
+        if const_expr(self.cfg.has_softcap):
+            tt = layouts.acc_as_rows_cols(rT)
+        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+            delta = sDelta[coords.base_col + t0[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                ds = p[r, j] * (dp[r, j] - delta)
+                if const_expr(self.cfg.has_softcap):
+                    t = cute.arch.fmax(tt[r, j], Float32(-1.0))  # masked: -inf -> factor 0
+                    ds = ds * (Float32(1.0) - t * t)
+                dp[r, j] = ds
