@@ -1,0 +1,512 @@
+"""Regenerate docs/performance.md and its plots from the result files it cites.
+
+    python -m benchmarks.performance_doc            # writes docs/performance.md, docs/img/*.png
+    python -m benchmarks.performance_doc --check    # exit 1 if docs/performance.md is stale
+
+Every figure on the page is read from the files named below, all in ``benchmarks/results/``;
+nothing else is read. The output is deterministic: the same files give the same markdown byte
+for byte (``--check`` compares only the markdown; the plots need matplotlib, the check does not).
+To cite a newer run, put its file in ``benchmarks/results/``, change the name here, regenerate.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+DOC = os.path.join(ROOT, "docs", "performance.md")
+IMG = os.path.join(ROOT, "docs", "img")
+
+# -- the result files this page cites (all in benchmarks/results/) ------------------------------
+GRID = "h200-2026-12-02-cc20.json"            # latest grid: cute beside cuDNN, fwd and fwd+bwd
+GRID_ALL = "h200-2026-12-01-e.json"           # the grid with every implementation (Pallas)
+FA4_FWD = "fa4-sm90-h200-2026-11-30.json"     # FlashAttention-4 sm90 forward (from the anchors)
+FA4_FWDBWD = "fa4-sm90-fwdbwd-h200-2026-11-30.json"  # ... its forward+backward
+BWD_BENCH = "h200-2026-12-02-cute-bwd-bench-dq4.json"  # backward kernel bench, D=256 picks
+DETERMINISTIC = "cute-bwd-bench-dqa-h200-2026-12-01.json"  # deterministic=True against off
+SEGMENTS = "cute-fwd-segbench-h200-2026-11-30.json"  # packed documents, ALiBi (forward)
+LONG = "transcribed-h200-2026-11-30.json"     # 128k-token sequence, forward+backward
+PALLAS = "pallas-h200-2026-11-30.json"        # Pallas fallback beside JAX's Pallas-Triton op
+RING = ("ring-pallas-h200x2-2026-11-30.json", "ring-cute-h200x2-2026-11-30.json")
+LM = "lm-compare-cute-h200-2026-12-02-s6.json"  # training-loss check, example LM
+SOURCES = (GRID, GRID_ALL, FA4_FWD, FA4_FWDBWD, BWD_BENCH, DETERMINISTIC, SEGMENTS, LONG,
+           PALLAS) + RING + (LM,)
+
+# The two FA4 files are copies of ../shared/anchors/*.json, which hold rows only; their run is
+# described in that directory's README (H200, jax 0.11.2, cuDNN 9.19, fa4-jax 0.1.0's vendored
+# FlashAttention-4 sm90 kernels compiled for sm_90a and run through XLA FFI, 2026-11-30).
+ANCHOR_ENV = {"device": "NVIDIA H200", "date": "2026-11-30",
+              "versions": "jax 0.11.2, cuDNN 9.19, FlashAttention-4 sm90 kernels of fa4-jax 0.1.0"}
+
+POINTS = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (0, 1)]
+MODES = ("fwd", "fwdbwd")
+MODE_NAME = {"fwd": "forward", "fwdbwd": "forward+backward"}
+
+
+# -- reading ------------------------------------------------------------------------------------
+def load(name: str):
+    with open(os.path.join(RESULTS, name)) as f:
+        return json.load(f)
+
+
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def kfmt(s: int) -> str:
+    return f"{s // 1024}k" if s % 1024 == 0 else str(s)
+
+
+def table(head, rows) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def grid_env(data) -> str:
+    e = data["env"]
+    gpu = e["nvidia_smi"].split("\n")[0].split(", ")
+    return (f"{e['device']} (driver {gpu[1]}, {gpu[2]}), {e['date_utc'][:10]}, jax {e['jax']}, "
+            f"{e['cuda_plugin']}, cuDNN {e['cudnn']}")
+
+
+def bench_env(data) -> str:
+    """The kernel benches record GPU, date, jax and Python."""
+    return f"{data['gpu']}, {data['date']}, jax {data['jax']}, Python {data['python']}"
+
+
+def grid_index(data, impls=("cute", "cudnn")):
+    """{(impl, mode, D, S, causal): TFLOP/s} of the rows that ran and passed their check."""
+    return {(r["impl"], r["mode"], r["D"], r["S"], r["causal"]): r["tflops"]
+            for r in data["rows"] if r["status"] == "ok" and r["impl"] in impls
+            and r["mode"] in MODES}
+
+
+def fa4_index():
+    """{(mode, D, S, causal): (FA4 TFLOP/s, cuDNN TFLOP/s in FA4's run)}."""
+    out = {}
+    for r in load(FA4_FWD):
+        out[("fwd", r["D"], r["S"], r["causal"])] = (r["fa4_tflops"], r["cudnn_tflops"])
+    for r in load(FA4_FWDBWD):
+        out[("fwdbwd", r["D"], r["S"], r["causal"])] = (r["fa4_fwdbwd_tflops"],
+                                                         r["cudnn_fwdbwd_tflops"])
+    return out
+
+
+# -- the numbers the page and the plots share ---------------------------------------------------
+def grid_numbers():
+    data = load(GRID)
+    g, fa4 = grid_index(data), fa4_index()
+    rows = {}
+    for mode in MODES:
+        for (d, s, c) in POINTS:
+            ours, cud = g[("cute", mode, d, s, c)], g[("cudnn", mode, d, s, c)]
+            f, fc = fa4[(mode, d, s, c)]
+            rows[(mode, d, s, c)] = dict(ours=ours, cudnn=cud, vs_cudnn=ours / cud, fa4=f,
+                                         vs_fa4=ours / f, vs_fa4_norm=(ours / cud) / (f / fc))
+    return data, rows
+
+
+def summary_table(rows) -> list[str]:
+    """Geometric means per head dim over S 1k / 4k / 16k, dense and causal."""
+    out = []
+    for label, ds in (("64", (64,)), ("128", (128,)), ("256", (256,)), ("all 18 points",
+                                                                          (64, 128, 256))):
+        cells = [label]
+        for mode in MODES:
+            sel = [rows[(mode, d, s, c)] for (d, s, c) in POINTS if d in ds]
+            cells += [f"{geomean([r['vs_cudnn'] for r in sel]):.2f}×",
+                      f"{geomean([r['vs_fa4'] for r in sel]):.2f}×"]
+        out.append(cells)
+    return table(["D", "forward vs cuDNN", "forward vs FA4", "fwd+bwd vs cuDNN",
+                  "fwd+bwd vs FA4"], out)
+
+
+# -- sections -----------------------------------------------------------------------------------
+def section_summary(data, rows) -> list[str]:
+    lo = {m: min(rows[(m, *p)]["vs_cudnn"] for p in POINTS) for m in MODES}
+    return [
+        "## Summary", "",
+        f"Geometric means of our TFLOP/s over cuDNN's (`jax.nn.dot_product_attention("
+        f"implementation=\"cudnn\")`, same process) and over FlashAttention-4's Hopper kernels "
+        f"(FA4), per head dim over S = 1k, 4k, 16k, dense and causal. Grid: "
+        f"{grid_env(data)} (`{GRID}`); FA4: {ANCHOR_ENV['device']}, {ANCHOR_ENV['date']}, "
+        f"{ANCHOR_ENV['versions']} (`{FA4_FWD}`, `{FA4_FWDBWD}`).", "",
+        *summary_table(rows), "",
+        f"Lowest point against cuDNN: forward {lo['fwd']:.2f}×, forward+backward "
+        f"{lo['fwdbwd']:.2f}×. FA4 ran in another process on another day; the per-point tables "
+        f"below also give each ratio normalized by the cuDNN figure of its own run.", ""]
+
+
+def section_grid(data, rows) -> list[str]:
+    body = []
+    for (d, s, c) in POINTS:
+        f, b = rows[("fwd", d, s, c)], rows[("fwdbwd", d, s, c)]
+        body.append([d, kfmt(s), "yes" if c else "no", f"{f['ours']:.0f}", f"{f['cudnn']:.0f}",
+                     f"{f['vs_cudnn']:.2f}", f"{b['ours']:.0f}", f"{b['cudnn']:.0f}",
+                     f"{b['vs_cudnn']:.2f}"])
+    cfg = data["config"]
+    gm = {m: geomean([rows[(m, *p)]["vs_cudnn"] for p in POINTS]) for m in MODES}
+    return [
+        "## The grid: CuTe kernels beside cuDNN", "",
+        f"{grid_env(data)}; bf16 8192³ matmul {data['env']['matmul_bf16_tflops']} TFLOP/s in the "
+        f"same run. File: `{GRID}` (its `.md` twin has the output checks: 0 wrong).", "",
+        f"bf16, B·S = {cfg['tokens']} tokens, N·D = {cfg['hidden']}, q / k / v `[B, S, N, D]`; "
+        f"TFLOP/s = 4·B·N·S²·D for the forward (halved when causal), ×3.5 for "
+        f"forward+backward; median of {cfg['reps']} reps. Ratio = ours / cuDNN.", "",
+        *table(["D", "S", "causal", "ours fwd", "cuDNN fwd", "ratio", "ours fwd+bwd",
+                "cuDNN fwd+bwd", "ratio"], body), "",
+        f"Geometric mean: forward {gm['fwd']:.3f}×, forward+backward {gm['fwdbwd']:.3f}×.", "",
+        "![TFLOP/s per grid point: ours, cuDNN, FA4](img/grid.png)", ""]
+
+
+def section_fa4(rows) -> list[str]:
+    body = []
+    for (d, s, c) in POINTS:
+        f, b = rows[("fwd", d, s, c)], rows[("fwdbwd", d, s, c)]
+        body.append([d, kfmt(s), "yes" if c else "no", f"{f['ours']:.0f}", f"{f['fa4']:.0f}",
+                     f"{f['vs_fa4']:.2f}", f"{f['vs_fa4_norm']:.2f}", f"{b['ours']:.0f}",
+                     f"{b['fa4']:.0f}", f"{b['vs_fa4']:.2f}", f"{b['vs_fa4_norm']:.2f}"])
+    gm = {m: (geomean([rows[(m, *p)]["vs_fa4"] for p in POINTS]),
+              geomean([rows[(m, *p)]["vs_fa4_norm"] for p in POINTS])) for m in MODES}
+    return [
+        "## Against FlashAttention-4's Hopper kernels", "",
+        f"FA4: {ANCHOR_ENV['versions']}, compiled for sm_90a and run through XLA FFI as a "
+        f"`jax.export` artifact on the {ANCHOR_ENV['device']} ({ANCHOR_ENV['date']}; files "
+        f"`{FA4_FWD}`, `{FA4_FWDBWD}`, copied from the peers' anchors). Ours: the grid above. "
+        f"\"norm.\" divides each side by the cuDNN figure measured in its own run.", "",
+        *table(["D", "S", "causal", "ours fwd", "FA4 fwd", "ratio", "norm.", "ours fwd+bwd",
+                "FA4 fwd+bwd", "ratio", "norm."], body), "",
+        f"Geometric mean: forward {gm['fwd'][0]:.3f}× (normalized {gm['fwd'][1]:.3f}×), "
+        f"forward+backward {gm['fwdbwd'][0]:.3f}× (normalized {gm['fwdbwd'][1]:.3f}×).", ""]
+
+
+def section_latency(data) -> list[str]:
+    lat = {r["impl"]: r for r in data["rows"] if r["mode"] == "latency" and r["status"] == "ok"}
+    body = [[name, f"{lat[name]['ms'] * 1e3:.1f}", f"{lat[name]['ms_min'] * 1e3:.1f}"]
+            for name in ("cute", "cudnn") if name in lat]
+    return [
+        "## A small call", "",
+        f"B = 1, N = 1, T = S = 128, D = 64, forward: each call timed alone, dispatch and "
+        f"synchronization included, median of 200 ({grid_env(data)}; `{GRID}`).", "",
+        *table(["implementation", "median µs", "min µs"], body), ""]
+
+
+def section_backward() -> list[str]:
+    data = load(BWD_BENCH)
+    body = []
+    for r in data["rows"]:
+        kernel = r["backward"].split("(")[-1].rstrip(")")
+        body.append([r["D"], kfmt(r["S"]), "yes" if r["causal"] else "no",
+                     f"{r['ours_tflops']:.0f}", f"{r['cudnn_tflops']:.0f}", f"{r['ratio']:.2f}",
+                     f"{r['bwd_tflops']:.0f}", f"`{kernel}`"])
+    return [
+        "## The backward at D = 256", "",
+        f"Kernel bench of the dispatch picks at head dim 256, forward+backward beside cuDNN in one "
+        f"process ({bench_env(data)}; `{BWD_BENCH}`). Backward alone = forward+backward time "
+        f"minus forward time, counted as 2.5× the forward's FLOPs. B·S = 16k, N = 8.", "",
+        *table(["D", "S", "causal", "ours fwd+bwd", "cuDNN fwd+bwd", "ratio", "ours backward "
+                "alone", "backward variant"], body), ""]
+
+
+def section_deterministic() -> list[str]:
+    data = load(DETERMINISTIC)
+    body = []
+    for r in data["rows"]:
+        if "deterministic_tflops" not in r:
+            continue
+        body.append([r["D"], kfmt(r["S"]), "yes" if r["causal"] else "no",
+                     f"{r['dq_tma_tflops']:.0f}", f"{r['deterministic_tflops']:.0f}",
+                     f"{r['deterministic_tflops'] / r['dq_tma_tflops']:.2f}"])
+    return [
+        "## Deterministic mode", "",
+        f"`deterministic=True` orders the dQ additions by key block (bitwise identical results "
+        f"over runs). Forward+backward TFLOP/s of the same kernel schedule with it off and on "
+        f"({bench_env(data)}; `{DETERMINISTIC}`):", "",
+        *table(["D", "S", "causal", "off", "on", "on / off"], body), "",
+        "Causal calls pay most: the query blocks near the diagonal wait longest for their turn.",
+        ""]
+
+
+def section_segments() -> list[str]:
+    data = load(SEGMENTS)
+    rows = {r["name"]: r for r in data["rows"]}
+    what = {"dense": "no mask", "alibi": "ALiBi", "docs": "8 packed documents (segment ids)",
+            "random": "segment ids drawn at random per token (no block skipped)", "causal": "causal",
+            "causal docs": "causal, 8 packed documents",
+            "causal alibi docs": "causal, ALiBi, 8 packed documents"}
+    body = [[what[n], f"{rows[n]['ms']:.3f}", f"{rows[n]['ms'] / rows['dense']['ms']:.2f}"]
+            for n in what if n in rows]
+    r0 = rows["dense"]
+    return [
+        "## Packed documents and ALiBi (forward)", "",
+        f"B = {r0['B']}, S = {r0['S']}, N = {r0['N']}, D = {r0['D']}, bf16, one call of the "
+        f"CuTe forward ({data['gpu']}, {data['date']}; `{SEGMENTS}`). Key blocks that no query "
+        f"of a tile's documents can see are skipped, so 8 equal documents cost about 1/8 of the "
+        f"dense call.", "",
+        *table(["call", "ms", "vs no mask"], body), ""]
+
+
+def section_long() -> list[str]:
+    data = load(LONG)
+    r = data["long_context_131072"]
+    return [
+        "## One long sequence", "",
+        f"{r['problem']} on one H200 (jax 0.11.2, 2026-11-30; `{LONG}`, figures transcribed "
+        f"from the run's output): {r['fwdbwd_ms']:.0f} ms, {r['tflops']:.0f} TFLOP/s; peak "
+        f"device memory {r['peak_bytes_in_use'] / 1e9:.2f} GB for "
+        f"{r['inputs_outputs_bytes'] / 1e9:.2f} GB of inputs, outputs and gradients (the rest "
+        f"is the O(T) float32 dQ accumulator and row statistics); sampled output rows match "
+        f"float64 to a relative error of {r['rel_l2_out_rows_vs_float64']:.1e}.", ""]
+
+
+def section_pallas() -> list[str]:
+    data = load(PALLAS)
+    h = data["headline"]
+    names = {"D128_S16k_noncausal": "D=128, S=16k", "D128_S16k_causal": "D=128, S=16k, causal",
+             "D256_S16k_noncausal": "D=256, S=16k", "D64_S16k_noncausal": "D=64, S=16k"}
+
+    def cell(x, mode, k):
+        v = x.get(mode, {}).get(k)
+        return f"{v:.0f}" if isinstance(v, (int, float)) else "–"
+
+    body = [[names[k], cell(x, "fwd", "jaxflash_pallas"), cell(x, "fwd", "jax_pallas_triton_mha"),
+             cell(x, "fwd", "cudnn"), cell(x, "fwd+bwd", "jaxflash_pallas"),
+             cell(x, "fwd+bwd", "jax_pallas_triton_mha"), cell(x, "fwd+bwd", "cudnn")]
+            for k, x in h.items()]
+    grid = load(GRID_ALL)
+    g = grid_index(grid, impls=("pallas", "cudnn"))
+    gbody, ratios = [], {m: [] for m in MODES}
+    for (d, s, c) in POINTS:
+        cells = [d, kfmt(s), "yes" if c else "no"]
+        for m in MODES:
+            p, cu = g[("pallas", m, d, s, c)], g[("cudnn", m, d, s, c)]
+            ratios[m].append(p / cu)
+            cells += [f"{p:.0f}", f"{cu:.0f}", f"{p / cu:.2f}"]
+        gbody.append(cells)
+    return [
+        "## The Pallas fallback", "",
+        f"`implementation=\"pallas\"` lowered through Triton, beside cuDNN and JAX's "
+        f"Pallas-Triton attention op in the same process ({data['gpu']}, {data['date']}, jax "
+        f"{data['jax']}; `{PALLAS}`), TFLOP/s, bf16, B·S = 16k, N·D = 2048:", "",
+        *table(["point", "ours fwd", "Pallas-Triton op fwd", "cuDNN fwd", "ours fwd+bwd",
+                "Pallas-Triton op fwd+bwd", "cuDNN fwd+bwd"], body), "",
+        "JAX's Pallas-Triton op refuses D = 256 (shared memory); ours runs it.", "",
+        f"Over the whole grid ({grid_env(grid)}; `{GRID_ALL}`):", "",
+        *table(["D", "S", "causal", "Pallas fwd", "cuDNN fwd", "ratio", "Pallas fwd+bwd",
+                "cuDNN fwd+bwd", "ratio"], gbody), "",
+        f"Geometric mean: forward {geomean(ratios['fwd']):.3f}× cuDNN, forward+backward "
+        f"{geomean(ratios['fwdbwd']):.3f}×.", ""]
+
+
+def ring_rows():
+    out = []
+    for name in RING:
+        data = load(name)
+        impl = data["config"]["impl"]
+        by = {(r["name"], r["mode"]): r for r in data["rows"]}
+        for mode in MODES:
+            one = by[("single", mode)]
+            zz = by.get(("ring-zigzag", mode))
+            ct = by.get(("ring-contiguous", mode))
+            out.append(dict(impl=impl, mode=mode, one=one, zz=zz, ct=ct, env=data["env"],
+                            cfg=data["config"], file=name))
+    return out
+
+
+def section_ring() -> list[str]:
+    rows = ring_rows()
+    body = []
+    for r in rows:
+        one, zz, ct = r["one"], r["zz"], r["ct"]
+        body.append([r["impl"], MODE_NAME[r["mode"]], f"{one['ms']:.1f} ({one['tflops']:.0f})",
+                     f"{zz['ms']:.1f} ({zz['tflops']:.0f})", f"{one['ms'] / zz['ms']:.2f}×",
+                     f"{ct['ms']:.1f} ({one['ms'] / ct['ms']:.2f}×)" if ct else "–"])
+    e, cfg = rows[0]["env"], rows[0]["cfg"]
+    return [
+        "## Ring attention on two GPUs", "",
+        f"One causal sequence, S = {cfg['s'] // 1024}k, N = {cfg['heads']}, D = {cfg['d']}, "
+        f"bf16, `jaxflash.ring_attention` over {e['device_count']} × {e['device']} ("
+        f"{e['date_utc'][:10]}, jax {e['jax']}, cuDNN {e['cudnn']}; "
+        + ", ".join(f"`{n}`" for n in RING) + "). ms (TFLOP/s):", "",
+        *table(["backend", "mode", "1 GPU", "2 GPUs, zigzag", "speed-up",
+                "2 GPUs, contiguous (speed-up)"], body), "",
+        "The zigzag layout balances the causal work between the devices; contiguous chunks "
+        "leave one device with most of it.", "",
+        "![ring attention speed-up](img/ring.png)", ""]
+
+
+def lm_numbers():
+    data = load(LM)
+    curves = {k: [(int(s), v) for s, v in sorted(data["runs"][k]["losses"].items(),
+                                                  key=lambda kv: int(kv[0]))]
+              for k in ("xla", "cute")}
+    return data, curves
+
+
+def section_lm() -> list[str]:
+    data, _ = lm_numbers()
+    x, c = data["xla"], data["candidates"]["cute"]
+    cfg = data["runs"]["cute"]["config"]
+    a = data["argv"]
+    steps = a[a.index("--steps") + 1]
+    body = [["`xla` (float32 reference)", f"{x['final_loss']:.4f}", "–", f"{x['val_loss']:.4f}",
+             f"{x['tokens_per_s']:,.0f}"],
+            ["`cute`", f"{c['final_loss']:.4f}", f"{c['final_loss_rel_diff'] * 100:.2f}%",
+             f"{c['val_loss']:.4f}", f"{c['tokens_per_s']:,.0f} ({c['speedup_vs_xla']:.2f}×)"]]
+    return [
+        "## Training check", "",
+        f"The example language model (`examples/lm`: {cfg['n_layers']} layers, d = "
+        f"{cfg['d_model']}, {cfg['n_heads']} heads / {cfg['n_kv_heads']} KV heads, D = "
+        f"{cfg['d_model'] // cfg['n_heads']}, {cfg['dtype']}, {cfg['seq_len']}-token context) "
+        f"trained {steps} steps from the same initialization on the same batches with "
+        f"`implementation=\"cute\"` and with the float32 reference ({data['device']}, "
+        f"{data['date_utc'][:10]}, jax {data['jax']}; `{LM}`). Pass criterion: final losses "
+        f"within {data['rtol'] * 100:.0f}%.", "",
+        *table(["run", f"loss at step {data['final_step']}", "difference", "validation loss",
+                "tokens/s"], body), "",
+        "![training loss, cute against the reference](img/lm-loss.png)", ""]
+
+
+def section_sources() -> list[str]:
+    out = ["## Sources", "",
+           "Regenerate this page with `python -m benchmarks.performance_doc`; "
+           "`python -m benchmarks.performance_doc --check` fails when it is out of date. "
+           "Every file is in `benchmarks/results/` (indexed in its README):", ""]
+    for name in sorted(SOURCES):
+        out.append(f"- `{name}`")
+    return out + [""]
+
+
+def markdown() -> str:
+    data, rows = grid_numbers()
+    lines = [
+        "# Performance", "",
+        "<!-- Generated by `python -m benchmarks.performance_doc` from the files listed under "
+        "Sources. Do not edit by hand. -->", "",
+        "Every figure below was measured on one NVIDIA H200 (132 SMs, driver 580) lent for the "
+        "purpose, and is read from a result file in `benchmarks/results/` that records the GPU, "
+        "date and versions. Nothing is claimed for Blackwell: the kernels are Hopper (sm_90a) "
+        "kernels. How the benchmark measures (inputs, checks before timing, timing, FLOP "
+        "counts) is in [benchmarks/README.md](../benchmarks/README.md); how the kernels are "
+        "built, and what was tried and lost, in [design.md](design.md).", ""]
+    for sec in (section_summary(data, rows), section_grid(data, rows), section_fa4(rows),
+                section_latency(data), section_backward(), section_deterministic(),
+                section_segments(), section_long(), section_pallas(), section_ring(),
+                section_lm(), section_sources()):
+        lines += sec
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+# -- plots --------------------------------------------------------------------------------------
+def _save(fig, name):
+    os.makedirs(IMG, exist_ok=True)
+    fig.savefig(os.path.join(IMG, name), dpi=100, metadata={"Software": None})
+
+
+def plots():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plt.rcParams.update({"svg.hashsalt": "jaxflash", "font.size": 9})
+
+    data, rows = grid_numbers()
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7.5))
+    x = list(range(len(POINTS)))
+    labels = [f"D{d}\n{kfmt(s)}\n{'causal' if c else ''}" for (d, s, c) in POINTS]
+    for ax, mode in zip(axes, MODES):
+        for key, label, style in (("ours", "jaxflash (cute)", dict(color="tab:red", lw=2.5,
+                                                                    marker="o")),
+                                  ("cudnn", "cuDNN (same run)", dict(color="black", lw=1.8,
+                                                                     marker="D", ls="--")),
+                                  ("fa4", "FlashAttention-4 sm90", dict(color="tab:blue", lw=1.4,
+                                                                        marker="^", ls=":"))):
+            ax.plot(x, [rows[(mode, *p)][key] for p in POINTS], label=label, **style)
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        e = data["env"]
+        ax.set_title(f"{MODE_NAME[mode]}, bf16: {e['device']}, {e['date_utc'][:10]}, jax "
+                     f"{e['jax']}, cuDNN {e['cudnn']} (FA4: {ANCHOR_ENV['date']})")
+    fig.tight_layout()
+    _save(fig, "grid.png")
+    plt.close(fig)
+
+    rr = ring_rows()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    names = [f"{r['impl']}\n{MODE_NAME[r['mode']]}" for r in rr]
+    xs = list(range(len(rr)))
+    w = 0.38
+    ax.bar([i - w / 2 for i in xs], [r["one"]["tflops"] for r in rr], w, label="1 GPU",
+           color="tab:gray")
+    ax.bar([i + w / 2 for i in xs], [r["zz"]["tflops"] for r in rr], w,
+           label="2 GPUs, zigzag ring", color="tab:red")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(names)
+    ax.set_ylabel("TFLOP/s (whole problem)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    e = rr[0]["env"]
+    ax.set_title(f"causal S=64k, N=16, D=128: {e['device_count']} x {e['device']}, "
+                 f"{e['date_utc'][:10]}, jax {e['jax']}")
+    fig.tight_layout()
+    _save(fig, "ring.png")
+    plt.close(fig)
+
+    lm, curves = lm_numbers()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for k, style in (("xla", dict(color="black", lw=1.2, label="xla (float32 reference)")),
+                     ("cute", dict(color="tab:red", lw=1.0, label="cute", alpha=0.8))):
+        ax.plot([s for s, _ in curves[k]], [v for _, v in curves[k]], **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"example LM: {lm['device']}, {lm['date_utc'][:10]}, jax {lm['jax']}")
+    fig.tight_layout()
+    _save(fig, "lm-loss.png")
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.performance_doc",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if docs/performance.md differs from what would be generated")
+    a = p.parse_args(argv)
+    text = markdown()
+    if a.check:
+        try:
+            with open(DOC, encoding="utf-8") as f:
+                have = f.read()
+        except FileNotFoundError:
+            have = ""
+        if have != text:
+            sys.stdout.writelines(difflib.unified_diff(
+                have.splitlines(True), text.splitlines(True), "docs/performance.md",
+                "generated", n=1))
+            print("docs/performance.md is out of date: run python -m benchmarks.performance_doc",
+                  file=sys.stderr)
+            return 1
+        print("docs/performance.md is up to date")
+        return 0
+    os.makedirs(os.path.dirname(DOC), exist_ok=True)
+    with open(DOC, "w", encoding="utf-8") as f:
+        f.write(text)
+    plots()
+    print(f"wrote {os.path.relpath(DOC, ROOT)} and docs/img/{{grid,ring,lm-loss}}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
