@@ -213,7 +213,7 @@ def ours_grads(q, k, v, do, fcfg, bcfg, scale, softcap=None, window=None, q_seql
     """Our forward, then the CuTe backward called directly (no fallback possible); with ALiBi
     a fourth entry, d(slopes)."""
     from jaxflash._types import AttentionArrays, AttentionStatics
-    from jaxflash.backends.cute import cute_backward
+    from jaxflash.kernels.call import backward as cute_backward
     o, lse = ours(q, k, v, fcfg, scale, softcap, window, q_seqlen, kv_seqlen, alibi_slopes,
                   q_seg, kv_seg)
     st = AttentionStatics(scale=scale, is_causal=bcfg.is_causal,

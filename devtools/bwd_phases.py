@@ -3,7 +3,7 @@
 At S = 1k the anchor grid's backward moves the same O(T) bytes as at 16k (B * S is fixed) for
 1/16 of the work: the preprocessing (delta = rowsum(dO * O), log2 LSE), the zero fill of the
 float32 dQ accumulator and the dQ postprocessing (un-permute, scale, cast) are a larger share
-there. This times each piece alone, by the same functions `backends.cute.cute_backward` runs,
+there. This times each piece alone, by the same functions `kernels.call.backward` runs,
 beside the whole call:
 
     python3 -m devtools.bwd_phases --only 128:1024:0,128:4096:1 --out phases.json
@@ -23,7 +23,7 @@ from devtools.devrun import _gpu_name, _time
 
 
 def _problem_config(q, k, v, causal):
-    """The BwdConfig dispatch picks for these arrays (what `cute_backward` runs)."""
+    """The BwdConfig dispatch picks for these arrays (what `kernels.call.backward` runs)."""
     from jaxflash._types import Problem
     from jaxflash.api import _prepare_abstract
     from jaxflash.dispatch import current_platform
@@ -46,7 +46,7 @@ def phases(out_path: str, only) -> None:
     import jax
     import jax.numpy as jnp
     import jaxflash
-    from jaxflash.backends.cute import bwd_finish, bwd_prepare
+    from jaxflash.kernels.call import bwd_finish, bwd_prepare
     from jaxflash.kernels.variants.bwd_launch import dq_acc_shape, padded_len
     rows = []
     for (D, S, causal) in only:

@@ -57,11 +57,8 @@ def problems():
 
 
 def launches():
-    try:
-        from jaxflash.kernels.plan import plan_backward_launch, plan_forward_launch
-    except ImportError:
-        from jaxflash.backends.cute import bwd_launch_for as plan_backward_launch
-        from jaxflash.backends.cute import fwd_launch_for as plan_forward_launch
+    from jaxflash.kernels.plan import backward_launch as plan_backward_launch
+    from jaxflash.kernels.plan import forward_launch as plan_forward_launch
     seen = {}
     for name, p in problems():
         for what, f in (("fwd", plan_forward_launch), ("bwd", plan_backward_launch)):

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of CuTe DSL kernel variants into a directory the runtime reads.
 
-    python -m jaxflash.aot --arch sm_90a --out DIR --kernel hopper_fwd dtype=bfloat16,float16 \\
+    python -m jaxflash.aot --arch sm_90a --out DIR --kernel sm90_fwd dtype=bfloat16,float16 \\
         head_dim=64,128 is_causal=0,1
     python -m jaxflash.aot --arch sm_90a --out DIR --variant '<json printed by a missing-variant
         error>'
@@ -50,7 +50,8 @@ def expand(kernel: str, selections: list[str], arch: str):
     from jaxflash.kernels import KERNELS
     if kernel not in KERNELS:
         raise SystemExit(f"unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
-    cfg_ref, launch_ref, archs = KERNELS[kernel]
+    entry = KERNELS[kernel]
+    cfg_ref, launch_ref, archs = entry.config, entry.launch, entry.archs
     if arch not in archs:
         raise SystemExit(f"kernel {kernel!r} is written for {archs}, not {arch}")
     cfg_cls, launch_fn = load_ref(cfg_ref), load_ref(launch_ref)
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
     if a.list:
         from jaxflash.ffi.variant import load_ref
         from jaxflash.kernels import KERNELS
-        for name, (cfg_ref, _, archs) in KERNELS.items():
+        for name, entry in KERNELS.items():
+            cfg_ref, archs = entry.config, entry.archs
             try:
                 fields = [f"{f.name}={f.default!r}" for f in dataclasses.fields(load_ref(cfg_ref))]
             except Exception as e:  # a kernel whose config module is not there yet

@@ -184,8 +184,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         implementation=implementation, deterministic=deterministic)
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
-    backend = dispatch.select(problem, implementation)
-    out, lse = backend(q, k, v, arrays, statics, problem)
+    backend, plan = dispatch.select(problem, implementation)
+    out, lse = backend(q, k, v, arrays, statics, plan)
     T, N = q.shape[1], q.shape[2]
     out = out.reshape(batch_shape + out.shape[1:])
     if not return_residual:
@@ -195,14 +195,15 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
 
 
 def explain(query, key, value, bias=None, mask=None, *, implementation: Optional[str] = None,
-            **kwargs) -> dispatch.Decision:
-    """Which backend `flash_attention` would run for these arguments, and why each other one was
-    refused. Takes the same arguments (arrays or `jax.ShapeDtypeStruct`s). ``str()`` it to read."""
+            **kwargs) -> dispatch.Plan:
+    """The plan `flash_attention` would follow for these arguments: which backend runs (and,
+    for ``cute``, which kernels), and why each other one was refused. Takes the same arguments
+    (arrays or `jax.ShapeDtypeStruct`s). ``str()`` it to read."""
     kwargs.pop("return_residual", None)
     q, k, v, arrays, statics, _ = _prepare_abstract(query, key, value, bias, mask,
                                                     implementation=implementation, **kwargs)
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
-    return dispatch.decide(problem, implementation)
+    return dispatch.plan(problem, implementation)
 
 
 def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **kwargs):

@@ -20,19 +20,19 @@ from jaxflash._types import AttentionArrays
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _attention(backend, q, k, v, arrays, statics, problem):
-    return sharding.forward(backend, q, k, v, arrays, statics, problem)
+def _attention(backend, q, k, v, arrays, statics, plan):
+    return sharding.forward(backend, q, k, v, arrays, statics, plan)
 
 
-def _fwd(backend, q, k, v, arrays, statics, problem):
-    out, lse = sharding.forward(backend, q, k, v, arrays, statics, problem)
+def _fwd(backend, q, k, v, arrays, statics, plan):
+    out, lse = sharding.forward(backend, q, k, v, arrays, statics, plan)
     return (out, lse), (q, k, v, arrays, out, lse)
 
 
-def _bwd(backend, statics, problem, res, cts):
+def _bwd(backend, statics, plan, res, cts):
     q, k, v, arrays, out, lse = res
     dout, _ = cts  # the LSE's cotangent is dropped: see the module docstring
-    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q, k, v, arrays, statics, problem,
+    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q, k, v, arrays, statics, plan,
                                                   out, lse, dout)
     darrays = AttentionArrays(
         bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
@@ -43,6 +43,7 @@ def _bwd(backend, statics, problem, res, cts):
 _attention.defvjp(_fwd, _bwd)
 
 
-def attention(backend, q, k, v, arrays, statics, problem):
-    """Differentiable ``(out, lse)`` through `backend`'s own forward and backward."""
-    return _attention(backend, q, k, v, arrays, statics, problem)
+def attention(backend, q, k, v, arrays, statics, plan):
+    """Differentiable ``(out, lse)`` through `backend`'s own forward and backward, both
+    following the call's `jaxflash.dispatch.Plan`."""
+    return _attention(backend, q, k, v, arrays, statics, plan)

@@ -72,14 +72,22 @@ def get_backend(name: str) -> Backend:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
-    """Which backend serves a problem, and why each other one was refused."""
+class Plan:
+    """One call's decision, made once and carried to its forward and backward: which backend
+    runs, that backend's own plan (``detail``: for ``cute`` the kernel launches), why every
+    other backend was refused, and notes (e.g. which backward runs). Frozen and hashable: it is
+    a static argument of the `jax.custom_vjp` and of the sharding rule."""
 
+    problem: Problem
     backend: str | None
     refused: tuple[tuple[str, str], ...]
-    platform: str
     requested: str | None
-    notes: tuple[str, ...] = ()  # from the chosen backend, e.g. which backward runs
+    detail: object = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def platform(self) -> str:
+        return self.problem.platform
 
     def __str__(self) -> str:
         head = (f"jaxflash on {self.platform}: "
@@ -93,18 +101,28 @@ class Decision:
         return "\n".join(lines)
 
 
-def decide(problem: Problem, implementation: str | None) -> Decision:
-    """Choose the backend for `problem`. Never raises; see `select`."""
+def _try(name: str, problem: Problem):
+    """(detail, None) if backend `name` serves `problem`, else (None, why)."""
+    backend = _BACKENDS[name]
+    try:
+        return backend.plan(problem), None
+    except NotImplementedError as e:
+        return None, str(e) or f"{name} cannot serve this call"
+
+
+def plan(problem: Problem, implementation: str | None) -> Plan:
+    """The plan of `problem`, made once per call (it depends on the environment too: the
+    verified gate, precompiled artifacts, the DSL's presence). Never raises; see `select`."""
     if implementation is not None:
-        why = _BACKENDS[implementation].reason(problem)
+        detail, why = _try(implementation, problem)
         if why is None:
-            return Decision(implementation, (), problem.platform, implementation,
-                            _BACKENDS[implementation].notes(problem))
-        return Decision(None, ((implementation, why),), problem.platform, implementation)
+            return Plan(problem, implementation, (), implementation, detail,
+                        _BACKENDS[implementation].notes(detail))
+        return Plan(problem, None, ((implementation, why),), implementation)
     order = _PREFERENCE.get(problem.platform, _DEFAULT_PREFERENCE)
     refused = []
     for name in order:
-        why = _BACKENDS[name].reason(problem)
+        detail, why = _try(name, problem)
         if why is None:
             # Backends never considered on this platform are listed too, so `explain` is whole.
             for other in IMPLEMENTATIONS:
@@ -112,19 +130,20 @@ def decide(problem: Problem, implementation: str | None) -> Decision:
                     refused.append((other, f"not used automatically on {problem.platform}"
                                            + (" (interpret mode only; ask for it by name)"
                                               if other == "pallas" else "")))
-            return Decision(name, tuple(refused), problem.platform, None,
-                            _BACKENDS[name].notes(problem))
+            return Plan(problem, name, tuple(refused), None, detail,
+                        _BACKENDS[name].notes(detail))
         refused.append((name, why))
-    return Decision(None, tuple(refused), problem.platform, None)
+    return Plan(problem, None, tuple(refused), None)
 
 
-def select(problem: Problem, implementation: str | None) -> Backend:
-    """The backend that runs `problem`; NotImplementedError if the named one cannot."""
-    d = decide(problem, implementation)
-    if d.backend is None:
-        raise NotImplementedError(str(d))
-    if implementation is None and d.refused:
-        skipped = [n for n, _ in d.refused if n in _PREFERENCE.get(problem.platform, ())]
-        if skipped and skipped[0] != d.backend:
-            logger.info("%s", d)
-    return _BACKENDS[d.backend]
+def select(problem: Problem, implementation: str | None) -> tuple[Backend, Plan]:
+    """The backend that runs `problem` and the call's plan; NotImplementedError (with the
+    whole plan's explanation) if no backend can, or the named one cannot."""
+    p = plan(problem, implementation)
+    if p.backend is None:
+        raise NotImplementedError(str(p))
+    if implementation is None and p.refused:
+        skipped = [n for n, _ in p.refused if n in _PREFERENCE.get(problem.platform, ())]
+        if skipped and skipped[0] != p.backend:
+            logger.info("%s", p)
+    return _BACKENDS[p.backend], p

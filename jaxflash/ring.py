@@ -153,7 +153,7 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                     statics=statics, has_q_seqlen=arrays.q_seqlen is not None,
                     has_kv_seqlen=arrays.kv_seqlen is not None,
                     has_segments=arrays.q_segment_ids is not None, platform=platform)
-    backend = dispatch.select(probe, implementation)
+    backend, _ = dispatch.select(probe, implementation)
     cfg = _Ring(axis=seq_axis, size=nseq, zigzag=layout == "zigzag", backend=backend,
                 statics=statics, platform=platform)
 
@@ -250,11 +250,12 @@ def _slices(cfg: _Ring, case: _Case, me, src, L, q_len, kv_len, q_seg, kv_seg):
     return qs, ks, arrays
 
 
-def _block_problem(cfg, case, q, k, v, arrays):
+def _block_plan(cfg, case, q, k, v, arrays):
+    """The statics and plan of one ring step's block call, by the ring's backend."""
     statics = dataclasses.replace(cfg.statics, is_causal=case.causal)
     problem = Problem.from_arrays(q, k, v, arrays, statics, cfg.platform)
-    cfg.backend.check(problem)
-    return statics, problem
+    _, plan = dispatch.select(problem, cfg.backend.name)
+    return statics, plan
 
 
 # Static-slice reads/writes. (Not `x.at[...]`: under jax 0.11 its empty index constants become
@@ -298,8 +299,8 @@ def _forward(cfg: _Ring, q, k, v, extras):
                 return out, lse
             qs, ks, arrays = _slices(cfg, case, me, src, L, q_len, kv_len, q_seg, kv_seg)
             qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
-            statics, problem = _block_problem(cfg, case, qb, kb, vb, arrays)
-            out_b, lse_b = cfg.backend.forward(qb, kb, vb, arrays, statics, problem)
+            statics, plan = _block_plan(cfg, case, qb, kb, vb, arrays)
+            out_b, lse_b = cfg.backend.forward(qb, kb, vb, arrays, statics, plan)
             o, l = _merge(_get(out, 1, qs), _get(lse, 2, qs), out_b, lse_b)
             return _put(out, 1, qs, o), _put(lse, 2, qs, l)
 
@@ -331,8 +332,8 @@ def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout):
                 return dq, dk, dv
             qs, ks, arrays = _slices(cfg, case, me, src, L, q_len, kv_len, q_seg, kv_seg)
             qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
-            statics, problem = _block_problem(cfg, case, qb, kb, vb, arrays)
-            gq, gk, gv, _, _ = cfg.backend.backward(qb, kb, vb, arrays, statics, problem,
+            statics, plan = _block_plan(cfg, case, qb, kb, vb, arrays)
+            gq, gk, gv, _, _ = cfg.backend.backward(qb, kb, vb, arrays, statics, plan,
                                                     out[:, qs], lse[..., qs], dout[:, qs])
             return (_put(dq, 1, qs, _get(dq, 1, qs) + f32(gq)),
                     _put(dk, 1, ks, _get(dk, 1, ks) + f32(gk)),

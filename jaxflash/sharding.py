@@ -73,21 +73,20 @@ def _register_batching():
 _register_batching()
 
 
-def forward(backend, q, k, v, arrays: AttentionArrays, statics, problem: Problem):
+def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
     if not _wanted(q, k, v):
-        return backend.forward(q, k, v, arrays, statics, problem)
+        return backend.forward(q, k, v, arrays, statics, plan)
     op = _op("fwd", _Layout.of(q, k, v, arrays))
-    return op(backend, q, k, v, arrays, statics, problem)
+    return op(backend, q, k, v, arrays, statics, plan)
 
 
-def backward(backend, q, k, v, arrays: AttentionArrays, statics, problem: Problem, out, lse,
-             dout):
+def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
     if not _wanted(q, k, v):
-        return backend.backward(q, k, v, arrays, statics, problem, out, lse, dout)
+        return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
     op = _op("bwd", _Layout.of(q, k, v, arrays))
-    return op(backend, q, k, v, arrays, statics, problem, out, lse, dout)
+    return op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
 
 
 def _wanted(*xs) -> bool:
@@ -161,14 +160,14 @@ class _Layout(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _op(kind: str, layout: _Layout):
     """One custom_partitioning op per (direction, layout); static args: backend, statics,
-    problem (all hashable)."""
+    plan (all hashable)."""
     if kind == "fwd":
-        def fun(backend, q, k, v, arrays, statics, problem):
-            return backend.forward(q, k, v, arrays, statics, problem)
+        def fun(backend, q, k, v, arrays, statics, plan):
+            return backend.forward(q, k, v, arrays, statics, plan)
         static = (0, 5, 6)
     else:
-        def fun(backend, q, k, v, arrays, statics, problem, out, lse, dout):
-            return backend.backward(q, k, v, arrays, statics, problem, out, lse, dout)
+        def fun(backend, q, k, v, arrays, statics, plan, out, lse, dout):
+            return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
         static = (0, 5, 6)
     op = custom_partitioning(fun, static_argnums=static)
     rule, repl, sizes = layout.rule(kind)
@@ -262,29 +261,28 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
             (q, kv, kv, arrays.bias, arrays.alibi_slopes))
 
 
-def _infer(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
+def _infer(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape):
     """GSPMD: result shardings from the operands' (Shardy uses the rule instead)."""
     layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
-    plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, problem)
+    plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, call_plan.problem)
     return _shardings(kind, mesh, plan, layout)[1]
 
 
-def _partition(kind, backend, statics, problem, mesh, arg_shapes, result_shape):
-    """Per-shard lowering: the backend on local shapes, plus the psums of broadcast grads."""
+def _partition(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape):
+    """Per-shard lowering: the backend on local shapes, plus the psums of broadcast grads.
+    The call's plan holds for every shard: batch and heads are split, never the sequence or
+    head dims that variants depend on, and launches read batch and head counts at run time."""
     layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
-    plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, problem)
+    plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, call_plan.problem)
     arg_sh, res_sh = _shardings(kind, mesh, plan, layout)
-
-    def local_problem(q, k, v, arrays):
-        return Problem.from_arrays(q, k, v, arrays, statics, problem.platform)
 
     if kind == "fwd":
         def lower(q, k, v, arrays):
-            return backend.forward(q, k, v, arrays, statics, local_problem(q, k, v, arrays))
+            return backend.forward(q, k, v, arrays, statics, call_plan)
     else:
         def lower(q, k, v, arrays, out, lse, dout):
             dq, dk, dv, dbias, dalibi = backend.backward(
-                q, k, v, arrays, statics, local_problem(q, k, v, arrays), out, lse, dout)
+                q, k, v, arrays, statics, call_plan, out, lse, dout)
             group_axes = plan.q_heads[len(plan.kv_heads):]
             if group_axes:  # a kv head's query heads are split: its dK/dV are partial sums
                 dk, dv = jax.lax.psum((dk, dv), group_axes)

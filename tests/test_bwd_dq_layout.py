@@ -55,12 +55,12 @@ def test_dq_flat_refusals():
 
 
 def test_backward_prepare_and_finish_against_numpy():
-    """`backends.cute.bwd_prepare` / `bwd_finish` (the XLA halves of the CuTe backward, which
+    """`kernels.call.bwd_prepare` / `bwd_finish` (the XLA halves of the CuTe backward, which
     `kernels/bwd_phases.py` also times): log2 LSE with +inf where a row saw no key or is past
     its query length or is padding, delta = rowsum(dO * O), and dQ un-permuted, scaled, cast."""
     import jax.numpy as jnp
 
-    from jaxflash.backends.cute import bwd_finish, bwd_prepare
+    from jaxflash.kernels.call import bwd_finish, bwd_prepare
     rng = np.random.default_rng(3)
     B, T, N, H = 2, 70, 3, 64
     out = rng.standard_normal((B, T, N, H)).astype(np.float32)

@@ -4,8 +4,11 @@ check's float64 oracle against the reference, and the cute backend's backward (P
 the slopes and segment ids through."""
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
+
 import numpy as np
 import pytest
 
@@ -195,6 +198,7 @@ def test_cute_backward_passes_alibi_and_segments_through():
     from jaxflash import reference
     from jaxflash._types import AttentionArrays, AttentionStatics, Problem
     from jaxflash.backends.cute import CuteBackend
+    from jaxflash.dispatch import Plan
     rng = np.random.default_rng()
     B, T, S, N, K, H = 1, 33, 40, 2, 1, 16
     q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
@@ -208,7 +212,9 @@ def test_cute_backward_passes_alibi_and_segments_through():
     problem = Problem.from_arrays(q, k, v, arrays, statics, "cpu")
     out, lse = reference.attention(q, k, v, arrays, statics)
     dout = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
-    dq, dk, dv, _, dalibi = CuteBackend().backward(q, k, v, arrays, statics, problem, out, lse,
+    # A plan without a CuTe backward: the Pallas backward runs on the forward's (out, lse).
+    plan = Plan(problem, "cute", (), "cute", detail=types.SimpleNamespace(bwd=None))
+    dq, dk, dv, _, dalibi = CuteBackend().backward(q, k, v, arrays, statics, plan, out, lse,
                                                    dout)
 
     def f(q, k, v, al):

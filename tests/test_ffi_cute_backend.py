@@ -70,7 +70,7 @@ def test_refusals_name_the_reason(monkeypatch):
 
 def test_runtime_only_refuses_without_artifact_and_serves_with_one(tmp_path, monkeypatch):
     from jaxflash import aot
-    from jaxflash.backends.cute import fwd_launch_for
+    from jaxflash.kernels.plan import forward_launch as fwd_launch_for
     from jaxflash._types import AttentionStatics, Problem
     runtime_only(monkeypatch, tmp_path)
     backend, why = _why(is_causal=True)

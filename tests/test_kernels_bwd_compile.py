@@ -414,7 +414,7 @@ def test_runtime_only_without_backward_artifact_falls_back_visibly(cuda_env, tmp
     the Pallas backward, and explain says so with the command that builds the missing one."""
     from jaxflash import aot
     from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.backends.cute import fwd_launch_for
+    from jaxflash.kernels.plan import forward_launch as fwd_launch_for
     from jaxflash.ffi import cache
     problem = Problem(2, 100, 130, 4, 2, 64, 64, "bfloat16",
                       AttentionStatics(scale=0.125, is_causal=True), platform="cuda")
@@ -536,7 +536,7 @@ def test_cute_backward_passes_alibi_segments_and_reduces_dslopes(monkeypatch):
     import numpy as np
     from jaxflash import ffi
     from jaxflash._types import AttentionArrays, AttentionStatics
-    from jaxflash.backends.cute import cute_backward
+    from jaxflash.kernels.call import backward as cute_backward
     from jaxflash.kernels.variants.bwd_launch import bwd_launch
     from jaxflash.kernels.common.segments import block_summaries
     B, T, S, N, K, H = 2, 100, 300, 4, 2, 64

@@ -128,9 +128,9 @@ class _Counting(XlaBackend):
 
     calls: list = []
 
-    def forward(self, q, k, v, arrays, statics, problem):
+    def forward(self, q, k, v, arrays, statics, plan):
         jax.debug.callback(lambda: _Counting.calls.append(1))
-        return super().forward(q, k, v, arrays, statics, problem)
+        return super().forward(q, k, v, arrays, statics, plan)
 
 
 @pytest.mark.parametrize("layout,expected", [("contiguous", 10), ("zigzag", 16)])

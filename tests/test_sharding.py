@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxflash
-from jaxflash import autodiff, reference, sharding
+from jaxflash import autodiff, dispatch, reference, sharding
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem
 from jaxflash.backends.xla import XlaBackend
 from tests.common import FWD_TOL, GRAD_TOL, Case, assert_close, assert_sum_close
@@ -125,7 +125,7 @@ class _Opaque(XlaBackend):
 
     name = "opaque"
 
-    def forward(self, q, k, v, arrays, statics, problem):
+    def forward(self, q, k, v, arrays, statics, plan):
         touch = lambda x: x + 0.0 * jnp.sort(x.reshape(-1))[-1]
         return reference.attention(touch(q), touch(k), touch(v), arrays, statics)
 
@@ -140,7 +140,8 @@ def test_hlo_check_can_fail(partitioned, monkeypatch):
 
     def f(q, k, v):
         problem = Problem.from_arrays(q, k, v, AttentionArrays(), statics, "cpu")
-        return autodiff.attention(_Opaque(), q, k, v, AttentionArrays(), statics, problem)[0]
+        plan = dispatch.Plan(problem, "opaque", (), "opaque")
+        return autodiff.attention(_Opaque(), q, k, v, AttentionArrays(), statics, plan)[0]
 
     spec = NamedSharding(mesh, P("data", None, "model"))
     args = [jax.device_put(x, spec) for x in (q, k, v)]

@@ -43,19 +43,15 @@ def main(argv=None) -> int:
     os.environ["CUTE_DSL_ARCH"] = a.arch  # read by the DSL at import
     from examples.lm.train import parse_args
     from jaxflash import aot
-    from jaxflash.backends.cute import backward_choice, fwd_launch_for
+    from jaxflash.kernels import plan
     problem = attention_problem(parse_args(rest))
-    launches = []
     try:
-        launches.append(fwd_launch_for(problem, a.arch))
+        cplan = plan.plan(problem, a.arch)
     except NotImplementedError as e:
         print(f"forward: no CuTe kernel ({e})", file=sys.stderr)
-    bwd, why = backward_choice(problem)
-    print(why)
-    if bwd is not None:
-        launches.append(bwd)
-    if not launches:
         return 1
+    print(cplan.note)
+    launches = [cplan.fwd] + ([cplan.bwd] if cplan.bwd is not None else [])
     for launch in launches:
         print(f"  {launch.name}")
     counts = aot.build(launches, a.out, progress=False)

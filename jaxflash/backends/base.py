@@ -1,6 +1,7 @@
-"""What a backend is: a name, a `check` that says why it cannot serve a problem, and a forward
-and a backward in canonical form. The gradient wiring (`jax.custom_vjp`) lives once, in
-`jaxflash.autodiff`, for every backend; so does sharding (`jaxflash.sharding`)."""
+"""What a backend is: a name, a `plan` that says how it serves a problem (or raises
+NotImplementedError with why it cannot), and a forward and a backward in canonical form that
+receive the call's `jaxflash.dispatch.Plan`. The gradient wiring (`jax.custom_vjp`) lives once,
+in `jaxflash.autodiff`, for every backend; so does sharding (`jaxflash.sharding`)."""
 from __future__ import annotations
 
 import abc
@@ -14,34 +15,27 @@ class Backend(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def check(self, problem: Problem) -> None:
-        """Raise NotImplementedError(reason) if this backend cannot serve `problem`."""
+    def plan(self, problem: Problem):
+        """This backend's own frozen, hashable plan for `problem` (None when it needs none),
+        kept in the call's `Plan.detail`; raise NotImplementedError(reason) if it cannot
+        serve `problem`."""
 
     @abc.abstractmethod
-    def forward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
-                problem: Problem):
-        """Return ``(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32)``. Not differentiated."""
+    def forward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan):
+        """Return ``(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32)``. Not differentiated.
+        Shapes come from the arrays (under sharding they are a shard's)."""
 
     @abc.abstractmethod
-    def backward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
-                 problem: Problem, out, lse, dout):
+    def backward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan,
+                 out, lse, dout):
         """Return ``(dq, dk, dv, dbias, dalibi)``; dbias/dalibi are None when the call has no
         bias/alibi_slopes. dbias has ``arrays.bias``'s (possibly size-1 broadcast) shape."""
 
-    def __call__(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
-                 problem: Problem):
+    def __call__(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan):
         """Differentiable attention through this backend's forward and backward."""
         from jaxflash import autodiff
-        return autodiff.attention(self, q, k, v, arrays, statics, problem)
+        return autodiff.attention(self, q, k, v, arrays, statics, plan)
 
-    def notes(self, problem: Problem) -> tuple[str, ...]:
-        """Sentences `explain` adds when this backend runs `problem` (e.g. which backward)."""
+    def notes(self, detail) -> tuple[str, ...]:
+        """Sentences `explain` adds when this backend runs with plan `detail`."""
         return ()
-
-    def reason(self, problem: Problem) -> str | None:
-        """None if `problem` is served, else why not."""
-        try:
-            self.check(problem)
-        except NotImplementedError as e:
-            return str(e) or f"{self.name} cannot serve this call"
-        return None

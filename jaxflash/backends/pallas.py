@@ -11,16 +11,17 @@ from jaxflash.backends.base import Backend
 class PallasBackend(Backend):
     name = "pallas"
 
-    def check(self, problem):
+    def plan(self, problem):
         from jaxflash import pallas_fallback
         pallas_fallback.check(problem)
+        return None
 
-    def forward(self, q, k, v, arrays, statics, problem):
+    def forward(self, q, k, v, arrays, statics, plan):
         from jaxflash import pallas_fallback
         return pallas_fallback.forward(q, k, v, arrays, statics,
-                                       interpret=problem.platform == "cpu")
+                                       interpret=plan.platform == "cpu")
 
-    def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
+    def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
         from jaxflash import pallas_fallback
         return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,
-                                        interpret=problem.platform == "cpu")
+                                        interpret=plan.platform == "cpu")

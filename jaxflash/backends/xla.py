@@ -12,13 +12,13 @@ from jaxflash.backends.base import Backend
 class XlaBackend(Backend):
     name = "xla"
 
-    def check(self, problem):
+    def plan(self, problem):
         return None
 
-    def forward(self, q, k, v, arrays, statics, problem):
+    def forward(self, q, k, v, arrays, statics, plan):
         return reference.attention(q, k, v, arrays, statics)
 
-    def backward(self, q, k, v, arrays, statics, problem, out, lse, dout):
+    def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
         # Like a flash backward, this honours the given (out, lse): they may be the merged result
         # of this block and others (ring attention), out = sum_b exp(lse_b - lse) * out_b. The
         # block's share of the gradient is then the VJP of (out_b, lse_b) with cotangents

@@ -1,20 +1,61 @@
-"""CuTe DSL kernels (Hopper sm_90a, Blackwell sm_100a), run through `jaxflash.ffi`.
+"""CuTe DSL kernels (Hopper sm_90a; Blackwell sm_100a to come), run through `jaxflash.ffi`.
 
-This file stays free of the DSL: it only names the kernels, so runtime-only machines and
-``python -m jaxflash.aot`` can find a kernel's DSL-free config and launch description without
-importing ``cutlass``. Each entry: (config class, ``launch(config, arch) -> jaxflash.ffi.Launch``,
-architectures the kernel is written for).
+Layout:
+- ``sm90/``: the Hopper device kernels and their private parts.
+- ``common/``: device building blocks every architecture's kernels share (masks, online
+  softmax, layouts, pipelines, launch arguments, tile order, segment summaries).
+- ``variants/``: the DSL-free configs (what a binary *is*) and launch descriptions.
+- ``policy/``: which variant serves a call (``choose``) and which are admitted (``verified``).
+- ``plan.py``: a call's kernel plan (forward launch, backward launch or why not);
+  ``call.py``: the XLA-side halves around the launches.
+
+This file is the kernel registry: every kernel is named here once, DSL-free, so runtime-only
+machines and ``python -m jaxflash.aot`` find a kernel's config, launch description and classes
+without importing ``cutlass``.
 """
 from __future__ import annotations
 
-KERNELS = {
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One registered kernel.
+
+    config: ``"module:Class"`` of its frozen, DSL-free config.
+    launch: ``"module:function"``, ``(config, arch) -> jaxflash.ffi.Launch``.
+    classes: ``(role, "module:Class")`` pairs of the device kernel classes a launch may name.
+    archs: architectures the kernel is written for.
+    """
+
+    config: str
+    launch: str
+    classes: tuple[tuple[str, str], ...]
+    archs: tuple[str, ...]
+
+    def kernel_class(self, role: str = "main") -> str:
+        for r, ref in self.classes:
+            if r == role:
+                return ref
+        raise KeyError(f"no kernel class with role {role!r} (have {[r for r, _ in self.classes]})")
+
+
+KERNELS: dict[str, Kernel] = {
     # The bridge's own test kernel: out = alpha * x + y.
-    "selftest": ("jaxflash.kernels.variants.selftest:SelfTestConfig",
-                 "jaxflash.kernels.variants.selftest:selftest_launch", ("sm_90a", "sm_100a")),
+    "selftest": Kernel("jaxflash.kernels.variants.selftest:SelfTestConfig",
+                       "jaxflash.kernels.variants.selftest:selftest_launch",
+                       (("main", "jaxflash.kernels.selftest:ScaleAdd"),),
+                       ("sm_90a", "sm_100a")),
     # FlashAttention forward for Hopper.
-    "hopper_fwd": ("jaxflash.kernels.variants.fwd:FwdConfig",
-                   "jaxflash.kernels.variants.fwd_launch:fwd_launch", ("sm_90a",)),
-    # FlashAttention backward for Hopper (dQ, dK, dV; the backend falls back to Pallas otherwise).
-    "hopper_bwd": ("jaxflash.kernels.variants.bwd:BwdConfig",
-                   "jaxflash.kernels.variants.bwd_launch:bwd_launch", ("sm_90a",)),
+    "sm90_fwd": Kernel("jaxflash.kernels.variants.fwd:FwdConfig",
+                       "jaxflash.kernels.variants.fwd_launch:fwd_launch",
+                       (("main", "jaxflash.kernels.sm90.fwd:FlashFwdSm90"),),
+                       ("sm_90a",)),
+    # FlashAttention backward for Hopper: dQ, dK, dV; head dims 192 / 256 split the head dim
+    # over the consumer warpgroups (`BwdConfig.split`).
+    "sm90_bwd": Kernel("jaxflash.kernels.variants.bwd:BwdConfig",
+                       "jaxflash.kernels.variants.bwd_launch:bwd_launch",
+                       (("main", "jaxflash.kernels.sm90.bwd:FlashBwdSm90"),
+                        ("wide", "jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide")),
+                       ("sm_90a",)),
 }

@@ -13,9 +13,10 @@ float32 (softmax_scale, softcap) always (softcap ignored without ``has_softcap``
 from __future__ import annotations
 
 from jaxflash.ffi.variant import Launch, TensorArg
+from jaxflash.kernels import KERNELS
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, FwdConfig
 
-KERNEL_REF = "jaxflash.kernels.sm90.fwd:FlashFwdSm90"
+KERNEL_REF = KERNELS["sm90_fwd"].kernel_class()
 
 
 def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:

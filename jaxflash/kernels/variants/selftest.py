@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-KERNEL_REF = "jaxflash.kernels.selftest:ScaleAdd"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +28,9 @@ def can_implement(config: SelfTestConfig) -> tuple[bool, str]:
 def selftest_launch(config: SelfTestConfig, arch: str | None = None):
     """x, y [M, N] (both dims dynamic) -> out [M, N]; float scalar alpha."""
     from jaxflash.ffi.variant import Launch, TensorArg
+    from jaxflash.kernels import KERNELS
     t = TensorArg(config.dtype, (None, None))
-    return Launch(KERNEL_REF, config, (t, t), (t,), scalars=("alpha",), arch=arch)
+    return Launch(KERNELS["selftest"].kernel_class(), config, (t, t), (t,), scalars=("alpha",), arch=arch)
 
 
 def scale_add(x, y, alpha, arch: str | None = None):

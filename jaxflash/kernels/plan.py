@@ -1,0 +1,93 @@
+"""A call's CuTe kernel plan: the forward launch, and the backward launch or why there is none.
+
+Made once per distinct `jaxflash._types.Problem` (dispatch keeps it in the call's
+`jaxflash.dispatch.Plan`), so the forward, the backward and `explain` all read the same
+decision. DSL-free: a runtime-only machine plans from precompiled artifacts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Optional
+
+from jaxflash import ffi
+from jaxflash.ffi.variant import Launch, current_arch, load_ref
+from jaxflash.kernels import KERNELS
+from jaxflash.kernels.policy import choose
+from jaxflash.kernels.policy.verified import require_verified
+
+# Which registered kernel serves each direction, per architecture.
+FORWARD = {"sm_90a": "sm90_fwd"}
+BACKWARD = {"sm_90a": "sm90_bwd"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CutePlan:
+    """fwd: the forward's launch. bwd: the backward's, or None with ``bwd_reason`` saying why
+    (the Pallas backward then runs on this forward's (out, lse))."""
+
+    fwd: Launch
+    bwd: Optional[Launch]
+    bwd_reason: str = ""
+
+    @property
+    def note(self) -> str:
+        if self.bwd is None:
+            return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
+        cls = self.bwd.kernel.rpartition(":")[2]
+        return f"backward: CuTe kernel {cls} ({self.bwd.config.key})"
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _launch(table: dict, what: str, problem, pick, arch: str) -> Launch:
+    name = table.get(arch)
+    if name is None:
+        raise NotImplementedError(
+            f"no CuTe {what} kernel for {arch} (kernels exist for {', '.join(sorted(table))}; "
+            "the target comes from $CUTE_DSL_ARCH, else the local GPU)")
+    entry = KERNELS[name]
+    try:
+        config = pick(problem)  # runs the config's can_implement
+    except ValueError as e:
+        raise NotImplementedError(f"the CuTe {what} kernel cannot serve this call: {e}") from e
+    require_verified(config, what)
+    launch = load_ref(entry.launch)(config, arch)
+    module = launch.kernel.partition(":")[0]
+    if not _module_present(module):
+        raise NotImplementedError(f"the CuTe {what} kernel is not in this checkout "
+                                  f"(module {module} missing)")
+    if not ffi.dsl_available():
+        data, tried = ffi.find_artifact(launch)
+        if data is None:
+            raise NotImplementedError(
+                f"the CuTe DSL is not installed here and no precompiled artifact of variant "
+                f"{launch.name} was found ({'; '.join(tried)}); build it with: "
+                f"{ffi.aot_command(launch)}")
+    return launch
+
+
+def forward_launch(problem, arch: Optional[str] = None) -> Launch:
+    """The launch serving `problem`'s forward (NotImplementedError with the reason if none)."""
+    return _launch(FORWARD, "forward", problem, choose.forward_config, arch or current_arch())
+
+
+def backward_launch(problem, arch: Optional[str] = None) -> Launch:
+    """The launch serving `problem`'s backward (NotImplementedError with the reason if none)."""
+    return _launch(BACKWARD, "backward", problem, choose.backward_config,
+                   arch or current_arch())
+
+
+def plan(problem, arch: Optional[str] = None) -> CutePlan:
+    """The CuTe plan of `problem`; NotImplementedError if the forward cannot run."""
+    arch = arch or current_arch()
+    fwd = forward_launch(problem, arch)
+    try:
+        return CutePlan(fwd, backward_launch(problem, arch))
+    except NotImplementedError as e:
+        return CutePlan(fwd, None, str(e))
