@@ -44,7 +44,10 @@ only offers toward-zero and toward-+inf.  ``e8m0_encode(x, mode=...)`` offers al
 Block formats
 -------------
 * **NVFP4**: blocks of 16 along the last axis, E4M3 block scale, float32 global encode factor G.
-  ``s = E4M3((amax_B / 6) * G)``, ``code = E2M1(x * (G / s_hat))``, ``x_hat = (q * s_hat) / G``.
+  ``s = E4M3(amax_B * (G * f32(1/6)))``, ``code = E2M1(x * (G / s_hat))``,
+  ``x_hat = (q * s_hat) * (1 / G)`` (float32, in that order: XLA rewrites a division by a
+  broadcast or constant into a multiplication by its reciprocal, so the formulas are written
+  with explicit reciprocals to stay bit-reproducible in NumPy).
   G defaults to 448*6/amax (amax over ``global_axes``; G = 1 for an all-zero tensor).  If the
   block scale rounds to zero (s_hat == 0, e.g. an all-zero block or G too small) the whole block
   is stored as +0 codes and dequantizes to 0 ("the block vanishes", as in the paper).
@@ -63,6 +66,7 @@ is how HAO's ``packed_float_to_e2m1`` calls it, so a little-endian u32 holds 8 e
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -91,6 +95,7 @@ E8M0_NAN = 0xFF
 E8M0_BIAS = 127
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
+_SIXTH = float(np.float32(1.0 / 6.0))
 
 
 class _Spec(NamedTuple):
@@ -177,6 +182,7 @@ def _decode(code, spec: _Spec) -> jax.Array:
     return jnp.take(table, jnp.asarray(code).astype(jnp.int32) & ((1 << nbits) - 1))
 
 
+@functools.partial(jax.jit, static_argnames=('relu',))
 def e2m1_encode(x, *, relu: bool = False) -> jax.Array:
     """float -> E2M1 code (0..15, sign in bit 3), RN-even, saturating at +-6 (like
     ``cvt.rn.satfinite{.relu}.e2m1x2.f32``).  ``relu=True`` maps negatives (and -0) to +0.
@@ -184,30 +190,36 @@ def e2m1_encode(x, *, relu: bool = False) -> jax.Array:
     return _encode(x, _E2M1, True, relu)
 
 
+@jax.jit
 def e2m1_decode(code) -> jax.Array:
     """E2M1 code -> float32 (code 8 is -0.0)."""
     return _decode(code, _E2M1)
 
 
+@functools.partial(jax.jit, static_argnames=('saturate',))
 def e4m3_encode(x, *, saturate: bool = True) -> jax.Array:
     """float -> E4M3 (float8_e4m3fn) byte, RN-even.  ``saturate`` clamps overflow and inf to
     +-448 (satfinite); NaN -> 0x7F."""
     return _encode(x, _E4M3, saturate)
 
 
+@jax.jit
 def e4m3_decode(code) -> jax.Array:
     return _decode(code, _E4M3)
 
 
+@functools.partial(jax.jit, static_argnames=('saturate',))
 def e5m2_encode(x, *, saturate: bool = True) -> jax.Array:
     """float -> E5M2 byte, RN-even, satfinite (+-57344) by default; NaN -> 0x7F."""
     return _encode(x, _E5M2, saturate)
 
 
+@jax.jit
 def e5m2_decode(code) -> jax.Array:
     return _decode(code, _E5M2)
 
 
+@functools.partial(jax.jit, static_argnames=('mode', 'saturate'))
 def e8m0_encode(x, *, mode: str = "rn", saturate: bool = True) -> jax.Array:
     """float -> E8M0 byte u (value 2^(u-127)).
 
@@ -245,6 +257,7 @@ def e8m0_encode(x, *, mode: str = "rn", saturate: bool = True) -> jax.Array:
     return u.astype(jnp.uint8)
 
 
+@jax.jit
 def e8m0_decode(u) -> jax.Array:
     """E8M0 byte -> float32 2^(u-127), built from bits (u = 0 gives the subnormal 2^-127, which
     XLA:CPU arithmetic flushes to zero); 0xFF -> NaN."""
@@ -261,6 +274,7 @@ def _pow2(e) -> jax.Array:
 
 
 # ------------------------------------------------------------------------- nibble packing
+@functools.partial(jax.jit, static_argnames=('axis',))
 def pack_e2m1(codes, axis: int = -1) -> jax.Array:
     """Two E2M1 codes per byte along ``axis`` (even length): byte i = c[2i] | c[2i+1] << 4."""
     c = jnp.moveaxis(jnp.asarray(codes).astype(jnp.uint8) & 0xF, axis, -1)
@@ -270,6 +284,7 @@ def pack_e2m1(codes, axis: int = -1) -> jax.Array:
     return jnp.moveaxis(out, -1, axis)
 
 
+@functools.partial(jax.jit, static_argnames=('axis',))
 def unpack_e2m1(packed, axis: int = -1) -> jax.Array:
     """Inverse of ``pack_e2m1``."""
     p = jnp.moveaxis(jnp.asarray(packed).astype(jnp.uint8), axis, -1)
@@ -300,12 +315,14 @@ def _blocks(x, block: int):
     return x.astype(jnp.float32).reshape(x.shape[:-1] + (n // block, block))
 
 
+@functools.partial(jax.jit, static_argnames=('axes',))
 def nvfp4_global_scale(x, axes: Optional[Union[int, Sequence[int]]] = None) -> jax.Array:
     """G = 448 * 6 / amax(x) over ``axes`` (all by default; kept as size-1 dims); 1 where amax = 0."""
     amax = jnp.max(jnp.abs(jnp.asarray(x).astype(jnp.float32)), axis=axes, keepdims=True)
     return jnp.where(amax > 0, (E4M3_MAX * E2M1_MAX) / jnp.where(amax > 0, amax, 1.0), 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=('global_axes',))
 def nvfp4_quantize(x, global_scale=None, *, global_axes=None) -> NVFP4:
     """NVFP4: blocks of 16 along the last axis, E4M3 block scales, float32 global factor G."""
     xb = _blocks(x, NVFP4_BLOCK)
@@ -314,7 +331,7 @@ def nvfp4_quantize(x, global_scale=None, *, global_axes=None) -> NVFP4:
     G = jnp.asarray(global_scale, jnp.float32)
     Gb = G[..., None] if G.ndim == xb.ndim - 1 else G  # [..., 1] -> [..., 1, 1]
     amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    s = e4m3_encode((amax / 6.0) * Gb)
+    s = e4m3_encode(amax * (Gb * _SIXTH))
     s_hat = e4m3_decode(s)
     ok = s_hat > 0
     inv = Gb / jnp.where(ok, s_hat, 1.0)
@@ -322,13 +339,14 @@ def nvfp4_quantize(x, global_scale=None, *, global_axes=None) -> NVFP4:
     return NVFP4(codes.reshape(jnp.shape(x)), s[..., 0], G)
 
 
+@functools.partial(jax.jit, static_argnames=('dtype',))
 def nvfp4_dequantize(t: NVFP4, dtype=jnp.float32) -> jax.Array:
     codes = jnp.asarray(t.codes)
     qb = e2m1_decode(codes).reshape(codes.shape[:-1] + (-1, NVFP4_BLOCK))
     s_hat = e4m3_decode(t.scales)[..., None]
     G = jnp.asarray(t.global_scale, jnp.float32)
     Gb = G[..., None] if G.ndim == qb.ndim - 1 else G
-    return ((qb * s_hat) / Gb).reshape(codes.shape).astype(dtype)
+    return ((qb * s_hat) * (1.0 / Gb)).reshape(codes.shape).astype(dtype)
 
 
 def _mx_exponent(amax, rule: str):
@@ -346,6 +364,7 @@ def _mx_exponent(amax, rule: str):
     return e, E == 0, E == 255
 
 
+@functools.partial(jax.jit, static_argnames=('rule',))
 def mxfp4_quantize(x, *, rule: str = "ocp") -> MXFP4:
     """MXFP4: blocks of 32 along the last axis, E8M0 scale (see module doc for the rules)."""
     xb = _blocks(x, MXFP4_BLOCK)
@@ -359,6 +378,7 @@ def mxfp4_quantize(x, *, rule: str = "ocp") -> MXFP4:
     return MXFP4(codes.reshape(jnp.shape(x)), u[..., 0].astype(jnp.uint8))
 
 
+@functools.partial(jax.jit, static_argnames=('dtype',))
 def mxfp4_dequantize(t: MXFP4, dtype=jnp.float32) -> jax.Array:
     codes = jnp.asarray(t.codes)
     qb = e2m1_decode(codes).reshape(codes.shape[:-1] + (-1, MXFP4_BLOCK))
@@ -371,6 +391,7 @@ def _along(fn, x, axis):
     return jnp.moveaxis(fn(x), -1, axis)
 
 
+@functools.partial(jax.jit, static_argnames=('axis', 'global_axes'))
 def fake_quant_nvfp4(x, *, axis: int = -1, global_axes=None, global_scale=None) -> jax.Array:
     """Quantize to NVFP4 along ``axis`` and back (float32)."""
     def f(y):
@@ -379,19 +400,21 @@ def fake_quant_nvfp4(x, *, axis: int = -1, global_axes=None, global_scale=None) 
     return _along(f, x, axis)
 
 
+@functools.partial(jax.jit, static_argnames=('axis', 'rule'))
 def fake_quant_mxfp4(x, *, axis: int = -1, rule: str = "ocp") -> jax.Array:
     """Quantize to MXFP4 along ``axis`` and back (float32)."""
     return _along(lambda y: mxfp4_dequantize(mxfp4_quantize(y, rule=rule)), x, axis)
 
 
+@functools.partial(jax.jit, static_argnames=('fmt', 'scale_axes'))
 def fake_quant_fp8(x, fmt: str = "e4m3", *, scale_axes=None, scale=None) -> jax.Array:
     """Per-tensor (or per-``scale_axes``-slice) scaled FP8 round trip, float32:
     s = fmt_max / amax (1 for an all-zero slice) unless ``scale`` is given;
-    x_hat = decode(encode(x * s)) / s."""
+    x_hat = decode(encode(x * s)) * (1 / s)."""
     enc, dec, fmax = {"e4m3": (e4m3_encode, e4m3_decode, E4M3_MAX),
                       "e5m2": (e5m2_encode, e5m2_decode, E5M2_MAX)}[fmt]
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is None:
         amax = jnp.max(jnp.abs(x), axis=scale_axes, keepdims=True)
         scale = jnp.where(amax > 0, fmax / jnp.where(amax > 0, amax, 1.0), 1.0)
-    return dec(enc(x * scale)) / scale
+    return dec(enc(x * scale)) * (1.0 / scale)
