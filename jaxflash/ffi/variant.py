@@ -11,9 +11,11 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
+import tokenize
 from typing import Any, Optional
 
 # Bumped whenever the launcher ABI in `compiler.py` changes in a way its source hash would miss.
@@ -254,9 +256,10 @@ class Launch:
 
 
 # -- kernel source hashing --------------------------------------------------------------------
-# What is hashed: the kernel's module, every jaxflash.kernels module it imports (transitively,
-# found by parsing import statements, never by importing: the DSL may be absent), the config's
-# module, and the bridge's own launcher (compiler.py), whose code is compiled into every binary.
+# What is hashed: the code (`code_text`: no comments or docstrings) of the kernel's module,
+# every jaxflash.kernels module it imports (transitively, found by parsing import statements,
+# never by importing: the DSL may be absent), the config's module, and the bridge's own
+# launcher (compiler.py), whose code is compiled into every binary.
 _HASHED_PACKAGES = ("jaxflash.kernels",)
 _ALWAYS = ("jaxflash.ffi.compiler",)
 
@@ -306,12 +309,46 @@ def _closure(roots) -> list[tuple[str, str]]:
     return sorted(seen.items())
 
 
+def _read_source(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def code_text(source: str) -> str:
+    """`source` as the compiler sees it: comments, docstrings, blank lines and trailing blanks
+    removed, so that prose edits keep every key while any change of code changes it. Works
+    from token and AST positions, which read the same on every Python the project supports
+    (hashing an ``ast.dump`` would not: its fields differ between Python versions)."""
+    lines = source.splitlines()
+    spans = []  # ((row, char col), (row, char col)), rows 1-based
+
+    def chars(row: int, byte_col: int) -> int:  # ast gives UTF-8 byte offsets
+        return len(lines[row - 1].encode("utf-8")[:byte_col].decode("utf-8", "ignore"))
+
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            spans.append((tok.start, tok.end))
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            d = body[0]
+            spans.append(((d.lineno, chars(d.lineno, d.col_offset)),
+                          (d.end_lineno, chars(d.end_lineno, d.end_col_offset))))
+    for (r0, c0), (r1, c1) in sorted(spans, reverse=True):
+        head, tail = lines[r0 - 1][:c0], lines[r1 - 1][c1:]
+        lines[r0 - 1:r1] = [head + tail] + [""] * (r1 - r0)
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
 @functools.lru_cache(maxsize=None)
 def _hash_files(files: tuple[tuple[str, str, float], ...]) -> str:
     h = hashlib.sha256()
     for mod, path, _mtime in files:
-        with open(path, "rb") as f:
-            h.update(mod.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+        code = code_text(_read_source(path)).encode("utf-8")
+        h.update(mod.encode() + b"\0" + hashlib.sha256(code).digest())
     return h.hexdigest()
 
 
