@@ -9,4 +9,13 @@ from jaxflash.dispatch import target_platform
 from jaxflash.ring import ring_attention
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "explain", "ring_attention", "target_platform", "__version__"]
+__all__ = ["flash_attention", "explain", "ring_attention", "target_platform", "flax_layers",
+           "__version__"]
+
+
+def __getattr__(name):
+    # Flax is an optional dependency: its layers load on first use of `jaxflash.flax_layers`.
+    if name == "flax_layers":
+        import importlib
+        return importlib.import_module("jaxflash.flax_layers")
+    raise AttributeError(f"module 'jaxflash' has no attribute {name!r}")

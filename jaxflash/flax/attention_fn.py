@@ -37,9 +37,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-import jaxflash
 from jaxflash import masking, reference
-from jaxflash.api import _prepare
+from jaxflash.api import _prepare, flash_attention
 
 logger = logging.getLogger("jaxflash.flax")
 
@@ -132,7 +131,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
         reasons.append(f"dtype {q.dtype} (flash path takes float16, bfloat16, float32)")
     if not reasons:
         _record(None)
-        return jaxflash.flash_attention(q, k, v, bias, mask, is_causal=is_causal,
+        return flash_attention(q, k, v, bias, mask, is_causal=is_causal,
                                         implementation=implementation, **extra)
     _record(", ".join(reasons))
     if want_dropout and dropout_rng is None:

@@ -12,8 +12,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-import jaxflash
 from jaxflash import dispatch
+from jaxflash.api import flash_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ def _as_bool_mask(mask):
 def attend(q, k, v, opts: AttentionOptions, *, mask=None, q_segment_ids=None,
            kv_segment_ids=None):
     """Training / full-sequence attention on projected heads (q [B..., T, N, H])."""
-    return jaxflash.flash_attention(
+    return flash_attention(
         q, k, v, mask=_as_bool_mask(mask), scale=opts.scale, is_causal=opts.is_causal,
         local_window_size=opts.local_window_size, softcap=opts.softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -176,7 +176,7 @@ def attend_cached(q, cached_key, cached_value, index, opts: AttentionOptions, *,
         # One new token: "key written" is exactly "key visible" (causal or not), and a
         # kv_seq_lengths operand keeps the backends on their mask-free fast path.
         lengths = jnp.full(q.shape[:nb] if nb else (1,), written, jnp.int32)
-        return jaxflash.flash_attention(q, cached_key, cached_value,
+        return flash_attention(q, cached_key, cached_value,
                                         key_value_seq_lengths=lengths, **common)
     pos = index + jnp.arange(t, dtype=jnp.int32)[:, None]        # [t, 1] absolute positions
     j = jnp.arange(L, dtype=jnp.int32)[None, :]                   # [1, L]
@@ -189,4 +189,4 @@ def attend_cached(q, cached_key, cached_value, index, opts: AttentionOptions, *,
     keep = keep.reshape((1,) * (nb + 1) + (t, L))
     if user_mask is not None:
         keep = jnp.logical_and(keep, user_mask)
-    return jaxflash.flash_attention(q, cached_key, cached_value, mask=keep, **common)
+    return flash_attention(q, cached_key, cached_value, mask=keep, **common)

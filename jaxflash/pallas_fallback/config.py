@@ -62,8 +62,8 @@ _INTERPRET = Config(
     dbias=PassConfig(16, 32))
 
 # Keyed by the larger padded head dim of (H, Hv), for 2-byte inputs on NVIDIA GPUs. D=128 and
-# D=256 are the per-kernel winners of an H200 sweep at B*S=16k, H*D=2048, bf16 (2026-11-30,
-# benchmarks/results/pallas-h200-2026-11-30.json, "tune" rows): fwd 496 / dK,dV 407 / dQ 491
+# D=256 are the per-kernel winners of an H200 sweep at B*S=16k, H*D=2048, bf16 (the Pallas
+# result file's "tune" rows, indexed in benchmarks/results/README.md): fwd 496 / dK,dV 407 / dQ 491
 # TFLOP/s at D=128, fwd 448 / dK,dV 170 / dQ 206 at D=256. Smaller head dims reuse D=128's
 # tiles (their registers are lighter still).
 _D128 = Config(fwd=PassConfig(128, 128, 8, 3), dkdv=PassConfig(64, 128, 8, 3),
