@@ -24,6 +24,7 @@ IMG = os.path.join(ROOT, "docs", "img")
 
 # -- the result files this page cites (all in benchmarks/results/) ------------------------------
 GRID = "h200-2026-12-02-cc20.json"            # latest grid: cute beside cuDNN, fwd and fwd+bwd
+GRID_MD = "h200-2026-12-02-cc20.md"          # ... as written by the bench, with its checks
 GRID_ALL = "h200-2026-12-01-e.json"           # the grid with every implementation (Pallas)
 FA4_FWD = "fa4-sm90-h200-2026-11-30.json"     # FlashAttention-4 sm90 forward (from the anchors)
 FA4_FWDBWD = "fa4-sm90-fwdbwd-h200-2026-11-30.json"  # ... its forward+backward
@@ -34,7 +35,7 @@ LONG = "transcribed-h200-2026-11-30.json"     # 128k-token sequence, forward+bac
 PALLAS = "pallas-h200-2026-11-30.json"        # Pallas fallback beside JAX's Pallas-Triton op
 RING = ("ring-pallas-h200x2-2026-11-30.json", "ring-cute-h200x2-2026-11-30.json")
 LM = "lm-compare-cute-h200-2026-12-02-s6.json"  # training-loss check, example LM
-SOURCES = (GRID, GRID_ALL, FA4_FWD, FA4_FWDBWD, BWD_BENCH, DETERMINISTIC, SEGMENTS, LONG,
+SOURCES = (GRID, GRID_MD, GRID_ALL, FA4_FWD, FA4_FWDBWD, BWD_BENCH, DETERMINISTIC, SEGMENTS, LONG,
            PALLAS) + RING + (LM,)
 
 # The two FA4 files are copies of ../shared/anchors/*.json, which hold rows only; their run is
@@ -156,7 +157,7 @@ def section_grid(data, rows) -> list[str]:
     return [
         "## The grid: CuTe kernels beside cuDNN", "",
         f"{grid_env(data)}; bf16 8192³ matmul {data['env']['matmul_bf16_tflops']} TFLOP/s in the "
-        f"same run. File: `{GRID}` (its `.md` twin has the output checks: 0 wrong).", "",
+        f"same run. Files: `{GRID}`, `{GRID_MD}` (with the output checks: 0 wrong).", "",
         f"bf16, B·S = {cfg['tokens']} tokens, N·D = {cfg['hidden']}, q / k / v `[B, S, N, D]`; "
         f"TFLOP/s = 4·B·N·S²·D for the forward (halved when causal), ×3.5 for "
         f"forward+backward; median of {cfg['reps']} reps. Ratio = ours / cuDNN.", "",
