@@ -5,7 +5,7 @@
 #   .device/kernels/   forward and backward variants of devrun / bwd_devrun (checks, bench grid,
 #                      variants) and of the example LM's GPU run
 #   artifacts/ffi_selftest/   the bridge self-test kernels and exports (tests/test_ffi_gpu.py)
-# Then one call: run(command="bash benchmarks/device/run.sh checks", carry=[".device", "artifacts"]).
+# Then one call: run(command="bash benchmarks/device/run.sh tests gridcc", carry=[".device", "artifacts"]).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -17,7 +17,8 @@ echo "$(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- jaxflash || ech
 "$PY" -m devtools.bwd_devrun build --out .device/kernels
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
 "$PY" -m devtools.gpu_selftest artifacts/ffi_selftest
-# whatever the API-level GPU tests reach through dispatch (recorded by running them once here)
-"$PY" -m tests.collect_variants --out .device/kernels tests/test_backends.py -k "cute or hopper_gpu" \
-  tests/test_kernels_hopper_gpu.py | tail -3
+# one kernel directory for the whole GPU test run
+cp -r artifacts/ffi_selftest/kernels/. .device/kernels/
+# whatever the GPU tests reach through dispatch (recorded by running them once here)
+"$PY" -m tests.collect_variants --out .device/kernels -m gpu tests | tail -3
 du -sh .device artifacts
