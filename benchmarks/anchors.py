@@ -1,7 +1,7 @@
 """Our grid against FlashAttention-4's Hopper figures in the anchors file (issue 2 asks for a
 forward geometric mean >= 1.0 of those figures; issue 3 quotes FA4's forward+backward).
 
-    python -m benchmarks.anchors benchmarks/results/h200-2026-12-01-cc12.json \
+    python -m benchmarks.anchors benchmarks/results/h200-2026-12-02-cc20.json \
         [--anchors ../shared/anchors/README.md] [--impl cute]
 
 The ratio per point is our TFLOP/s over FA4's TFLOP/s as the anchors file states them (FA4 was
