@@ -1,6 +1,7 @@
 """The public entry point: validate, bring into canonical form, dispatch, restore shapes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Optional
@@ -45,8 +46,11 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     T, N, H = qs[-3:]
     S, K, Hk = ks[-3:]
     Sv, Kv, Hv = vs[-3:]
-    if min(T, N, H, S, K, Hv) <= 0:
-        raise ValueError(f"every dim must be positive; got {shapes}")
+    # Zero-sized batch dims, T = 0 and S = 0 are valid (see flash_attention: "Empty and
+    # degenerate shapes"); head counts and head dims are not (no grouping, no default scale).
+    if min(N, H, K, Hv) <= 0:
+        raise ValueError(f"head counts and head dims (N, K, H, Hv) must be positive; got "
+                         f"{shapes}")
     if Sv != S:
         raise ValueError(f"key and value sequence lengths differ ({S} vs {Sv}); got {shapes}")
     if Kv != K:
@@ -173,6 +177,14 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     One deliberate difference from jax.nn: a query row with no key left to attend to gives
     output 0, a finite gradient and LSE = -inf.
 
+    Empty and degenerate shapes: a zero-sized batch dim or T = 0 gives an empty output (and
+    LSE) of the right shapes; S = 0 leaves every query row without a key, so output 0 and
+    LSE -inf. Gradients of an empty call are 0 (empty where the input is). No backend runs
+    for an empty call (no kernel is launched), but a backend named by ``implementation``
+    must still serve its configuration. N, K, H and Hv must be positive (ValueError).
+    T = 1, S = 1, N = K = 1 and inputs that are transposed, sliced or broadcast views are
+    ordinary calls.
+
     ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
     gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
     "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
@@ -184,8 +196,14 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         implementation=implementation, deterministic=deterministic)
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
-    backend, plan = dispatch.select(problem, implementation)
-    out, lse = backend(q, k, v, arrays, statics, plan)
+    if _is_empty(problem):
+        # No backend runs (no kernel is ever launched on an empty grid); a named backend must
+        # still serve the call's configuration, as it must when the call is not empty.
+        dispatch.select(_nonempty(problem), implementation)
+        out, lse = _empty_result(q, v)
+    else:
+        backend, plan = dispatch.select(problem, implementation)
+        out, lse = backend(q, k, v, arrays, statics, plan)
     T, N = q.shape[1], q.shape[2]
     out = out.reshape(batch_shape + out.shape[1:])
     if not return_residual:
@@ -203,7 +221,38 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
     q, k, v, arrays, statics, _ = _prepare_abstract(query, key, value, bias, mask,
                                                     implementation=implementation, **kwargs)
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
-    return dispatch.plan(problem, implementation)
+    if not _is_empty(problem):
+        return dispatch.plan(problem, implementation)
+    p = dispatch.plan(_nonempty(problem), implementation)
+    note = (f"empty call (batch {problem.batch}, T {problem.q_len}, S {problem.kv_len}): "
+            f"nothing is launched"
+            + (f" ('{p.backend}' is what this configuration would run when not empty)"
+               if p.backend else "")
+            + "; the result is output 0 and LSE -inf in the call's shapes, gradients 0")
+    return dataclasses.replace(p, problem=problem, notes=p.notes + (note,))
+
+
+def _is_empty(problem: Problem) -> bool:
+    """No query row (batch or T is 0) or no key (S is 0): the result needs no backend."""
+    return min(problem.batch, problem.q_len, problem.kv_len) == 0
+
+
+def _nonempty(problem: Problem) -> Problem:
+    """`problem` with its empty dims set to 1: what a backend is asked whether it could serve
+    (backends never see a zero-sized dim, not even when planning)."""
+    one = lambda d: max(d, 1)
+    bias = None if problem.bias_shape is None else tuple(one(d) for d in problem.bias_shape)
+    return dataclasses.replace(problem, batch=one(problem.batch), q_len=one(problem.q_len),
+                               kv_len=one(problem.kv_len), bias_shape=bias)
+
+
+def _empty_result(q, v):
+    """Canonical (out [B,T,N,Hv], lse [B,N,T]) of an empty call: every row has no key to
+    attend to (or there is no row), so output 0 and LSE -inf; they depend on no input, so
+    every gradient is 0 (empty where the input is)."""
+    B, T, N, _ = q.shape
+    out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
+    return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
 
 
 def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **kwargs):
