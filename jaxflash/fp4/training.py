@@ -234,6 +234,7 @@ def _attn_bwd(cfg, saved, do):
 
 
 _attn.defvjp(_attn_fwd, _attn_bwd)
+_attn_jit = jax.jit(_attn, static_argnums=3)
 
 
 def fp4_training_attention(q, k, v, *, scale: Optional[float] = None, causal: bool = True,
@@ -264,7 +265,7 @@ def fp4_training_attention(q, k, v, *, scale: Optional[float] = None, causal: bo
     if key_tile % C.P_BLOCK:
         raise ValueError(f"key_tile must be a multiple of {C.P_BLOCK}")
     scale = float(1.0 / np.sqrt(q.shape[3])) if scale is None else float(scale)
-    return _attn(q, k, v, _Cfg(scale, bool(causal), pv_format, int(key_tile), bool(_quantize)))
+    return _attn_jit(q, k, v, _Cfg(scale, bool(causal), pv_format, int(key_tile), bool(_quantize)))
 
 
 def do_flush_fraction(do, fmt: str = "e4m3", *, scale_axes=None) -> jax.Array:
