@@ -185,6 +185,20 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     T = 1, S = 1, N = K = 1 and inputs that are transposed, sliced or broadcast views are
     ordinary calls.
 
+    Non-finite values (NaN, +-Inf in query, key, value, bias) are not checked for; no backend
+    hangs or raises on them, and the forward follows the reference: a pair (i, j) removed by
+    a mask never contributes. A NaN logit (NaN in query row i, key j or bias[..., i, j])
+    makes output and LSE of exactly the rows that see it NaN; a row that sees nothing (masked,
+    beyond its length) stays 0 / -inf. A -inf logit removes its key, like a mask (all -inf:
+    a fully masked row). A +inf logit (+inf bias, or Inf in query/key without softcap) makes
+    the row's output NaN and its LSE +inf. A NaN/Inf at ``value[..., j, :, h]`` reaches
+    column h of the rows that see key j. Known deviations (tracked as xfails in
+    tests/extremes/test_bad_values.py): a NaN/Inf in value also reaches rows for which key j
+    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; the Pallas kernels
+    give LSE NaN, not +inf, for a +inf logit; and gradients may carry a masked NaN key/query
+    into dq/dk of its own problem. Other batch elements are never affected (but the
+    gradient of an operand they share, a broadcast bias or alibi_slopes, sums over them).
+
     ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
     gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
     "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
