@@ -36,7 +36,11 @@ PV_OUTPUT_CORRECTION = 1.0 / 36.0   # P (alpha q / 6) x V (alpha_v q_v / 6): fix
 #           (codes above 6 saturate), the OCP MX shared-exponent rule written in the
 #           alpha*q/6 convention.  Matches the paper's P range diagnostic (P rel-L2 0.147,
 #           PV cosine 0.9893 at S=4096), which the "ceil" rule misses (0.161 / 0.9877).
-#   "ceil": e_B = ceil(y_max): alpha_B >= block max, block max lands in (3, 6].
+#   "ceil": e_B = ceil(y_max): alpha_B >= block max (cvt.rp.ue8m0 of a_B), block max lands in
+#           (3, 6].
+#   "floor": e_B = floor(y_max): alpha_B <= block max (cvt.rz.ue8m0 of a_B), block max lands in
+#           [6, 12) and saturates to 6.
+# (devtools/fp4_accuracy.py --p-scale-rule reports the paper-grid accuracy under each.)
 P_SCALE_RULE = "ocp"
 P_SCALE_OCP_OFFSET = LOG2_6 - 2.0   # e_B = floor(y_max + this)
 # MXFP4 rule for V (formats.mxfp4_quantize(rule=...)) along the key axis.

@@ -115,7 +115,9 @@ def _block_exponent(y_max, rule: str):
         return jnp.floor(y_max + jnp.float32(C.P_SCALE_OCP_OFFSET))
     if rule == "ceil":
         return jnp.ceil(y_max)
-    raise ValueError(f"p_scale_rule must be 'ocp' or 'ceil', got {rule!r}")
+    if rule == "floor":
+        return jnp.floor(y_max)
+    raise ValueError(f"p_scale_rule must be 'ocp', 'ceil' or 'floor', got {rule!r}")
 
 
 def direct_p_probabilities(y, *, A: float, B: float, native_mask=None, p_scale_rule: str = None,
