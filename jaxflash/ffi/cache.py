@@ -12,8 +12,15 @@ naming the variant and the exact ``python -m jaxflash.aot`` command that builds 
 Concurrency: one lock per variant key makes two threads lowering the same variant compile it
 once (the second waits and takes the first one's result); an advisory file lock does the same
 across processes sharing the disk cache. Every entry is written atomically (temp file + rename,
-object before its metadata) and verified on load (size and sha256 of the object, variant key,
-DSL version), so a truncated, corrupt or stale entry is reported and rebuilt, never loaded.
+object before its metadata, the pair under an exclusive lock on the directory that readers take
+shared, so no reader ever pairs one writer's metadata with another's object) and verified on
+load (size and sha256 of the object, variant key, DSL version), so a truncated, corrupt or stale
+entry is reported and rebuilt, never loaded.
+
+Faults: a cache directory that cannot be created or written (read-only, full, a file in its
+place) costs the disk cache only: the binary is compiled and kept in memory, with one warning
+per directory. Without the DSL, a missing or damaged artifact is a `MissingVariantError` (a
+NotImplementedError) naming the ``python -m jaxflash.aot`` command that builds it.
 """
 from __future__ import annotations
 
@@ -39,8 +46,9 @@ ENV_CACHE_DIR = "JAXFLASH_CACHE_DIR"
 ENV_NO_DSL = "JAXFLASH_NO_DSL"  # "1": behave as if the CuTe DSL were not installed
 
 
-class MissingVariantError(RuntimeError):
-    """No binary for a kernel variant and no way to build one here."""
+class MissingVariantError(NotImplementedError):
+    """No binary for a kernel variant and no way to build one here (a NotImplementedError, so a
+    RuntimeError too); the message names the ``python -m jaxflash.aot`` command that builds it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +120,11 @@ def read_entry(directory: str, launch: Launch, version: Optional[str]
     if not os.path.exists(meta):
         return None, "absent"
     try:
-        with open(meta) as f:
-            m = json.load(f)
-        with open(obj, "rb") as f:
-            data = f.read()
+        with _dir_lock(directory, shared=True):
+            with open(meta) as f:
+                m = json.load(f)
+            with open(obj, "rb") as f:
+                data = f.read()
     except (OSError, ValueError) as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
     if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -147,33 +156,76 @@ def _atomic_write(path: str, data: bytes) -> None:
 
 
 def write_entry(directory: str, launch: Launch, module: bytes, version: str) -> str:
-    """Store `module` for `launch` in `directory`; returns the object's path."""
+    """Store `module` for `launch` in `directory`; returns the object's path. OSError if the
+    directory cannot be created or written (nothing partial is left behind)."""
     os.makedirs(directory, exist_ok=True)
     obj, meta = _paths(directory, launch)
-    _atomic_write(obj, module)  # object first: metadata appears only once the object is whole
     m = {"format": FORMAT, "key": launch.key, "name": launch.name, "size": len(module),
          "sha256": hashlib.sha256(module).hexdigest(), "dsl_version": version,
          "arch": launch.arch, "source_hash": launch.source_hash,
          "launch": launch.to_json(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _atomic_write(meta, json.dumps(m, indent=1, sort_keys=True).encode())
+    with _dir_lock(directory, shared=False):  # the pair is replaced as one (see the docstring)
+        _atomic_write(obj, module)  # object first: metadata appears only once it is whole
+        _atomic_write(meta, json.dumps(m, indent=1, sort_keys=True).encode())
     return obj
 
 
 @contextlib.contextmanager
-def _file_lock(directory: str, name: str):
-    """Advisory lock between processes compiling the same variant into one cache."""
-    os.makedirs(directory, exist_ok=True)
+def _dir_lock(directory: str, shared: bool):
+    """Advisory lock on the directory itself (no lock file, so it works in read-only ones):
+    exclusive while an entry's pair of files is replaced, shared while one is read. Where the
+    platform or file system has no flock, entries are still whole (atomic renames); a reader
+    may then see a new object with old metadata, which fails its checksum and is rebuilt."""
     try:
         import fcntl
-    except ImportError:  # not POSIX: threads are still serialized by the in-process lock
+        fd = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):
+        fd = None
+    if fd is None:
         yield
         return
-    with open(os.path.join(directory, name + ".lock"), "a") as f:
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@contextlib.contextmanager
+def _file_lock(directory: str, name: str):
+    """Advisory lock between processes compiling the same variant into one cache. Where the
+    directory cannot hold a lock file (read-only, ...) there is no lock: processes may then
+    compile the same variant twice, which costs time, not correctness."""
+    f = None
+    try:
+        import fcntl
+        os.makedirs(directory, exist_ok=True)
+        f = open(os.path.join(directory, name + ".lock"), "a")
+    except (ImportError, OSError):  # not POSIX, or not writable (warned about if a write
+        pass  # fails): threads are still serialized by the in-process lock
+    if f is None:
+        yield
+        return
+    with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_warned_dirs: set[str] = set()
+
+
+def _warn_unwritable(directory: str, error: BaseException) -> None:
+    """One warning per directory per process: the disk cache there is not used for writing."""
+    if directory in _warned_dirs:
+        return
+    _warned_dirs.add(directory)
+    logger.warning("jaxflash: the kernel cache %s is not writable (%s: %s); compiled kernels are "
+                   "kept in memory only. Set $%s to a writable directory to keep them across "
+                   "processes.", directory, type(error).__name__, error, ENV_CACHE_DIR)
 
 
 # -- the lookup ---------------------------------------------------------------------------------
@@ -267,5 +319,8 @@ def _load_or_build(launch: Launch) -> Binary:
         t0 = time.perf_counter()
         module = compiler.compile_launch(launch)
         logger.info("jaxflash: compiled %s in %.1f s", launch.name, time.perf_counter() - t0)
-        write_entry(cdir, launch, module, version)
+        try:
+            write_entry(cdir, launch, module, version)
+        except OSError as e:  # read-only, full, ...: the binary is good, keep it in memory
+            _warn_unwritable(cdir, e)
         return _binary(module, "compiled")

@@ -46,6 +46,11 @@ def find_runtime_library() -> Optional[str]:
     p = os.environ.get(ENV_RUNTIME_LIB)
     if p:
         return p
+    return _installed_runtime_library()
+
+
+def _installed_runtime_library() -> Optional[str]:
+    """The installed nvidia_cutlass_dsl wheel's runtime library (found without importing it)."""
     try:
         spec = importlib.util.find_spec("nvidia_cutlass_dsl")
     except (ImportError, ValueError):
@@ -71,14 +76,18 @@ def register(platform: str = "CUDA") -> str:
                 "the CuTe DSL runtime library (libcute_dsl_runtime.so) was not found: set "
                 f"${ENV_RUNTIME_LIB} to its path (on the GPU machine: `export "
                 f"{ENV_RUNTIME_LIB}=$(bash .device/unpack.sh)`), or install nvidia-cutlass-dsl")
-        if not os.path.exists(path):
-            raise RuntimeLibraryError(f"${ENV_RUNTIME_LIB}={path}: no such file")
+        if not os.path.isfile(path):
+            raise RuntimeLibraryError(
+                f"${ENV_RUNTIME_LIB}={path}: no such file. {_fix_hint(path)}")
         try:
             lib = ctypes.CDLL(path)
             syms = {stage: getattr(lib, name) for stage, name in _HANDLER.items()}
             type_syms = {k: getattr(lib, name) for k, name in _STATE_TYPE[1].items()}
         except (OSError, AttributeError) as e:
-            raise RuntimeLibraryError(f"cannot use {path} as the CuTe DSL runtime: {e}") from e
+            raise RuntimeLibraryError(
+                f"cannot use {path} as the CuTe DSL runtime ({e}): it must be the "
+                f"libcute_dsl_runtime.so shipped with nvidia-cutlass-dsl (it has the "
+                f"{TARGET} handlers). {_fix_hint(path)}") from e
         import jax
         for f in list(syms.values()) + list(type_syms.values()):
             f.restype = ctypes.c_void_p
@@ -91,6 +100,15 @@ def register(platform: str = "CUDA") -> str:
             platform=platform)
         _registered = path
         return path
+
+
+def _fix_hint(path: str) -> str:
+    """How to point the bridge at a runtime library that works instead of `path`."""
+    installed = _installed_runtime_library()
+    if installed and os.path.abspath(installed) != os.path.abspath(path):
+        return f"Unset ${ENV_RUNTIME_LIB} to use the installed {installed}, or point it there."
+    return (f"Point ${ENV_RUNTIME_LIB} at libcute_dsl_runtime.so (on the GPU machine: `export "
+            f"{ENV_RUNTIME_LIB}=$(bash .device/unpack.sh)`), or install nvidia-cutlass-dsl.")
 
 
 def is_registered() -> bool:
