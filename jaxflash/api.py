@@ -183,7 +183,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     for an empty call (no kernel is launched), but a backend named by ``implementation``
     must still serve its configuration. N, K, H and Hv must be positive (ValueError).
     T = 1, S = 1, N = K = 1 and inputs that are transposed, sliced or broadcast views are
-    ordinary calls.
+    ordinary calls. (Known gap: a size-0 `jax.vmap` axis is not seen by this check, and the
+    "pallas" and "cute" backends fail on it.)
 
     Non-finite values (NaN, +-Inf in query, key, value, bias) are not checked for; no backend
     hangs or raises on them, and the forward follows the reference: a pair (i, j) removed by
