@@ -13,9 +13,11 @@ What is emulated (paper section 4; constants from ``jaxflash.fp4.constants``):
   pairs of the accurate policy); u_B = e_B + 127 (u_B <= 0, or an all-masked block: zero block);
   represented p~ = 2^(u_B - 127) q / 6.
 * The denominator is built from the same represented P that the PV product consumes: the
-  emulator runs the PV product on [V_hat, 1] (a ones column), so L~ = sum_B alpha_B c_B / 6 uses
-  exactly the codes (and the fp32 reduction) of the numerator; V = ones therefore gives 1.0 per
-  row exactly.  The kernel evaluates each block term as alpha'_B * (c_B / 6), never
+  emulator runs the PV product on [V_hat, 1] (a ones column).  Per N32 block the partial sums
+  sum_j q_ij v_hat_j and c_B = sum_j q_ij are exact in float32 (E2M1 x E2M1 products under one
+  E8M0 scale, 32 terms), and the blocks are combined with their 2^(e'_B - R) weights in one fixed
+  order for every column, so L~ = sum_B alpha_B c_B / 6 uses exactly the codes and the arithmetic
+  of the numerator; V = ones therefore gives 1.0 per row exactly, on any backend.  The kernel evaluates each block term as alpha'_B * (c_B / 6), never
   (alpha'_B / 6) * c_B; ``denominator_term`` is that formula, for the FTZ test.
 * The extreme-logit guard (``guard=(M, L)`` or ``True``): 128 globally spread key rows give the
   anchor a_i = max_j z_ij over them; m_i = a_i + M ln 2; working byte u_bar = max(u_B, L + 1)
@@ -225,10 +227,15 @@ def _direct_p_impl(q, k, v, *, scale, policy, A, B, guard, p_scale_rule, v_scale
             guard_shift=shift)
         e_live = jnp.where(zero, -(1 << 20), e_pub)
         R_new = jnp.maximum(R, jnp.max(e_live, axis=-1))
-        w = qv * _pow2_int(e_live - R_new[..., None])[..., None]       # exact 2^(e' - R) q
-        w = w.reshape(w.shape[:-2] + (key_tile,))
-        pv = jnp.einsum("bkgts,bksd->bkgtd", w, v_t, precision=hp)
-        acc = acc * _pow2_int(R - R_new)[..., None] + pv
+        wgt = _pow2_int(e_live - R_new[..., None])                     # exact 2^(e' - R) per block
+        # per-N32-block partial products: q (E2M1) x v_hat (E2M1 x one E8M0 scale per 32 keys)
+        # sums of 32 such products are exact in fp32 in any order, on any backend; the ones
+        # column gives c_B (the denominator uses the very codes the numerator consumes)
+        v_b = v_t.reshape(v_t.shape[:2] + (nb, C.P_BLOCK, Hv + 1))
+        part = jnp.einsum("bkgtnj,bknjd->bkgtnd", qv, v_b, precision=hp)
+        acc = acc * _pow2_int(R - R_new)[..., None]
+        for i in range(nb):                                 # fixed order, same for every column
+            acc = acc + wgt[..., i, None] * part[..., i, :]
         return (acc, R_new), None
 
     (acc, R), _ = lax.scan(step, (acc0, R0), (k_tiles, v_tiles, starts))
