@@ -240,8 +240,11 @@ def _direct_p_impl(q, k, v, *, scale, policy, A, B, guard, p_scale_rule, v_scale
 
     (acc, R), _ = lax.scan(step, (acc0, R0), (k_tiles, v_tiles, starts))
     acc_n, acc_l = acc[..., :Hv], acc[..., Hv]
+    # a true division (XLA:CPU would turn a division by a broadcast into a reciprocal multiply;
+    # the barrier stops that); XLA:GPU divides with div.full.f32 (<= 2 ulp, x / x may miss 1),
+    # so equal numerator and denominator are mapped to exactly 1 explicitly
     denom = lax.optimization_barrier(jnp.broadcast_to(acc_l[..., None], acc_n.shape))
-    out = acc_n / denom                                    # true division (no reciprocal rewrite)
+    out = jnp.where(acc_n == denom, jnp.float32(1), acc_n / denom)
     # kernel FP32 range model: literal accumulators are 2^R * acc (numerator before the 1/36,
     # i.e. up to 6 * acc_n with V in the alpha*q/6 convention; denominator 2^R * acc_l / 6)
     big = jnp.maximum(acc_l * jnp.float32(1 / 6), 6.0 * jnp.max(jnp.abs(acc_n), axis=-1))

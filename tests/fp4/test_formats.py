@@ -54,7 +54,8 @@ def ref_encode(x, table, nan_code):
 
 
 def ref_e8m0(x, mode):
-    """Positive finite normal x -> E8M0 byte by float64 log2 arithmetic."""
+    """Positive finite x -> E8M0 byte by float64 log2 arithmetic (below 2^-127 nothing is
+    representable: rn/rz give 2^-127, rp gives 2^-127 too as the next value up)."""
     x = np.asarray(x, np.float64)
     lo = np.floor(np.log2(x))
     if mode == "rz":
@@ -64,6 +65,9 @@ def ref_e8m0(x, mode):
     else:
         e = np.where(x >= 1.5 * 2.0 ** lo, lo + 1, lo)
     return np.clip(e + 127, 0, 254).astype(np.uint8)
+
+
+ML_DTYPES_VERSION = tuple(int(p) for p in ml_dtypes.__version__.split(".")[:2])
 
 
 ALL_BF16 = np.arange(1 << 16, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
@@ -216,12 +220,15 @@ def test_e8m0_decode_every_byte():
 def test_e8m0_all_bf16_against_ml_dtypes():
     ml = _ml(ALL_BF16, ml_dtypes.float8_e8m0fnu)
     nosat = _np(F.e8m0_encode(ALL_BF16, saturate=False))
-    np.testing.assert_array_equal(nosat[~NAN], ml[~NAN])
+    # ml_dtypes 0.6 rounds float32-subnormal inputs (< 2^-126) in (2^-127, 1.5 * 2^-127) up to
+    # 2^-126; 0.7 rounds them to the nearest (2^-127), as the reference below does
+    check = ~NAN if ML_DTYPES_VERSION >= (0, 7) else ~NAN & ~((ALL_BF16 > 0) & (ALL_BF16 < 2.0 ** -126))
+    np.testing.assert_array_equal(nosat[check], ml[check])
     assert (nosat[NAN] == 0xFF).all()
-    pos_normal = FINITE & (ALL_BF16 >= 2.0 ** -126)
+    pos = FINITE & (ALL_BF16 > 0)
     for mode in ("rn", "rz", "rp"):
         got = _np(F.e8m0_encode(ALL_BF16, mode=mode))
-        np.testing.assert_array_equal(got[pos_normal], ref_e8m0(ALL_BF16[pos_normal], mode), mode)
+        np.testing.assert_array_equal(got[pos], ref_e8m0(ALL_BF16[pos], mode), mode)
     # decided satfinite rule: 0/negative -> 0x00, +inf/overflow -> 0xFE, NaN -> 0xFF
     x = np.array([0.0, -0.0, -2.0, np.inf, 3e38, np.nan, 3.0, 1.5, 2.0 ** -130], np.float32)
     np.testing.assert_array_equal(_np(F.e8m0_encode(x)), [0, 0, 0, 254, 254, 255, 129, 128, 0])
