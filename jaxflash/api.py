@@ -22,8 +22,10 @@ def _shape(x):
 
 def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, softcap, alibi_slopes, q_segment_ids,
-             kv_segment_ids, implementation, deterministic):
-    """Validate a call; return (q, k, v, arrays, statics, batch_shape) in canonical form."""
+             kv_segment_ids, implementation, deterministic, allow_empty=False):
+    """Validate a call; return (q, k, v, arrays, statics, batch_shape) in canonical form.
+    ``allow_empty``: accept zero-sized batch dims, T = 0 and S = 0 (`flash_attention` and
+    `explain` handle them before any backend; other callers get the ValueError)."""
     if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {dispatch.IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
@@ -51,6 +53,9 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     if min(N, H, K, Hv) <= 0:
         raise ValueError(f"head counts and head dims (N, K, H, Hv) must be positive; got "
                          f"{shapes}")
+    if not allow_empty and min(batch_shape + (T, S)) <= 0:
+        raise ValueError(f"batch dims, T and S must be positive for this entry point "
+                         f"(flash_attention accepts empty calls); got {shapes}")
     if Sv != S:
         raise ValueError(f"key and value sequence lengths differ ({S} vs {Sv}); got {shapes}")
     if Kv != K:
@@ -209,7 +214,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        implementation=implementation, deterministic=deterministic)
+        implementation=implementation, deterministic=deterministic, allow_empty=True)
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
     if _is_empty(problem):
         # No backend runs (no kernel is ever launched on an empty grid); a named backend must
@@ -283,7 +288,7 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **k
     def f(q, k, v, b, m, ql, kl, al, qs, ks):
         r = _prepare(q, k, v, b, m, query_seq_lengths=ql, key_value_seq_lengths=kl,
                      alibi_slopes=al, q_segment_ids=qs, kv_segment_ids=ks,
-                     implementation=implementation,
+                     implementation=implementation, allow_empty=True,
                      **{n: kwargs[n] for n in ("scale", "is_causal", "local_window_size",
                                                "softcap", "deterministic")})
         out["statics"] = r[4]

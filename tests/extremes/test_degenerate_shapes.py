@@ -9,6 +9,7 @@ Decided behaviour (documented in `jaxflash.flash_attention`, "Empty and degenera
 - in both cases no backend runs (no kernel is launched on an empty grid), but a backend named
   by ``implementation=`` must serve the configuration as it must for a non-empty call;
 - N, K, H or Hv = 0: ValueError (no head grouping, no default scale);
+- `ring_attention` keeps refusing empty calls with a ValueError (its blocks reach the backends);
 - T = 1, S = 1, T != S with either 1, N = K = 1: served and correct (float64 NumPy model);
 - head dims a backend does not serve: `explain` shows the reason and the next backend runs;
 - transposed, sliced and broadcast inputs: correct (XLA materializes what a kernel needs).
@@ -169,6 +170,13 @@ def test_empty_call_for_cuda_launches_no_kernel(shape_q, shape_k):
                 assert impl == "cute" and "'cute' refused" in str(e)
                 continue
             assert "custom_call" not in low.as_text()
+
+
+def test_ring_attention_refuses_empty_calls_clearly():
+    """ring_attention (whose per-block backends see every shape) keeps the ValueError."""
+    q = jnp.zeros((2, 0, 2, 8))
+    with pytest.raises(ValueError, match="must be positive for this entry point"):
+        jaxflash.ring_attention(q, q, q, mesh=None, seq_axis="x")
 
 
 @pytest.mark.parametrize("dims", [(0, 0, 8, 8), (2, 2, 0, 8), (2, 2, 8, 0)],
