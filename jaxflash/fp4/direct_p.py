@@ -3,7 +3,7 @@
 What is emulated (paper section 4; constants from ``jaxflash.fp4.constants``):
 
 * Q, K in NVFP4 (blocks of 16 along the head dim, E4M3 block scales, one float32 global factor
-  G = 448*6/amax per (batch, head)); S = Q_hat K_hat^T in float32 (the tensor core multiplies the
+  G = 448*6/amax per (batch, head), or per tensor with ``qk_global="tensor"``); S = Q_hat K_hat^T in float32 (the tensor core multiplies the
   FP4 payloads and scales exactly and accumulates in FP32).
 * V in MXFP4 along the key axis (blocks of 32 keys = the PV MMA's K dimension, E8M0 scales,
   rule ``constants.V_SCALE_RULE``).
@@ -168,9 +168,9 @@ def _spread_indices(S: int, n: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "policy", "A", "B", "guard", "p_scale_rule",
-                                             "v_scale_rule", "return_lse", "key_tile"))
+                                             "v_scale_rule", "return_lse", "key_tile", "qk_global"))
 def _direct_p_impl(q, k, v, *, scale, policy, A, B, guard, p_scale_rule, v_scale_rule,
-                   return_lse, key_tile):
+                   return_lse, key_tile, qk_global):
     pol = dict(policy)
     Bt, T, N, H = q.shape
     _, S, K, Hv = v.shape
@@ -178,8 +178,9 @@ def _direct_p_impl(q, k, v, *, scale, policy, A, B, guard, p_scale_rule, v_scale
     # --- operands as the kernel sees them -------------------------------------------------
     qt = jnp.transpose(q, (0, 2, 1, 3)).astype(jnp.float32)          # [B, N, T, H]
     kt = jnp.transpose(k, (0, 2, 1, 3)).astype(jnp.float32)          # [B, K, S, H]
-    q_hat = F.nvfp4_dequantize(F.nvfp4_quantize(qt, global_axes=(2, 3)))
-    k_hat = F.nvfp4_dequantize(F.nvfp4_quantize(kt, global_axes=(2, 3)))
+    gax = (2, 3) if qk_global == "head" else (0, 1, 2, 3)
+    q_hat = F.nvfp4_dequantize(F.nvfp4_quantize(qt, global_axes=gax))
+    k_hat = F.nvfp4_dequantize(F.nvfp4_quantize(kt, global_axes=gax))
     n_tiles = -(-S // key_tile)
     Sp = n_tiles * key_tile
     vt = jnp.transpose(v, (0, 2, 3, 1)).astype(jnp.float32)          # [B, K, Hv, S] K-major V
@@ -265,7 +266,7 @@ def direct_p_attention(q, k, v, *, scale: Optional[float] = None,
                        policy: Union[str, dict] = "fast", A: Optional[float] = None,
                        B: Optional[float] = None, guard=None, p_scale_rule: Optional[str] = None,
                        v_scale_rule: Optional[str] = None, return_lse: bool = False,
-                       key_tile: int = C.KEY_TILE):
+                       key_tile: int = C.KEY_TILE, qk_global: str = "head"):
     """Emulated Direct-P FP4 non-causal attention forward.
 
     q: [B, T, N, H]; k: [B, S, K, H]; v: [B, S, K, Hv]; N a multiple of K (GQA/MQA).  H must be a
@@ -273,8 +274,12 @@ def direct_p_attention(q, k, v, *, scale: Optional[float] = None,
     ``constants.POLICIES[...]``; ``A``/``B`` override the affine map.  ``guard``: None, True
     (M, L = constants.GUARD_DEFAULT_M_L) or (M, L) with M + L <= 126.  Returns the output in q's
     dtype [B, T, N, Hv], and with ``return_lse`` also the float32 log-sum-exp [B, N, T] of the
-    represented probabilities (natural log, in units of z = scale * q.k).
+    represented probabilities (natural log, in units of z = scale * q.k).  ``qk_global``: the
+    NVFP4 global factor G = 448*6/amax of Q and of K is taken per (batch, head) ("head", default,
+    as the training recipe's per-head Q-K factors) or over the whole tensor ("tensor").
     """
+    if qk_global not in ("head", "tensor"):
+        raise ValueError(f"qk_global must be 'head' or 'tensor', got {qk_global!r}")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [batch, seq, heads, head_dim]")
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
@@ -290,4 +295,5 @@ def direct_p_attention(q, k, v, *, scale: Optional[float] = None,
     return _direct_p_impl(
         q, k, v, scale=scale, policy=tuple(sorted(pol.items())), A=pol["A"], B=pol["B"],
         guard=_resolve_guard(guard), p_scale_rule=p_scale_rule or C.P_SCALE_RULE,
-        v_scale_rule=v_scale_rule or C.V_SCALE_RULE, return_lse=return_lse, key_tile=key_tile)
+        v_scale_rule=v_scale_rule or C.V_SCALE_RULE, return_lse=return_lse, key_tile=key_tile,
+        qk_global=qk_global)

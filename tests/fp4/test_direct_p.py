@@ -163,13 +163,13 @@ def test_gqa_equals_repeated_heads():
 def test_small_shape_accuracy_vs_bf16_attention():
     """D = 128, unit-normal bf16 inputs as in the paper's grid (smaller): fast ~0.945 cosine,
     accurate better on both metrics; the LSE follows the represented probabilities."""
-    q, k, v = (_rand((1, 512, 4, 128), s, jnp.bfloat16) for s in (11, 12, 13))
+    q, k, v = (_rand((1, 256, 4, 128), s, jnp.bfloat16) for s in (11, 12, 13))
     ref, ref_lse = ref_attention(q, k, v)
     ref = ref.astype(jnp.bfloat16)
     res = {}
     for pol in ("fast", "accurate"):
         out, lse = DP.direct_p_attention(q, k, v, policy=pol, return_lse=True)
-        assert out.dtype == jnp.bfloat16 and lse.shape == (1, 4, 512)
+        assert out.dtype == jnp.bfloat16 and lse.shape == (1, 4, 256)
         res[pol] = cos_rel(out, ref)
         err = np.abs(np.asarray(lse) - np.asarray(ref_lse))
         assert err.mean() < 0.1 and err.max() < 0.4, (pol, err.mean(), err.max())
