@@ -23,23 +23,25 @@ import jax
 
 from jaxflash._types import Problem
 from jaxflash.backends.base import Backend
+from jaxflash.backends.cudnn import CudnnBackend
 from jaxflash.backends.cute import CuteBackend
 from jaxflash.backends.pallas import PallasBackend
 from jaxflash.backends.xla import XlaBackend
 
 logger = logging.getLogger("jaxflash")
 
-IMPLEMENTATIONS = ("cute", "pallas", "xla")
+IMPLEMENTATIONS = ("cute", "cudnn", "pallas", "xla")
 
 _BACKENDS: dict[str, Backend] = {
     "cute": CuteBackend(),
+    "cudnn": CudnnBackend(),
     "pallas": PallasBackend(),
     "xla": XlaBackend(),
 }
 
 _PREFERENCE = {
-    "cuda": ("cute", "pallas", "xla"),
-    "gpu": ("cute", "pallas", "xla"),
+    "cuda": ("cute", "cudnn", "pallas", "xla"),
+    "gpu": ("cute", "cudnn", "pallas", "xla"),
     "rocm": ("pallas", "xla"),
     "tpu": ("pallas", "xla"),
 }
