@@ -207,7 +207,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
 
     ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
     gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
-    "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
+    "cudnn", "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
     """
     q, k, v, arrays, statics, batch_shape = _prepare(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,

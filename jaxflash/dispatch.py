@@ -2,14 +2,16 @@
 
 Order of preference per platform (first that can serve wins when ``implementation=None``):
 
-- cuda: cute (our CuTe DSL kernels), pallas, xla
+- cuda: cute (our CuTe DSL kernels), cudnn (jax.nn's cuDNN attention, wrapped to our
+  semantics: GPUs and calls our kernels do not serve), pallas, xla
 - rocm / tpu: pallas, xla
 - cpu (and anything else): xla. Pallas runs on CPU only in interpret mode, which is far slower
   than XLA, so it is used there only when asked for by name (that is how CI tests it).
 
 An explicitly named backend that cannot serve raises NotImplementedError with its reason. With
-``None``, refused backends are skipped; `explain` reports the choice and every refusal, and the
-``jaxflash`` logger records each fallback at INFO level.
+``None``, refused backends are skipped. The decision is one frozen `Plan` per call, carried to
+the forward and the backward; `explain` prints it, and the ``jaxflash`` logger records each
+fallback at INFO level.
 """
 from __future__ import annotations
 
