@@ -1,7 +1,9 @@
 """Compile, on a machine without a GPU, the CuTe kernel variants that GPU tests will need.
 
-    CUTE_DSL_ARCH=sm_90a python -m tests.collect_variants --out .device/kernels \\
-        tests/test_backends.py -k cute tests/test_kernels_hopper_gpu.py
+    CUTE_DSL_ARCH=sm_90a python -m tests.collect_variants --out .device/kernels -m gpu tests
+
+(the float64 check cases of tests/kernels/test_kernels_gpu_cases.py are also built, faster, by
+``python -m devtools.devrun build`` and ``python -m devtools.bwd_devrun build``).
 
 The GPU machine has no CuTe DSL, so every variant a test reaches must be built here first. Which
 ones a test reaches depends on the dispatch (`config_for`, schedules, backward choice), so rather

@@ -1,7 +1,7 @@
 """The CuTe DSL -> XLA bridge without a GPU: compiling the self-test kernel for sm_90a and sm_100a,
 the memory/disk caches (hit, miss, corruption, concurrent compile), runtime-only mode, the
 missing-variant error, lowering for CUDA (custom call in the HLO, no recompile for new shapes or
-scalars, vmap folding) and the jax.export round trip. GPU execution: tests/test_ffi_gpu.py."""
+scalars, vmap folding) and the jax.export round trip. GPU execution: tests/ffi/test_ffi_gpu.py."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("cutlass", reason="needs the CuTe DSL compiler")
-pytestmark = pytest.mark.cute
+pytestmark = pytest.mark.compile
 
 from jaxflash import ffi  # noqa: E402
 from jaxflash.ffi import cache, compiler  # noqa: E402

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 pytest.importorskip("cutlass", reason="needs the CuTe DSL compiler")
-pytestmark = pytest.mark.cute
+pytestmark = pytest.mark.compile
 
 from jaxflash import aot  # noqa: E402
 from jaxflash.ffi import cache  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from examples.lm import data as data_lib
 from examples.lm import train
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--size", "tiny", "--seq-len", "32", "--batch", "8", "--steps", "5", "--warmup", "2",
         "--sample", "0", "--log-every", "1"]
 

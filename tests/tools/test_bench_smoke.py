@@ -10,7 +10,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks import bench, grid, impls, report  # noqa: E402
 

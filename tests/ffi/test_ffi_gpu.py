@@ -20,6 +20,7 @@ from jaxflash.kernels.variants.selftest import scale_add
 
 pytestmark = pytest.mark.gpu
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPORT_DIR = os.environ.get("JAXFLASH_FFI_EXPORT_DIR")  # exports made without a GPU (see README)
 
 
@@ -183,7 +184,7 @@ def test_runs_inside_xla_command_buffers(flags):
     env["TF_CPP_VMODULE"] = ("command_buffer_conversion_pass=2,command_buffer_thunk=1,"
                              "command_buffer_scheduling=2")
     r = subprocess.run([sys.executable, "-c", _CMDBUF_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+                       text=True, timeout=300, cwd=ROOT)
     print(r.stdout[-4000:])
     cb = [l for l in r.stderr.splitlines() if "command" in l.lower() and "buffer" in l.lower()]
     print("XLA command-buffer log lines:", len(cb), *cb[:40], sep="\n")

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("cutlass", reason="needs the CuTe DSL compiler")
 pytest.importorskip("jaxflash.kernels.sm90.fwd", reason="Hopper forward kernel not present")
-pytestmark = pytest.mark.cute
+pytestmark = pytest.mark.compile
 
 import jaxflash  # noqa: E402
 from jaxflash import ffi  # noqa: E402

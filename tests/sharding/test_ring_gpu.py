@@ -1,6 +1,6 @@
 """The sharding and ring checks on two GPUs (the `nvidia-h200-x2` device machine).
 
-Same helpers and tolerances as tests/test_sharding.py and tests/test_ring.py, on 2-device
+Same helpers and tolerances as tests/sharding/test_sharding.py and test_ring.py, on 2-device
 meshes of real GPUs, with the reference backend and with the Pallas kernels (Triton).
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests.common import FWD_TOL, GRAD_TOL, Case, assert_close
-from tests.test_ring import _check, _mesh
-from tests.test_sharding import GATHERS, _collectives, _loss_fn
+from tests.sharding.test_ring import _check, _mesh
+from tests.sharding.test_sharding import GATHERS, _collectives, _loss_fn
 
 pytestmark = pytest.mark.gpu
 
