@@ -42,61 +42,31 @@ from devtools.devrun import (_alibi_and_segments, _gpu_name, _rel, _time, case_m
                                      start_watchdog)
 from jaxflash.kernels.variants.fwd_launch import fwd_launch
 
-# Bench points where the dq_accum="red" variant is timed too (same inputs, same process).
-# At D 256 this compares the two shapes of the wide kernel: "tma" (1 Q / dO stage, the default)
-# against "red" (2 stages).
-RED_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True),
+# Bench points where the deterministic mode is timed too (same inputs, same process).
+DET_POINTS = {(64, 4096, False), (128, 4096, False), (128, 4096, True), (128, 16384, True),
               (256, 4096, False), (256, 4096, True), (256, 16384, False), (256, 16384, True)}
-# Scheduling variants timed beside the default (direct calls, same inputs): name -> BwdConfig
-# kwargs, per head dim; at VARIANT_POINTS (~34 timed calls, ~50 s of device time, before the
-# hd 256 columns: 18 more calls at its 6 points).
-# hd 64's default is tile_m 128 since 2026-12-01 (`choose.tile_m_for`): "m64" times the
-# 64-query step beside it, "m128_det" the deterministic mode at tile_m 128 (the "deterministic"
-# column at RED_POINTS is the tile_m 64 kernel). early_dv / overlap_dq lost at tile_m 64
-# (0.95-1.00x, `cute-bwd-bench-m128-h200-2026-12-01.json`); early_dv is refused at tile_m 128,
-# "m128_ovl" times overlap_dq there (ptxas-clean since 2026-12-01; unverified until checked).
-# "m128" is hd 64's default (the direct default path builds tile_m 64); "*_dqa": dq_arrive
-# beside the schedule it modifies ("edv" is hd 128's default); unverified until checked.
+# Variants timed beside the default (direct calls, same inputs): name -> BwdConfig kwargs, per
+# head dim, at VARIANT_POINTS. hd 64's default is tile_m 128 (`choose.tile_m_for`): "m64"
+# times the 64-query step beside it, "m128_det" the deterministic mode at tile_m 128; "m128" is
+# hd 64's default (the direct default path builds tile_m 64). "edv" is hd 128's default. What
+# lost and was removed (overlap_dq, dq_arrive, dq_writer, tile_m 80, dq_wg_flush, do_first,
+# the per-element dQ atomics, ...) is in docs/design.md.
 BENCH_VARIANTS = {
     64: {"m64": dict(tile_m=64), "m128": dict(tile_m=128),
          "m128_dqf": dict(tile_m=128, dq_flat=True),
          "m128_dqf_tl": dict(tile_m=128, dq_flat=True, tail_lpt=True),
-         "m128_det": dict(tile_m=128, deterministic=True),
-         "m128_ovl": dict(tile_m=128, overlap_dq=True),
-         "m128_dqa": dict(tile_m=128, dq_arrive=True),
-         "m128_ovl_dqa": dict(tile_m=128, overlap_dq=True, dq_arrive=True)},
-    # "m80": 80 queries per step (dense only: `variant_config` skips the causal points;
-    # compare its *_bwd_speedup with "edv", hd 128's default).
-    # "edv_ovl": overlap_dq on top of early_dv (FA3 / FA4's dQ-before-dK order); "*_dqw" with
-    # dq_writer (the reduce-adds from warp 1, per-warpgroup barriers). (m80 lost to edv in two
-    # runs on 2026-12-01, edv_dqa / edv_ovl_dqa were within noise of edv in the first run of
-    # the evening (`cute-bwd-bench-ovl128-2026-12-01.json`): no longer timed.)
-    # "*_dqf": dq_flat (one bulk reduce of the fragment-ordered dQ tile per step). edv_ovl
-    # and edv_dqw alone were within noise of edv in three runs (2026-12-01): not timed.
+         "m128_det": dict(tile_m=128, deterministic=True)},
+    # "*_dqf": dq_flat (one bulk reduce of the fragment-ordered dQ tile per step)
     128: {"edv": dict(early_dv=True), "edv_dqf": dict(early_dv=True, dq_flat=True),
-          "edv_ovl_dqf": dict(early_dv=True, overlap_dq=True, dq_flat=True),
-          "edv_ovl_dqw": dict(early_dv=True, overlap_dq=True, dq_writer=True),
-          "edv_ovl_dqw_dqf": dict(early_dv=True, overlap_dq=True, dq_writer=True,
-                                  dq_flat=True),
           # tail_lpt (causal points only): the last heads launched key-block-major
           "edv_dqf_tl": dict(early_dv=True, dq_flat=True, tail_lpt=True),
           # q_multicast: key-block pairs sharing their Q / dO loads (TMA multicast)
           "edv_dqf_qmc": dict(early_dv=True, dq_flat=True, q_multicast=True),
           "edv_dqf_tl_qmc": dict(early_dv=True, dq_flat=True, tail_lpt=True, q_multicast=True)},
-    # (dq_wg_flush, "dqf_wg" / "dqf_tl_wg": 0.94-1.00x dqf / dqf_tl, 2026-12-02; no longer
-    # timed: `h200-2026-12-02-cute-bwd-bench-dqwg.json`)
     256: {"dqf": dict(dq_flat=True), "dqf_tl": dict(dq_flat=True, tail_lpt=True),
           # q_multicast (every point; with tail_lpt, the causal pick's order, in pairs)
           "dqf_qmc": dict(dq_flat=True, q_multicast=True),
           "dqf_tl_qmc": dict(dq_flat=True, tail_lpt=True, q_multicast=True)},
-    # (do_first, "dqf_dof" / "dqf_tl_dof" / "dqf_qmc_dof" / "dqf_tl_qmc_dof": within 1% of
-    # the picks, 2026-12-02; no longer timed: `h200-2026-12-02-cute-bwd-bench-qmc.json`)
-    # (dq_split, "dqf_qmc_dqs": 0.94-0.99x q_multicast alone; dq_mid, "dqf_dqm": 0.75-0.85x
-    # dq_flat alone; 2026-12-02, both removed: `h200-2026-12-02-cute-bwd-bench-{dqs,dqm}.json`.
-    # The vector-red dQ "dq4*" (0.88-0.94x dqf), tile_m 128 "w128*" (0.92-0.99x) and rotate_m
-    # "*_rot" (within noise), sixth session, all removed: `...-cute-bwd-bench-dq4.json`.)
-    # (hd 256: dq_chunks, the TMA dQ flush in 4 / 8 rounds to fit a second Q / dO stage,
-    # lost on the H200: 0.75-0.86x at every D 256 point, 2026-12-01; removed, NOTES.md.)
 }
 VARIANT_POINTS = {(64, 1024, False), (64, 1024, True), (64, 4096, False), (64, 4096, True),
                   (64, 16384, False), (64, 16384, True),
@@ -111,14 +81,13 @@ TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # ~3x what bf16 / fp16 rounding of P 
 
 
 # Backward-only config fields (FwdConfig has its own tile_m: the forward stays at its default).
-_BWD_ONLY = ("dq_accum", "num_stages", "deterministic", "overlap_dq", "early_dv", "tile_m",
-             "dq_arrive", "dq_writer", "dq_flat", "tail_lpt", "dq_wg_flush", "q_multicast",
-             "do_first")
+_BWD_ONLY = ("num_stages", "deterministic", "early_dv", "tile_m", "dq_flat", "tail_lpt",
+             "q_multicast")
 
 
 def variant_config(D, causal, vkw):
-    """The BwdConfig of a bench variant at a point, None where the variant refuses it (tile_m
-    80 is dense only)."""
+    """The BwdConfig of a bench variant at a point, None where the variant refuses it
+    (tail_lpt is causal only)."""
     try:
         return BwdConfig(head_dim=D, is_causal=causal, **vkw)
     except ValueError:
@@ -144,17 +113,12 @@ def all_launches(cases=None):
         for d in BENCH_DIMS:
             for c in (False, True):
                 launches.append(fwd_launch(FwdConfig(head_dim=d, is_causal=c)))
-                for acc in ("tma", "red"):
-                    try:
-                        launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c,
-                                                             dq_accum=acc)))
-                    except ValueError:
-                        pass  # a variant the config refuses (none at the bench dims now)
+                launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c)))
         from devtools.devrun import GRID_S, grid_choices
         launches += [fwd_launch(f) for f in grid_choices()]  # the forward the grad runs first
         launches += [bwd_launch(backward_config(grid_problem(d, s, c)))
                      for d in BENCH_DIMS for s in GRID_S for c in (False, True)]
-        for d, _, c in RED_POINTS:
+        for d, _, c in DET_POINTS:
             launches.append(bwd_launch(BwdConfig(head_dim=d, is_causal=c, deterministic=True)))
         for d, _, c in VARIANT_POINTS:
             for vkw in BENCH_VARIANTS.get(d, {}).values():
@@ -185,7 +149,7 @@ def np_grads(q, k, v, do, scale, causal=False, window=None, softcap=None, q_seql
     gradient; GQA: dk/dv summed over the query heads of a group); with ALiBi a fourth entry,
     d(slopes) [N] = -sum over b, i, j of dlogit_ij |i - j|. The contractions go through BLAS
     (`optimize=True`): numpy's own einsum loop runs ~1.6 GFLOP/s, so the 8 x 16 x 1000^2 case
-    outlasted the 60 s watchdog and read as a hang (2026-12-01)."""
+    outlasted the 60 s watchdog and read as a hang."""
     from devtools.devrun import np_probs
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     B, T, N, _ = q.shape
@@ -317,12 +281,11 @@ def check(out_path: str, cases=None) -> bool:
     return ok_all
 
 
-def _direct_fwd_bwd(D, causal, scale, dq_accum, deterministic=False, **variant):
+def _direct_fwd_bwd(D, causal, scale, **variant):
     """Forward + CuTe backward of one variant (bypasses the backend's choice)."""
     import jax
     fcfg = FwdConfig(head_dim=D, is_causal=causal)
-    bcfg = BwdConfig(head_dim=D, is_causal=causal, dq_accum=dq_accum,
-                     deterministic=deterministic, **variant)
+    bcfg = BwdConfig(head_dim=D, is_causal=causal, **variant)
     return jax.jit(lambda q, k, v, do: ours_grads(q, k, v, do, fcfg, bcfg, scale))
 
 
@@ -367,32 +330,27 @@ def bench(out_path: str, only=None) -> None:
                     row.update(ours_ms=t_o * 1e3, cudnn_ms=t_c * 1e3,
                                ours_tflops=flops / t_o / 1e12, cudnn_tflops=flops / t_c / 1e12,
                                ratio=t_c / t_o)
-                    if (D, S, causal) in RED_POINTS:
-                        t_r = _time(_direct_fwd_bwd(D, causal, scale, "red"), (q, k, v, do),
-                                    iters)
-                        t_t = _time(_direct_fwd_bwd(D, causal, scale, "tma"), (q, k, v, do),
-                                    iters)
+                    if (D, S, causal) in DET_POINTS:
+                        t_t = _time(_direct_fwd_bwd(D, causal, scale), (q, k, v, do), iters)
                         # deterministic=True: what the ordered dQ adds cost
-                        t_d = _time(_direct_fwd_bwd(D, causal, scale, "tma", True),
+                        t_d = _time(_direct_fwd_bwd(D, causal, scale, deterministic=True),
                                     (q, k, v, do), iters)
-                        row.update(dq_red_tflops=flops / t_r / 1e12,
-                                   dq_tma_tflops=flops / t_t / 1e12,
+                        row.update(dq_tma_tflops=flops / t_t / 1e12,
                                    deterministic_tflops=flops / t_d / 1e12)
                     if (D, S, causal) in VARIANT_POINTS and D in BENCH_VARIANTS:
                         # Default schedule by the same direct path, then each variant; the
                         # ratio > 1 means the variant is faster. A failing variant is recorded
                         # without losing the row.
-                        if (D, S, causal) not in RED_POINTS:  # else timed just above
-                            t_t = _time(_direct_fwd_bwd(D, causal, scale, "tma"),
-                                        (q, k, v, do), iters)
+                        if (D, S, causal) not in DET_POINTS:  # else timed just above
+                            t_t = _time(_direct_fwd_bwd(D, causal, scale), (q, k, v, do),
+                                        iters)
                         row["default_direct_ms"] = t_t * 1e3
                         for vn, vkw in BENCH_VARIANTS[D].items():
                             if variant_config(D, causal, vkw) is None:
-                                continue  # refused at this point (m80: causal)
+                                continue  # refused at this point (tail_lpt: dense)
                             try:
-                                # (a variant may name its own dq_accum)
-                                t_v = _time(_direct_fwd_bwd(D, causal, scale, **{
-                                    "dq_accum": "tma", **vkw}), (q, k, v, do), iters)
+                                t_v = _time(_direct_fwd_bwd(D, causal, scale, **vkw),
+                                            (q, k, v, do), iters)
                                 row[f"{vn}_ms"] = t_v * 1e3
                                 row[f"{vn}_speedup"] = t_t / t_v
                                 row[f"{vn}_bwd_speedup"] = (t_t - t_f) / max(t_v - t_f, 1e-9)

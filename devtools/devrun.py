@@ -35,58 +35,31 @@ BENCH_DIMS = (64, 128, 256)
 BENCH_S = (1024, 4096, 16384)
 
 
-# Scheduling variants timed beside the default at a few causal points (same run, same inputs).
-# (Run of 2026-11-30: "lpt8" = l2_section_mb=8 and tile_order="plain" were within +-3% of the
-# default at every causal point measured; see NOTES.md.)
-# Variants that are invalid for a head dim (e.g. tile_m 192 above hdim 64) are skipped.
-# (Run of 2026-11-30, 22:15: "m192" = 192x128 with intra-warpgroup overlap ran at 0.37x cuDNN
-# (ptxas: C7512 and spills). 2026-12-01: it is ptxas-clean now (0 spills at 160 registers,
-# dense and causal), timed as "m192_ov"; it replaces "m192_n96" (tile_n 96 with overlap,
-# 0.87-1.0x), whose only reason was to fit the registers the 128-wide tile now fits.)
-# 2026-12-01: wider key tiles with a fresh S fragment per block (`fresh_s`), each timed only at
-# its own head dim (a "head_dim" / "is_causal" entry restricts a column): "n160" hd 128 x 160,
-# "n192" hd 64 x 192, "n80c" hd 256 causal at the dense tile 80 (default 64).
-# "persistent" before 2026-12-01 ran with every wgmma serialized at hdim 128 dense and hdim 256
-# (ptxas C7512; NOTES.md "Persistent forward"): its earlier numbers there are not comparable.
-# "stages3" (3 K/V stages) and "m192_no_overlap" lost in two 2026-12-01 runs: no longer timed.
-# From the evening of 2026-12-01 only the picks' neighbours are timed (persistent, m192_ov,
-# m192_p2, n160, n192, n80c and m192_ov_end were decided by the runs above).
+# Scheduling variants timed beside the picks (same run, same inputs): the picks' neighbours.
+# Variants that are invalid for a head dim (e.g. tile_m 192 above hdim 64) are skipped; a
+# "head_dim" / "is_causal" entry restricts a column. What lost and was removed (the no-overlap
+# schedule, wider key tiles, end-aligned tiles, three K / V stages, another L2 section size)
+# is in docs/design.md.
 VARIANTS = {"persist2": dict(persistent=True, tile_pipe=True),
             "m192_ps": dict(head_dim=64, tile_m=192, persistent=True),
-            # End-aligned tiles (hd 64 causal only): the partial tile first, where it is
-            # cheapest (1k causal: 28 key-block iterations instead of 32).
-            "m192_ps_end": dict(head_dim=64, tile_m=192, persistent=True, m_align="end",
-                                is_causal=True),
             # per-warpgroup epilogue on the persistent picks (hd 128 and hd 64 at S <= 1k)
             "p2_we": dict(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True),
             "m192_ps_we": dict(head_dim=64, tile_m=192, persistent=True, wg_epilogue=True),
-            "m192_ps_end_we": dict(head_dim=64, tile_m=192, persistent=True, m_align="end",
-                                   is_causal=True, wg_epilogue=True),
             # lazy_rescale on top of each head dim's pick (FA4's conditional O rescale)
             "lazy": dict(lazy_rescale=True),
             "p2_we_lazy": dict(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True,
                                lazy_rescale=True),
-            "m192_lazy": dict(head_dim=64, tile_m=192, lazy_rescale=True),
-            "m192_ps_end_we_lazy": dict(head_dim=64, tile_m=192, persistent=True,
-                                        m_align="end", is_causal=True, wg_epilogue=True,
-                                        lazy_rescale=True)}
+            "m192_lazy": dict(head_dim=64, tile_m=192, lazy_rescale=True)}
 # 64-row tiles, two CTAs per SM (`FwdConfig.ctas_per_sm`): one K / V stage of 128 keys ("s1"),
 # two of 64 keys ("n64"; half the SM's shared memory each), hd 64's two stages of 128 ("d64");
-# each dense and, "_pairs", causal with paired tiles; "n64s3": three 64-key stages (hd 128's
-# fills the half SM exactly).
+# each dense and, "_pairs", causal with paired tiles.
 for _name, _shape in (("m64c2_s1", dict(num_stages=1)), ("m64c2_n64", dict(tile_n=64)),
-                      ("m64c2_d64", dict(head_dim=64)),
-                      ("m64c2_n64s3", dict(tile_n=64, num_stages=3))):
+                      ("m64c2_d64", dict(head_dim=64))):
     _c2 = dict(tile_m=64, ctas_per_sm=2, persistent=True, tile_pipe=True, **_shape)
     VARIANTS[_name] = dict(_c2, is_causal=False)
     VARIANTS[_name + "_pairs"] = dict(_c2, is_causal=True, tile_order="pairs")
-# three K / V stages on the dense persistent picks (hd 128: O shares Q's buffer then)
-VARIANTS["p3"] = dict(head_dim=128, persistent=True, tile_pipe=True, num_stages=3,
-                      is_causal=False)
-VARIANTS["m192_ps_s3"] = dict(head_dim=64, tile_m=192, persistent=True, num_stages=3,
-                              is_causal=False)
-# 256-row tiles, hd 64 (four 64-row consumer warpgroups at 112 registers, 64-key stages;
-# 2026-12-02, gated): no partial tile at 1k, where 192 rows leave one of six tiles a third full
+# 256-row tiles, hd 64 (four 64-row consumer warpgroups at 112 registers, 64-key stages): no
+# partial tile at 1k, where 192 rows leave one of six tiles a third full
 _M256 = dict(head_dim=64, tile_m=256, tile_n=64, persistent=True, tile_pipe=True)
 VARIANTS["m256"] = dict(_M256, is_causal=False)
 VARIANTS["m256_msk"] = dict(_M256, is_causal=False, mask_skip=True)
@@ -293,9 +266,9 @@ _CASE_FEATURES = {"q_seqlen": "has_q_seqlen", "kv_seqlen": "has_kv_seqlen", "ali
 def case_mismatch(name, config, ex) -> str:
     """"" when the inputs of check case `name` and the features compiled into `config` agree;
     else what differs. A variant compiled without a feature ignores its input (the kernel has
-    no argument for it), so a mismatched case would test a call dispatch can never make: the
-    2026-12-01 run failed a case whose config lacked ``has_kv_seqlen`` while its inputs had
-    lengths, a bug of the case, not of the kernel."""
+    no argument for it), so a mismatched case would test a call dispatch can never make (one
+    device run failed a case whose config lacked ``has_kv_seqlen`` while its inputs had
+    lengths, a bug of the case, not of the kernel)."""
     wrong = []
     for key, flag in _CASE_FEATURES.items():
         if key in ex and not getattr(config, flag):
@@ -457,8 +430,8 @@ def check(out_path: str, cases=None) -> bool:
                 row["ok"] = row["ok"] and row["bitwise_equal"]
             # cuDNN's error against the same float64 oracle on the same inputs (the issue's x1.2
             # criterion), wherever jax.nn's cuDNN path takes the case: it has no softcap, ALiBi
-            # or segment ids, and without them it would compute another function (the
-            # 2026-12-01 JSON still holds such meaningless ratios for its ALiBi/segment rows).
+            # or segment ids, and without them it would compute another function (an early
+            # result file still holds such meaningless ratios for its ALiBi/segment rows).
             if not (ex.get("softcap") or ex.get("alibi") or "q_segs" in ex
                     or ex.get("random_segs")):
                 row.update(_cudnn_error(q, k, v, scale, cfg.is_causal, ex, ref_o, o))

@@ -51,7 +51,7 @@ def columns(features: dict, extras: dict) -> dict:
     """The variants timed for one call: what dispatch runs ("dispatched"), the call's features
     with the default schedule ("default": what these calls ran before 2026-12-02), and the
     dispatched one with `mask_select` flipped ("flipped"; None where the tile refuses the
-    flag: 192-row tiles with overlap have it built in)."""
+    flag: 192-row tiles have it built in)."""
     base = _dispatched(features, extras)
     cols = {"dispatched": base, "default": FwdConfig(**features)}
     try:

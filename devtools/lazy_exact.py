@@ -13,8 +13,8 @@ from jaxflash.kernels.variants.fwd import FwdConfig
 
 CASES = [  # (config kwargs without lazy_rescale, (B, T, S, N, K), extras)
     (dict(head_dim=64, tile_m=192, persistent=True), (4, 1000, 1100, 12, 4), {}),
-    (dict(head_dim=64, tile_m=192, persistent=True, is_causal=True, m_align="end",
-          wg_epilogue=True), (4, 1000, 1000, 8, 8), {"k_ramp": 5.0}),
+    (dict(head_dim=64, tile_m=192, persistent=True, is_causal=True, wg_epilogue=True),
+     (4, 1000, 1000, 8, 8), {"k_ramp": 5.0}),
     (dict(head_dim=128, is_causal=True), (2, 2048, 2048, 8, 2), {"k_ramp": 4.0}),
     (dict(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True), (2, 1000, 1111, 12, 4),
      {}),

@@ -11,7 +11,7 @@ hardware's in-order start of CTAs on the first free SM.
 """
 from __future__ import annotations
 
-from jaxflash.kernels.variants.fwd import FwdConfig
+from jaxflash.kernels.variants.fwd import L2_SECTION_MB, FwdConfig
 from jaxflash.kernels.common.scheduler import NUM_SMS
 
 
@@ -62,7 +62,7 @@ def cta_tiles(cfg: FwdConfig, T: int, S: int, heads: int, batch: int, kv_heads=N
         tiles, r = [], 0
         while (t := tile_of_round(r, cta, grid, cfg.lpt, pairs)) < slots:
             m, h, b = decode(t, nm, heads, batch, kv_bytes, cfg.lpt, pairs,
-                             cfg.l2_section_mb * 1024 * 1024)
+                             L2_SECTION_MB * 1024 * 1024)
             if m >= 0:
                 tiles.append((m, h, b))
             r += 1

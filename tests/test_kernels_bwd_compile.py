@@ -35,38 +35,32 @@ MATRIX = [
               has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=128, has_softcap=True, has_kv_seqlen=True,
               num_stages=1),
-    # dQ by per-element atomics instead of TMA reduce-add
-    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, dq_accum="red"),
-    BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red"),
     # dQ adds ordered by key block (semaphores)
     BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True,
               deterministic=True),
-    # Opt-in scheduling variants (issue 3): P^T / dV before dS^T, dQ before dK
+    # early_dv: P^T / dV before dS^T (hd 128's pick)
     BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True),
     BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True,
               has_q_seqlen=True, has_kv_seqlen=True, early_dv=True),
-    BwdConfig(dtype="bfloat16", head_dim=64, is_causal=True, early_dv=True, overlap_dq=True),
-    BwdConfig(dtype="float16", head_dim=96, has_window=True, has_softcap=True, early_dv=True,
-              overlap_dq=True),
-    BwdConfig(dtype="float16", head_dim=64, has_q_seqlen=True, dq_accum="red", overlap_dq=True),
-    # Head dims 192 / 256: FlashBwdSm90Wide (tile_n 64, the warpgroups split the head dim)
-    # dq_flat (fragment-ordered dQ tile, one bulk reduce): both kernels, with FA4's order
-    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, early_dv=True, overlap_dq=True,
+    # dq_flat (fragment-ordered dQ tile, one bulk reduce): both kernels; hd 128's dense and
+    # causal picks (with tail_lpt), deterministic
+    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, dq_flat=True),
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, early_dv=True, dq_flat=True,
+              tail_lpt=True),
+    BwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, deterministic=True,
               dq_flat=True),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, dq_flat=True),
-    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True, dq_writer=True,
-              dq_flat=True),
+    # Head dims 192 / 256: FlashBwdSm90Wide (tile_n 64, the warpgroups split the head dim)
     BwdConfig(dtype="bfloat16", head_dim=256),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True),
     BwdConfig(dtype="float16", head_dim=256, is_causal=True, has_window=True,
               has_softcap=True, has_q_seqlen=True, has_kv_seqlen=True),
-    BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, dq_accum="red"),
     BwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_window=True,
               deterministic=True),
     BwdConfig(dtype="bfloat16", head_dim=192, is_causal=True),
     BwdConfig(dtype="float16", head_dim=192, has_window=True, has_softcap=True,
               has_q_seqlen=True, has_kv_seqlen=True),
-    BwdConfig(dtype="bfloat16", head_dim=192, has_kv_seqlen=True, dq_accum="red"),
+    BwdConfig(dtype="bfloat16", head_dim=192, has_kv_seqlen=True, dq_flat=True),
     # ALiBi (with its d(slopes) partials) and segment ids (block skipping + element compare)
     BwdConfig(dtype="bfloat16", head_dim=64, has_alibi=True),
     BwdConfig(dtype="float16", head_dim=96, has_segments=True, has_kv_seqlen=True),
@@ -78,51 +72,24 @@ MATRIX = [
     BwdConfig(dtype="bfloat16", head_dim=64, is_causal=True, has_alibi=True, has_segments=True),
     BwdConfig(dtype="bfloat16", head_dim=96, is_causal=True, has_window=True, has_alibi=True,
               has_segments=True, has_q_seqlen=True),
-    # 128 queries per step (opt-in, hd 64; the dQ GEMM split by query rows, unswizzled dQ slabs)
+    # 128 queries per step (hd 64's pick; the dQ GEMM split by query rows, unswizzled dQ slabs
+    # or the fragment-ordered tile)
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True),
     BwdConfig(dtype="float16", head_dim=64, tile_m=128, is_causal=True, has_window=True,
               has_q_seqlen=True, has_kv_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, has_window=True,
               deterministic=True),
-    BwdConfig(dtype="float16", head_dim=64, tile_m=128, has_q_seqlen=True, dq_accum="red"),
+    BwdConfig(dtype="float16", head_dim=64, tile_m=128, has_q_seqlen=True),
     BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, has_segments=True),
-    # tile_m 128 with overlap_dq (opt-in, unverified): clean only with S^T / dQ zeroed first
-    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, overlap_dq=True),
-    BwdConfig(dtype="float16", head_dim=64, tile_m=128, overlap_dq=True, is_causal=True,
-              has_window=True, has_q_seqlen=True, has_kv_seqlen=True),
-    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, overlap_dq=True, is_causal=True,
-              deterministic=True),
-    # dq_arrive (opt-in, unverified): BAR_DQ arrive-only for all but warp 4
-    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, dq_arrive=True),
-    BwdConfig(dtype="float16", head_dim=128, early_dv=True, is_causal=True, has_window=True,
-              has_q_seqlen=True, has_kv_seqlen=True, dq_arrive=True),
-    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_arrive=True),
-    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, deterministic=True,
-              dq_arrive=True),
-    # overlap_dq at hd 128 with early_dv (opt-in, gated): a few loop-invariant spills
-    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True),
-    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True, is_causal=True),
-    # dq_writer (opt-in, gated): warp 1 issues a reduce-add per warpgroup half
-    BwdConfig(dtype="bfloat16", head_dim=128, early_dv=True, overlap_dq=True, dq_writer=True),
-    BwdConfig(dtype="float16", head_dim=96, has_window=True, has_kv_seqlen=True,
-              overlap_dq=True, dq_writer=True),
-    # 80 queries per step at hd 128 dense (opt-in, gated; FlashBwdSm90M80: dQ^T = K^T dS^T)
-    BwdConfig(dtype="bfloat16", head_dim=128, tile_m=80),
-    BwdConfig(dtype="float16", head_dim=128, tile_m=80),
-    # dq_wg_flush (opt-in, gated; wide kernel): each warpgroup reduce-adds its own dQ half
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, dq_wg_flush=True, is_causal=True),
-    BwdConfig(dtype="float16", head_dim=192, dq_flat=True, dq_wg_flush=True, has_window=True,
-              has_kv_seqlen=True),
-    # q_multicast (opt-in, gated): key-block pairs in a cluster, Q / dO halves multicast
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, dq_flat=True),
+    BwdConfig(dtype="bfloat16", head_dim=64, tile_m=128, is_causal=True, dq_flat=True,
+              tail_lpt=True),
+    # q_multicast: key-block pairs in a cluster, Q / dO halves multicast
     BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, q_multicast=True, is_causal=True,
               tail_lpt=True),
     BwdConfig(dtype="float16", head_dim=128, early_dv=True, dq_flat=True, q_multicast=True,
               has_q_seqlen=True, has_kv_seqlen=True),
-    # do_first (opt-in, gated; wide kernel): dP^T first, dO released after dV
-    BwdConfig(dtype="bfloat16", head_dim=256, dq_flat=True, do_first=True, q_multicast=True),
-    BwdConfig(dtype="float16", head_dim=192, dq_flat=True, do_first=True, is_causal=True,
-              has_window=True, has_softcap=True, has_kv_seqlen=True),
 ]
 
 
@@ -147,37 +114,24 @@ def test_compiles_for_sm90a(cfg, tmp_path):
     if cfg.split == "keys":
         assert wg.format(cfg.tile_m) in ptx  # S^T = K Q^T and dP^T = V dO^T (N = queries)
         assert wg.format(cfg.head_dim) in ptx  # dK += dS^T Q, dV += P^T dO (N = head dim)
-        # dQ = dS K: tile_m 64 splits the head dim over the 2 WGs, tile_m 128 the query rows;
-        # tile_m 80 computes dQ^T = K^T dS^T (M = hd halves, N = 80: no other wgmma shape)
-        if cfg.tile_m == 80:
-            shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
-            assert shapes == {"80", str(cfg.head_dim)}, shapes
-        else:
-            assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
-        if cfg.tile_m in (80, 128) and cfg.dq_accum == "tma" and not cfg.dq_flat:
+        # dQ = dS K: tile_m 64 splits the head dim over the 2 WGs, tile_m 128 the query rows
+        assert wg.format(cfg.head_dim // 2 if cfg.tile_m == 64 else cfg.head_dim) in ptx
+        if cfg.tile_m == 128 and not cfg.dq_flat:
             assert ptx.count("cp.reduce.async.bulk.tensor") == cfg.head_dim // 8  # 8-col slabs
-        if cfg.dq_writer and not cfg.dq_flat:  # the same boxes for each warpgroup half
-            n = ptx.count("cp.reduce.async.bulk.tensor")
-            assert n >= 2 and n % 2 == 0, n
-        if cfg.dq_writer:
-            assert "bar.sync 3," not in ptx and "bar.arrive 3," not in ptx  # no BAR_DQ
     else:  # FlashBwdSm90Wide: S^T / dP^T split by query halves, every other GEMM by hd halves
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
         assert shapes == {str(cfg.tile_m // 2), str(cfg.head_dim // 2)}, shapes
         assert ".shared" in ptx and "wgmma" in ptx
     red = bool(re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx))
     tma_reduce = "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
-    # dq_flat: flat bulk reduces of the fragment-ordered tile (one per step, or one per
-    # warpgroup part from the dq_writer warp), no tensor-map reduce at all
+    # dq_flat: one flat bulk reduce of the fragment-ordered tile per step, no tensor-map
+    # reduce at all; else TMA reduce-adds; never per-element atomics
     flat = ptx.count("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32")
-    assert flat == ((2 if cfg.dq_writer else 1) if cfg.dq_flat else 0), flat
-    if cfg.dq_flat:
-        assert not red and not tma_reduce
-    else:
-        assert (red, tma_reduce) == ((True, False) if cfg.dq_accum == "red" else (False, True))
+    assert flat == (1 if cfg.dq_flat else 0), flat
+    assert not red and tma_reduce != cfg.dq_flat
     assert "cp.async.bulk.tensor" in ptx and "ex2.approx" in ptx and "setmaxnreg" in ptx
     assert "stmatrix" in ptx  # dS^T and the dK/dV epilogue through shared memory
-    assert ("bar.arrive 3, 256" in ptx) == cfg.dq_arrive  # BAR_DQ arrive-only
+    assert re.search(r"bar\.sync\s+3, 256;", ptx)  # BAR_DQ: dQ staged, the reduce may read it
     assert "ld.local" not in ptx and "st.local" not in ptx
     assert ("tanh.approx" in ptx) == cfg.has_softcap
     ordered = "ld.acquire.gpu.global" in ptx and "red.release.gpu.global.add" in ptx
@@ -187,17 +141,13 @@ def test_compiles_for_sm90a(cfg, tmp_path):
         assert "C7512" not in report, "ptxas serialized the wgmma (insufficient registers)"
         assert "instructions are serialized" not in report, report  # C7514 and the like
         # C7517: a wgmma wait ptxas inserted on its own (an extra WARPGROUP.DEPBAR in the
-        # loop): what zeroing the dP^T accumulator while S^T is in flight caused (2026-12-01).
+        # loop): what zeroing the dP^T accumulator while S^T is in flight caused.
         assert "C7517" not in report, report
-        # Every function (the zero-fill kernel too): no spills. (Until 2026-11-30 this only
-        # looked for one " 0 bytes spill stores" line, which the zero-fill kernel always has.)
-        # Known: deterministic hd 128 causal + window spills 4 bytes (already in 8adcba1).
+        # Every function (the zero-fill kernel too): no spills (each function's line counts,
+        # not just one " 0 bytes spill stores", which the zero-fill kernel always has).
+        # Known: deterministic hd 128 causal + window spills 4 bytes.
         spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
         allowed = 4 if (cfg.deterministic and cfg.head_dim == 128 and cfg.has_window) else 0
-        # overlap_dq at hd 128: ptxas stores 1-7 loop-invariant values (dQ tile addresses)
-        # once before the step loop and reloads each once per step (nvdisasm, 2026-12-01).
-        if cfg.overlap_dq and cfg.head_dim == 128 and not cfg.dq_writer:
-            allowed = 28
         assert spills and max(spills) <= allowed, report
 
 
@@ -206,25 +156,20 @@ def test_refusals_name_the_reason():
                     (dict(head_dim=256, tile_n=128), "tile_n 128 must be 64"),
                     (dict(head_dim=256, num_stages=2), "shared memory"),
                     (dict(head_dim=256, early_dv=True), "early_dv"),
-                    (dict(head_dim=192, overlap_dq=True), "overlap_dq"),
                     (dict(head_dim=128, head_dim_v=64), "head_dim_v"),
                     (dict(dtype="float32"), "dtype"), (dict(tile_m=128), "tile_m"),
                     (dict(tile_n=64), "tile_n"), (dict(num_stages=5), "num_stages"),
-                    (dict(dq_accum="smem"), "dq_accum"),
-                    (dict(dq_accum="red", deterministic=True), "deterministic"),
-                    (dict(head_dim=128, overlap_dq=True), "overlap_dq"),
                     (dict(head_dim=128, has_softcap=True, early_dv=True), "early_dv"),
                     (dict(head_dim=64, tile_m=96), "tile_m 96"),
+                    (dict(head_dim=128, tile_m=80), "tile_m 80"),
                     (dict(head_dim=96, tile_m=128), "tile_m 128 at head_dim 96"),
-                    (dict(head_dim=128, dq_arrive=True, dq_accum="red"), "dq_arrive"),
-                    (dict(head_dim=256, dq_arrive=True), "dq_arrive"),
-                    (dict(head_dim=128, dq_arrive=True, deterministic=True), "dq_arrive"),
                     (dict(head_dim=256, tile_m=128), "tile_m 128 at head_dim 256"),
                     (dict(head_dim=64, tile_m=128, has_softcap=True), "softcap"),
                     (dict(head_dim=64, tile_m=128, has_alibi=True), "alibi"),
                     (dict(head_dim=64, tile_m=128, early_dv=True), "early_dv"),
-                    (dict(head_dim=96, dq_arrive=True, dq_accum="red"), "dq_arrive needs"),
-                    (dict(head_dim=256, num_stages=2), "shared memory")]:
+                    (dict(head_dim=128, tail_lpt=True), "tail_lpt"),
+                    (dict(head_dim=256, has_window=True, q_multicast=True), "q_multicast"),
+                    (dict(head_dim=256, deterministic=True, q_multicast=True), "q_multicast")]:
         with pytest.raises(ValueError, match=why):
             BwdConfig(**kw)
     assert can_implement(dtype="bfloat16", head_dim=128,
@@ -255,12 +200,12 @@ def test_config_for_problem():
 
 
 def test_wide_head_dims_pick_the_head_dim_split_kernel():
-    """hd 192 / 256: tile_n 64, the wide kernel, and the most Q / dO stages that fit (hd 256 with
-    the float32 dQ tile in shared memory: 1; without it: 2); hd <= 128 unchanged."""
+    """hd 192 / 256: tile_n 64, the wide kernel, and the most Q / dO stages that fit (hd 256
+    beside the float32 dQ tile in shared memory: 1); hd <= 128 unchanged."""
     from jaxflash.kernels.variants.bwd import SMEM_LIMIT_BYTES
     from jaxflash.kernels.variants.bwd_launch import WIDE_KERNEL_REF, KERNEL_REF, bwd_launch
-    for hd, acc, stages in [(192, "tma", 2), (192, "red", 2), (256, "tma", 1), (256, "red", 2)]:
-        c = BwdConfig(head_dim=hd, dq_accum=acc)
+    for hd, stages in [(192, 2), (256, 1)]:
+        c = BwdConfig(head_dim=hd)
         assert (c.split, c.tile_n, c.num_stages) == ("headdim", 64, stages), c
         assert c.smem_bytes() <= SMEM_LIMIT_BYTES
         assert bwd_launch(c, "sm_90a").kernel == WIDE_KERNEL_REF
@@ -341,7 +286,7 @@ def test_explain_names_the_backward(cuda_env, monkeypatch):
     from jaxflash.kernels.policy import verified
     assert "backward: CuTe kernel FlashBwdSm90" in _explain(is_causal=True)
     assert "_det_causal" in _explain(is_causal=True, deterministic=True)
-    # The wide kernel (checked on the H200 on 2026-12-01) runs by default, no switch needed.
+    # The wide kernel (checked on the H200) runs by default, no switch needed.
     monkeypatch.delenv(verified.ENV, raising=False)
     for H in (192, 256):
         text = _explain(_shapes(H=H), is_causal=True)
@@ -372,7 +317,7 @@ def test_grad_lowers_to_forward_and_backward_custom_calls(cuda_env):
 @pytest.mark.parametrize("H", [192, 256])
 def test_wide_grad_lowers_to_the_cute_backward(cuda_env, H, monkeypatch):
     """jax.grad at D 192 / 256 runs our backward (two custom calls, float32 dQ accumulator),
-    not the Pallas fallback, by default (GPU-checked on 2026-12-01, so `verified` admits it)."""
+    not the Pallas fallback, by default (GPU-checked, so `verified` admits it)."""
     from jaxflash.kernels.policy import verified
     monkeypatch.delenv(verified.ENV, raising=False)
     import jax
@@ -391,7 +336,7 @@ def test_deterministic_grad_carries_the_semaphores(cuda_env):
     with jaxflash.target_platform("cuda"):
         txt = jax.jit(_grad_fn(is_causal=True, deterministic=True)).trace(
             *_shapes(2, 100, 130)).lower(lowering_platforms=("cuda",)).as_text()
-    # [B, N, ceil(T / tile_m)] ordering semaphores; hd 64 takes tile_m 128 since 2026-12-01
+    # [B, N, ceil(T / tile_m)] ordering semaphores; hd 64 takes tile_m 128
     assert "tensor<2x4x1xi32>" in txt
 
 
@@ -473,7 +418,7 @@ def test_explain_names_the_backward_for_alibi_and_segments(cuda_env, monkeypatch
     from jaxflash.kernels.policy import verified
     slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
     q_seg, kv_seg = _seg_arrays()
-    # Checked on the H200 (2026-12-01): dispatched by default, no switch needed.
+    # Checked on the H200: dispatched by default, no switch needed.
     monkeypatch.delenv(verified.ENV, raising=False)
     text = _explain(is_causal=True, alibi_slopes=slopes, q_segment_ids=q_seg,
                     kv_segment_ids=kv_seg)
@@ -574,42 +519,3 @@ def test_cute_backward_passes_alibi_segments_and_reduces_dslopes(monkeypatch):
     assert dbias is None
     np.testing.assert_allclose(np.asarray(dslopes), -np.asarray(parts).sum(axis=(0, 2, 3)),
                                rtol=1e-6)
-
-
-def test_tile_m_80_is_dense_hd128_only_keyed_padded_and_gated(monkeypatch):
-    """tile_m 80 (hd 128 dense): keyed `_t80x128`, run by FlashBwdSm90M80, fits the shared
-    memory with 2 stages, pads LSE / delta to multiples of lcm(64, 80) = 320, counts 80-query
-    blocks, is refused with every feature it does not implement, never picked, and no
-    longer gated (its GPU checks passed)."""
-    from jaxflash._types import AttentionStatics, Problem
-    from jaxflash.kernels.variants.bwd import SMEM_LIMIT_BYTES
-    from jaxflash.kernels.variants.bwd_launch import M80_KERNEL_REF, bwd_launch, num_q_blocks, padded_len
-    c = BwdConfig(head_dim=128, tile_m=80)
-    assert "_t80x128" in c.key and c.num_stages == 2
-    # LSE / delta stages 96 floats apart (384 B): each stage is a TMA destination, which must
-    # be 128 B aligned (80 floats apart faulted on the H200, 2026-12-01)
-    assert c.row_stage_stride == 96 and c.smem_bytes() == 231936 <= SMEM_LIMIT_BYTES
-    assert [BwdConfig(head_dim=h, tile_m=m).row_stage_stride * 4 % 128
-            for h, m in ((64, 64), (64, 128), (128, 80), (256, 64))] == [0, 0, 0, 0]
-    assert bwd_launch(c, "sm_90a").kernel == M80_KERNEL_REF
-    assert [padded_len(t, c) for t in (1, 80, 320, 321, 1000)] == [320, 320, 320, 640, 1280]
-    assert [num_q_blocks(t, c) for t in (1, 80, 81, 1000, 1500)] == [1, 1, 2, 13, 19]
-    d = BwdConfig(head_dim=128)
-    assert [padded_len(t, d) for t in (1, 64, 65, 300)] == [64, 64, 128, 320]
-    refused = [dict(head_dim=64), dict(head_dim=96), dict(is_causal=True),
-               dict(has_window=True), dict(has_softcap=True), dict(has_q_seqlen=True),
-               dict(has_kv_seqlen=True), dict(has_alibi=True), dict(has_segments=True),
-               dict(deterministic=True), dict(dq_accum="red"), dict(early_dv=True),
-               dict(overlap_dq=True), dict(dq_arrive=True)]
-    for kw in refused:
-        with pytest.raises(ValueError, match="tile_m 80"):
-            BwdConfig(**{"head_dim": 128, "tile_m": 80, **kw})
-    with pytest.raises(ValueError, match="tile_m 96 must be"):
-        BwdConfig(head_dim=128, tile_m=96)
-    p = Problem(batch=2, q_len=4096, kv_len=4096, num_heads=16, num_kv_heads=16, head_dim=128,
-                head_dim_v=128, dtype="bfloat16", statics=AttentionStatics(scale=0.1))
-    assert config_for(p).tile_m == 64  # opt-in only: measured slower, never picked
-    # checked on the H200 (2026-12-01): admitted without the switch
-    assert verified.pending(c) == ()
-    monkeypatch.delenv(verified.ENV, raising=False)
-    verified.require_verified(c, "backward")

@@ -21,8 +21,8 @@ from jaxflash.kernels.variants.fwd import FwdConfig, can_implement  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
-# Every head dim, both dtypes, every mask feature (causal, window, softcap, q/kv lengths), both
-# schedules (overlap + ping-pong, plain), at least once.
+# Every head dim, both dtypes, every mask feature (causal, window, softcap, q/kv lengths), the
+# persistent loop, the tile pipe, at least once.
 MATRIX = [
     FwdConfig(dtype="bfloat16", head_dim=64),
     FwdConfig(dtype="float16", head_dim=64, is_causal=True),
@@ -30,22 +30,21 @@ MATRIX = [
     FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True),
     FwdConfig(dtype="float16", head_dim=128, has_softcap=True, has_q_seqlen=True,
               has_kv_seqlen=True),
-    FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True,
-              intra_wg_overlap=False, pingpong=False),
+    FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, has_window=True),
     FwdConfig(dtype="bfloat16", head_dim=192, is_causal=True),
     FwdConfig(dtype="float16", head_dim=192, has_kv_seqlen=True),
     FwdConfig(dtype="bfloat16", head_dim=256),
     FwdConfig(dtype="bfloat16", head_dim=256, is_causal=True, has_softcap=True),
-    # the persistent tile loop (optional, off by default), with and without a separate O buffer
+    # the persistent tile loop, with and without a separate O buffer
     FwdConfig(dtype="bfloat16", head_dim=128, is_causal=True, persistent=True),
-    FwdConfig(dtype="bfloat16", head_dim=256, persistent=True, tile_order="lpt"),
+    FwdConfig(dtype="bfloat16", head_dim=256, persistent=True),
     # the tile pipe (the producer hands tile coordinates to the consumers through smem)
     FwdConfig(dtype="bfloat16", head_dim=128, lazy_rescale=True),  # FA4's conditional rescale
     FwdConfig(dtype="float16", head_dim=64, tile_m=192, is_causal=True, has_softcap=True,
               lazy_rescale=True),
     FwdConfig(dtype="float16", head_dim=128, persistent=True, tile_pipe=True, has_q_seqlen=True,
               has_kv_seqlen=True),
-    # three consumer warpgroups (192-row tiles), opt-in for hdim 64 (with overlap: see below)
+    # three consumer warpgroups (192-row tiles, hdim 64: see below)
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
     # ALiBi (runtime slopes) and segment ids (element compare + block skipping)
     FwdConfig(dtype="bfloat16", head_dim=128, has_alibi=True),
@@ -80,30 +79,16 @@ def test_compiles_for_sm90a_with_wgmma(cfg, tmp_path):
     print(f"{cfg.key}: {elapsed:.1f} s")
 
 
-# The 192-row tile with intra-warpgroup overlap at 160 registers per consumer thread: S (64) +
-# P (32) + O (32) live together leave ~30 for everything else. It spilled (580 B dense, C7512
-# causal) until each block's QK GEMM got a fresh S fragment and the mask became one select per
-# register (2026-12-01); these keep it clean, and the no-overlap 192 variant beside it.
+# The 192-row tile at 160 registers per consumer thread: S (64) + P (32) + O (32) live
+# together leave ~30 for everything else. It spilled (580 B dense, C7512 causal) until each
+# block's QK GEMM got a fresh S fragment and the mask became one select per register; these
+# keep it clean.
 PTXAS_CLEAN = [
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192),
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, is_causal=True),
     FwdConfig(dtype="float16", head_dim=64, tile_m=192, is_causal=True, has_q_seqlen=True,
               has_kv_seqlen=True),
     FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, has_window=True, has_softcap=True),
-    FwdConfig(dtype="bfloat16", head_dim=64, tile_m=192, intra_wg_overlap=False,
-              is_causal=True),
-]
-
-
-# Wider key tiles at 128 rows that fit 240 registers only with a fresh S fragment per block
-# (`fresh_s`, 2026-12-01; without it 368 / 460 B spilled dense, C7512 at hd 256 causal). They
-# need all 240 (at 232 they spill): these guard it.
-PTXAS_CLEAN_WIDE = [
-    FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
-    FwdConfig(head_dim=128, tile_n=160, fresh_s=True, is_causal=True),
-    FwdConfig(head_dim=64, tile_n=192, fresh_s=True, is_causal=True),
-    FwdConfig(dtype="float16", head_dim=256, tile_n=80, fresh_s=True, is_causal=True,
-              has_q_seqlen=True, has_kv_seqlen=True),
 ]
 
 
@@ -127,40 +112,10 @@ def test_192_row_tiles_are_ptxas_clean(cfg, tmp_path):
     _ptxas_clean(cfg, tmp_path, 160)
 
 
-# End-aligned query tiles v2 (m_align="end": first rows clamped at 0, one max + subtract per
-# tile more; 2026-12-01: 0 spills, no serialization warning at 160 / 240 registers).
-PTXAS_CLEAN_END = [
-    FwdConfig(head_dim=64, tile_m=192, persistent=True, is_causal=True, m_align="end"),
-    FwdConfig(head_dim=64, tile_m=192, is_causal=True, m_align="end"),
-    FwdConfig(head_dim=64, tile_m=192, persistent=True, has_window=True, m_align="end"),
-    FwdConfig(head_dim=128, is_causal=True, m_align="end"),
-    FwdConfig(dtype="float16", head_dim=64, tile_m=192, persistent=True, is_causal=True,
-              has_kv_seqlen=True, m_align="end"),
-]
-
-
-@pytest.mark.parametrize("cfg", PTXAS_CLEAN_END, ids=lambda c: c.key)
-def test_end_aligned_tiles_are_ptxas_clean(cfg, tmp_path):
-    _ptxas_clean(cfg, tmp_path, 160 if cfg.tile_m == 192 else 240)
-    report = open(tmp_path / "ptxas.txt").read()
-    for code in ("C7512", "C7514", "C7517"):
-        assert code not in report, report
-    # No TMA box at a negative row: the O store's row coordinate and one load's (Q's) are
-    # each defined by max(., 0) (box coordinates are {column, row, head, batch}).
-    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
-    clamped = set(re.findall(r"max\.s32 \t(%r\d+), %r\d+, 0;", ptx))
-    rows = r"\[%rd\d+, \{%r\d+, (%r\d+), "
-    stores = re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta[^\[]*" + rows, ptx)
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global[^\[]*\[[^\]]+\], "
-                       + rows, ptx)
-    assert stores and set(stores) <= clamped, (stores, clamped)
-    assert set(loads) & clamped, (loads, clamped)
-
-
-# 64-row tiles at two CTAs per SM (`ctas_per_sm=2`, 2026-12-01): the launch bound makes ptxas
-# fit 128 registers per thread at launch (two 256-thread CTAs fill the register file) and the
-# consumer warpgroup raises itself to 232; 0 spills at hd 64 / 128, dense and causal pairs
-# (the last two: what dispatch picks at causal 1k since 2026-12-01 late).
+# 64-row tiles at two CTAs per SM (`ctas_per_sm=2`): the launch bound makes ptxas fit 128
+# registers per thread at launch (two 256-thread CTAs fill the register file) and the consumer
+# warpgroup raises itself to 232; 0 spills at hd 64 / 128, dense and causal pairs (the last
+# two: what dispatch picks at causal 1k).
 PTXAS_CLEAN_TWO_CTAS = [
     FwdConfig(head_dim=128, tile_m=64, ctas_per_sm=2, num_stages=1, persistent=True,
               tile_pipe=True),
@@ -185,12 +140,11 @@ def _register_pool_ok(kernel, ctas_per_sm: int) -> bool:
 
 def test_setmaxnreg_raises_fit_the_registers_the_producer_frees():
     """Every forward and backward variant the checks, the grid and dispatch run can complete
-    its consumers' setmaxnreg.inc (otherwise it waits forever: the 128-row tiles at two CTAs
-    per SM hung on the H200 on 2026-12-02 with 24 / 112 at 80 registers, 1024 registers short
-    per CTA; removed)."""
+    its consumers' setmaxnreg.inc (otherwise it waits forever: 128-row tiles at two CTAs per
+    SM hung on the H200 with 24 / 112 at 80 registers, 1024 registers short per CTA; removed,
+    and refused by `FwdConfig`)."""
     from devtools import bwd_devrun
     from devtools import devrun
-    from jaxflash.kernels.variants.bwd import BwdConfig
     from jaxflash.kernels.sm90.bwd import FlashBwdSm90
     from jaxflash.kernels.sm90.fwd import FlashFwdSm90
     fwd = {FwdConfig(**kw).key: FwdConfig(**kw) for _, kw, _ in devrun.CHECKS}
@@ -206,7 +160,7 @@ def test_setmaxnreg_raises_fit_the_registers_the_producer_frees():
     assert _launch_regs(384, 2) == 80 and not _register_pool_ok(hung, 2)
 
 
-# 256-row tiles at hd 64 (four consumer warpgroups, 2026-12-02, gated): 640 threads launch at
+# 256-row tiles at hd 64 (four consumer warpgroups): 640 threads launch at
 # 96 registers, the producer drops to 24 and the consumers rise to 112 (128 x 72 >= 512 x 16);
 # 0 spills, no serialized wgmma, dense, causal pairs and windowed with lengths.
 PTXAS_CLEAN_M256 = [
@@ -242,8 +196,8 @@ def test_two_ctas_per_sm_tiles_are_ptxas_clean(cfg, consumer_regs, launch_regs, 
 
 def test_mask_skip_is_ptxas_clean_and_branches_over_the_compares(tmp_path):
     """`mask_skip` on the hd 128 1k dense pick: 0 spills, and the masked block's
-    compares sit behind a branch of their own (2026-12-01: 2 more branches in the PTX, 32 fewer
-    selects; the SASS went from 2816 to 2744 instructions)."""
+    compares sit behind a branch of their own (2 more branches in the PTX, 32 fewer selects;
+    the SASS went from 2816 to 2744 instructions)."""
     on = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True,
                    mask_skip=True)
     assert on.key.endswith("_msk_dense")
@@ -258,7 +212,7 @@ def test_mask_skip_is_ptxas_clean_and_branches_over_the_compares(tmp_path):
     assert bra["on"] > bra["off"], bra
 
 
-# The select-form mask on the causal picks (`mask_select`, 2026-12-02): 0 spills, and one
+# The select-form mask on the causal picks (`mask_select`): 0 spills, and one
 # select per score instead of the conditional stores' cascade (the hd 128 4k pick went from
 # 4544 to 2560 SASS instructions with ptxas 13.0).
 PTXAS_CLEAN_SELECT = [
@@ -279,19 +233,6 @@ def test_mask_select_is_ptxas_clean_and_selects_once_per_score(cfg, maxnreg, tmp
     selp = {k: len(re.findall(r"\bselp\.", open(glob.glob(str(d / "*.ptx"))[0]).read()))
             for k, d in (("on", tmp_path), ("off", tmp_path / "off"))}
     assert 2 * selp["on"] < selp["off"], selp
-
-
-@pytest.mark.parametrize("cfg", PTXAS_CLEAN_WIDE, ids=lambda c: c.key)
-def test_wide_key_tiles_with_fresh_s_are_ptxas_clean(cfg, tmp_path):
-    _ptxas_clean(cfg, tmp_path, 240)
-
-
-def test_fresh_s_is_a_128_row_overlap_opt_in():
-    assert "ovfspp" in FwdConfig(head_dim=128, tile_n=160, fresh_s=True).key
-    assert "fs" not in FwdConfig(head_dim=64, tile_m=192).key  # always on there, as before
-    for bad in (dict(tile_m=192), dict(intra_wg_overlap=False)):
-        with pytest.raises(ValueError, match="fresh_s"):
-            FwdConfig(head_dim=64, fresh_s=True, **bad)
 
 
 def test_segment_variants_use_the_smaller_tiles():
@@ -334,11 +275,9 @@ def test_compiles_through_the_bridge():
     (dict(head_dim=128, tile_m=192), "tile_m 192"),
     (dict(tile_n=72), "tile_n"),
     (dict(tile_order="random"), "tile_order"),
-    (dict(is_causal=True, m_align="middle"), "m_align"),
-    (dict(m_align="end"), "causal or window"),
-    (dict(is_causal=True, has_q_seqlen=True, m_align="end"), "has_q_seqlen"),
-    (dict(is_causal=True, has_alibi=True, m_align="end"), "has_alibi"),
-    (dict(is_causal=True, has_segments=True, m_align="end"), "has_segments"),
+    (dict(is_causal=True, tile_order="lpt"), "tile_order"),
+    (dict(head_dim=64, tile_m=128, tile_n=64, ctas_per_sm=2), "ctas_per_sm"),
+    (dict(head_dim=64, tile_m=192, is_causal=True, mask_select=True), "mask_select"),
     (dict(tile_pipe=True), "tile_pipe needs persistent"),
 ])
 def test_invalid_configs_are_refused(kw, why):
@@ -386,9 +325,9 @@ def test_config_for_problem():
 
 
 @pytest.mark.parametrize("D,S,causal,extra,want", [
-    # dense S <= 2k at hd 64: four 64-row consumer warpgroups (256 rows), mask_skip (2026-12-02)
-    (64, 1024, False, {}, dict(tile_m=256, tile_n=64, intra_wg_overlap=True, persistent=True,
-                               tile_pipe=True, mask_skip=True, wg_epilogue=False)),
+    # dense S <= 2k at hd 64: four 64-row consumer warpgroups (256 rows), mask_skip
+    (64, 1024, False, {}, dict(tile_m=256, tile_n=64, persistent=True, tile_pipe=True,
+                               mask_skip=True, wg_epilogue=False)),
     (64, 1000, False, {"has_kv_seqlen": True}, dict(tile_m=256, mask_skip=True)),
     (64, 1024, False, {"softcap": 30.0}, dict(tile_m=192, persistent=True, mask_skip=False)),
     (64, 2048, False, {}, dict(tile_m=256, persistent=True, mask_skip=True)),
@@ -396,12 +335,11 @@ def test_config_for_problem():
     # causal S <= 1k at hd 64 / 128: 64-row tiles, two CTAs per SM, paired tiles
     (64, 1024, True, {}, dict(tile_m=64, ctas_per_sm=2, tile_n=64, persistent=True,
                               tile_pipe=True, tile_order="pairs")),
-    (64, 2048, True, {}, dict(tile_m=192, persistent=True, m_align="start", ctas_per_sm=1)),
-    (64, 1024, True, {"softcap": 30.0}, dict(tile_m=192, persistent=True, m_align="start")),
-    (64, 4096, True, {}, dict(tile_m=192, persistent=True, m_align="start", wg_epilogue=False)),
+    (64, 2048, True, {}, dict(tile_m=192, persistent=True, ctas_per_sm=1)),
+    (64, 1024, True, {"softcap": 30.0}, dict(tile_m=192, persistent=True)),
+    (64, 4096, True, {}, dict(tile_m=192, persistent=True, wg_epilogue=False)),
     (64, 4096, False, {}, dict(tile_m=192, persistent=False)),
-    (64, 16384, True, {}, dict(tile_m=192, intra_wg_overlap=True, num_stages=2,
-                               persistent=False)),
+    (64, 16384, True, {}, dict(tile_m=192, num_stages=2, persistent=False)),
     (128, 1024, True, {}, dict(tile_m=64, ctas_per_sm=2, tile_n=64, persistent=True,
                                tile_pipe=True, tile_order="pairs")),
     (128, 2048, True, {}, dict(tile_m=128, ctas_per_sm=1, persistent=True, tile_pipe=True,
@@ -415,12 +353,12 @@ def test_config_for_problem():
     (256, 16384, True, {}, dict(persistent=False, lazy_rescale=True)),
     (256, 4096, False, {}, dict(persistent=True, tile_pipe=True)),
     (256, 16384, False, {}, dict(persistent=False)),
-    # 3 stages lost 2026-12-01; pairs not picked at 16k
+    # (three stages lost; pairs not picked at 16k)
     (128, 16384, True, {}, dict(num_stages=2, persistent=False, tile_order="auto")),
-    # key lengths take the plain call's schedule (feat_bench, 2026-12-02); query lengths not
+    # key lengths take the plain call's schedule (feat_bench); query lengths not
     (64, 1024, True, {"has_kv_seqlen": True}, dict(tile_m=64, ctas_per_sm=2,
                                                    tile_order="pairs", mask_select=True)),
-    (64, 1024, True, {"has_q_seqlen": True}, dict(tile_m=128, m_align="start")),  # default
+    (64, 1024, True, {"has_q_seqlen": True}, dict(tile_m=128, persistent=False)),  # default
     (64, 1024, True, {"has_segments": True}, dict(tile_m=128, persistent=False)),
 ])
 def test_config_for_picks_the_measured_schedule(D, S, causal, extra, want):
@@ -458,8 +396,8 @@ BENCH_VARIANTS = [FwdConfig(head_dim=d, is_causal=c) for d in (64, 128, 256) for
 BENCH_VARIANTS += [FwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True),
                    FwdConfig(head_dim=192, is_causal=True, has_alibi=True, has_segments=True),
                    FwdConfig(head_dim=256, has_segments=True)]
-# The persistent loop at the points it lost (every wgmma serialized until 2026-12-01: the stale
-# S of a zero-init GEMM kept live; see layouts.wgmma's ``clear``), with and without the tile pipe.
+# The persistent loop at the points it once lost (every wgmma serialized: the stale S of a
+# zero-init GEMM kept live; see layouts.wgmma's ``clear``), with and without the tile pipe.
 BENCH_VARIANTS += [FwdConfig(head_dim=d, persistent=True, tile_pipe=tp) for d in (128, 256)
                    for tp in (False, True)]
 BENCH_VARIANTS += [FwdConfig(head_dim=64, is_causal=True, persistent=True, tile_pipe=True)]

@@ -1,4 +1,4 @@
-"""The persistent forward's tile orders (`kernels/sched_model.py`, the plain-Python mirror of
+"""The persistent forward's tile orders (`devtools/sched_model.py`, the plain-Python mirror of
 `scheduler.TileScheduler`): every tile exactly once, and the balance that motivates "pairs"."""
 import collections
 
@@ -32,7 +32,7 @@ def test_pairs_take_both_ends_of_a_head():
 
 def test_pairs_balance_the_causal_grid_where_lpt_does_not():
     """The model's busiest-CTA / mean work at D=128 causal: LPT dealt round-robin to 132
-    persistent CTAs ~1.19-1.21x, pairs ~1.03x (NOTES.md, "Persistent causal balance")."""
+    persistent CTAs ~1.19-1.21x, pairs ~1.03x."""
     for S in (1024, 4096):
         lpt, pairs = (balance(FwdConfig(head_dim=128, is_causal=True, persistent=True,
                                         tile_pipe=True, tile_order=o), S, S, 16, 16384 // S)
@@ -45,6 +45,8 @@ def test_pairs_needs_the_tile_pipe_and_a_mask():
         FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_order="pairs")
     with pytest.raises(ValueError, match="pairs"):
         FwdConfig(head_dim=128, persistent=True, tile_pipe=True, tile_order="pairs")
+    with pytest.raises(ValueError, match="tile_order"):  # the plain / LPT orders follow the mask
+        FwdConfig(head_dim=128, is_causal=True, tile_order="lpt")
     cfg = FwdConfig(head_dim=128, is_causal=True, persistent=True, tile_pipe=True,
                     tile_order="pairs")
     assert "_pairs" in cfg.key and not cfg.lpt

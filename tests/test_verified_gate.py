@@ -46,44 +46,59 @@ def test_verified_passes(monkeypatch):
 
 
 def test_every_variant_dispatch_picks_is_verified():
-    """Everything the forward and backward configs can express by default was checked on the
-    H200 (2026-11-30 and 2026-12-01 runs); a feature added later is listed in `verified.RULES`
-    until a GPU run checks it."""
-    fwd = [FwdConfig(head_dim=64, tile_m=192, intra_wg_overlap=False),
-           FwdConfig(head_dim=64, tile_m=192, intra_wg_overlap=False, is_causal=True),
-           FwdConfig(head_dim=64), FwdConfig(head_dim=128, is_causal=True),
-           FwdConfig(head_dim=256, has_alibi=True, has_segments=True)]
-    bwd = [BwdConfig(head_dim=d, is_causal=c) for d in (64, 96, 128, 192, 256)
-           for c in (False, True)] + [BwdConfig(head_dim=64, tile_m=128, deterministic=True)]
-    bwd += [BwdConfig(head_dim=64, has_alibi=True), BwdConfig(head_dim=128, has_segments=True),
-            BwdConfig(head_dim=96, has_alibi=True, has_segments=True, has_kv_seqlen=True),
-            BwdConfig(head_dim=192, deterministic=True, has_window=True)]
-    for cfg in fwd + bwd:
-        assert verified.pending(cfg) == (), cfg.key
+    """Every forward and backward variant dispatch picks, on the anchor grid and with each
+    feature, passed its GPU checks: nothing it picks is pending in `verified.RULES` (a feature
+    added later is listed there until a GPU run checks it)."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.policy.choose import backward_config, forward_config
+    problems = []
+    for d in (64, 96, 128, 192, 256):
+        for s_ in (128, 1024, 4096, 16384):
+            for causal in (False, True):
+                problems.append(Problem(batch=2, q_len=s_, kv_len=s_, num_heads=4,
+                                        num_kv_heads=2, head_dim=d, head_dim_v=d,
+                                        dtype="bfloat16",
+                                        statics=AttentionStatics(d ** -0.5, is_causal=causal)))
+    base = problems[:]
+    for p in base:
+        for st in (dict(window=(100, 0)), dict(softcap=30.0), dict(deterministic=True)):
+            problems.append(dataclasses.replace(
+                p, statics=dataclasses.replace(p.statics, **st)))
+        for flags in (dict(has_q_seqlen=True, has_kv_seqlen=True), dict(has_alibi=True),
+                      dict(has_segments=True), dict(dtype="float16")):
+            problems.append(dataclasses.replace(p, **flags))
+    seen = 0
+    for p in problems:
+        for choose in (forward_config, backward_config):
+            try:
+                cfg = choose(p)
+            except ValueError:
+                continue  # refused (e.g. ALiBi at hd 128 backward): not dispatched to CuTe
+            assert verified.pending(cfg) == (), cfg.key
+            seen += 1
+    assert seen > 500
 
-
-def test_forward_192_rows_with_overlap_checked_and_picked():
-    """tile_m 192 WITH intra-warpgroup overlap passed its GPU checks (2026-12-01) and is what
-    hdim 64 dense / causal calls get (but causal S <= 1k: two CTAs per SM since 2026-12-01
-    late); the check cases and the bench column stay."""
+def test_forward_192_rows_checked_and_picked():
+    """tile_m 192 (three consumer warpgroups) passed its GPU checks and is what hdim 64 dense /
+    causal calls get from 2k keys (dense 1k: 256 rows; causal 1k: two CTAs per SM); its check
+    cases and bench column stay."""
     from devtools import devrun
     from jaxflash.kernels.policy.choose import schedule_for
     for cfg in (FwdConfig(head_dim=64, tile_m=192), FwdConfig(head_dim=64, tile_m=192,
                                                               is_causal=True, dtype="float16")):
-        assert cfg.intra_wg_overlap and verified.pending(cfg) == ()
+        assert verified.pending(cfg) == ()
     for S in (1024, 4096, 16384):
         for causal in (False, True):
             cfg = FwdConfig(head_dim=64, is_causal=causal, **schedule_for(64, S, causal))
             want = (64 if causal else 256) if S == 1024 else 192  # (dense 1k: 256 rows)
-            assert cfg.tile_m == want and cfg.intra_wg_overlap
-    names = [n for n, kw, _ in devrun.CHECKS
-             if kw.get("tile_m") == 192 and kw.get("intra_wg_overlap", True)]
+            assert cfg.tile_m == want
+    names = [n for n, kw, _ in devrun.CHECKS if kw.get("tile_m") == 192]
     assert len(names) >= 6 and any("causal" in n for n in names)
     assert devrun.VARIANTS["m192_ps"] == dict(head_dim=64, tile_m=192, persistent=True)
 
 
 def test_backward_tile_m_128_checked_and_benched():
-    """tile_m 128 passed its 16 GPU checks (2026-12-01) and is hd 64's default; the bench
+    """tile_m 128 passed its 16 GPU checks and is hd 64's default; the bench
     keeps timing the 64-query step (and the deterministic mode at 128) beside it."""
     from devtools import bwd_devrun
     cfg = BwdConfig(head_dim=64, tile_m=128)
@@ -95,61 +110,8 @@ def test_backward_tile_m_128_checked_and_benched():
     assert bwd.tile_m == 128 and fwd == FwdConfig(head_dim=64)
 
 
-def test_backward_tile_m_128_overlap_dq_gated_checked_and_benched(monkeypatch):
-    """overlap_dq at tile_m 128 (ptxas-clean since 2026-12-01 with S^T / dQ zeroed before
-    their GEMMs, no GPU run yet) is refused by the gate; check cases and the "m128_ovl" bench
-    column run it by direct calls."""
-    from devtools import bwd_devrun
-    cfg = BwdConfig(head_dim=64, tile_m=128, overlap_dq=True)
-    assert cfg.check()[0] and verified.pending(cfg) == ("overlap_dq with tile_m 128",)
-    assert verified.pending(BwdConfig(head_dim=64, overlap_dq=True)) == ()
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="overlap_dq"):
-        verified.require_verified(cfg, "backward")
-    names = [n for n, kw, _ in bwd_devrun.CHECKS
-             if kw.get("tile_m") == 128 and kw.get("overlap_dq")]
-    assert len(names) >= 6 and any("deterministic" in n for n in names)
-    assert bwd_devrun.BENCH_VARIANTS[64]["m128_ovl"] == dict(tile_m=128, overlap_dq=True)
-
-
-def test_backward_dq_arrive_gated_checked_and_benched(monkeypatch):
-    """dq_arrive (compiled 2026-12-01, no GPU run yet) is refused by the gate; check cases
-    and the "*_dqa" bench columns run it by direct calls."""
-    from devtools import bwd_devrun
-    cfg = BwdConfig(head_dim=128, early_dv=True, dq_arrive=True)
-    assert cfg.check()[0] and verified.pending(cfg) == ("dq_arrive",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="dq_arrive"):
-        verified.require_verified(cfg, "backward")
-    cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_arrive")]
-    assert {kw["head_dim"] for kw in cases} == {64, 128} and len(cases) >= 8
-    assert any(kw.get("deterministic") for kw in cases)
-    # (the hd 128 "edv_dqa" column was timed through 2026-12-01 and dropped: within noise)
-    assert bwd_devrun.BENCH_VARIANTS[64]["m128_dqa"] == dict(tile_m=128, dq_arrive=True)
-
-
-def test_backward_tile_m_80_cleared_checked_and_benched(monkeypatch):
-    """tile_m 80 at hd 128 dense passed its 6 float64 checks, memcheck and racecheck on the
-    H200 (2026-12-01): admitted without the switch (choose never picks it: it was slower); its
-    "m80" check cases run it by direct calls; it is refused at the causal points."""
-    from devtools import bwd_devrun
-    cfg = BwdConfig(head_dim=128, tile_m=80)
-    assert cfg.check()[0] and verified.pending(cfg) == ()
-    monkeypatch.delenv(verified.ENV, raising=False)
-    verified.require_verified(cfg, "backward")
-    cases = {n: sh for n, kw, sh in bwd_devrun.CHECKS if kw.get("tile_m") == 80}
-    assert len(cases) == 6 and all("m80" in n for n in cases)
-    assert any(sh[1] > sh[2] for sh in cases.values())  # more query blocks than key blocks
-    # (its "m80" bench column ran in two benches of 2026-12-01, 0.87-0.94x early_dv: dropped)
-    dense = [(d, s) for d, s, c in bwd_devrun.VARIANT_POINTS if d == 128 and not c]
-    assert sorted(dense) == [(128, 1024), (128, 4096), (128, 16384)]
-    for d, s, c in bwd_devrun.VARIANT_POINTS:
-        if d == 128:
-            assert (bwd_devrun.variant_config(d, c, dict(tile_m=80)) is None) == c
-
-
 def test_forward_tile_pipe_checked():
-    """The persistent forward's tile pipe passed its device checks (2026-12-01): not gated;
+    """The persistent forward's tile pipe passed its device checks: not gated;
     its check cases (every head dim, causal, fp16 lengths) and bench column stay."""
     from devtools import devrun
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True)
@@ -172,7 +134,7 @@ def test_wide_backward_refuses_segments():
 def test_check_cases_compile_the_features_their_inputs_use():
     """Each GPU check case's config has exactly the features its inputs exercise: a variant
     compiled without a feature ignores that input, and the case would test a call dispatch
-    never makes (one did on 2026-12-01: key lengths given, has_kv_seqlen missing)."""
+    never makes (one did: key lengths given, has_kv_seqlen missing)."""
     from devtools import bwd_devrun
     from devtools import devrun
     for name, kw, (*_, ex) in devrun.CHECKS:
@@ -194,31 +156,15 @@ def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function(
             assert not (kw.get("has_softcap") or kw.get("has_alibi") or kw.get("has_segments")), name
 
 
-def test_forward_fresh_s_wide_tiles_checked():
-    """The 128-row `fresh_s` opt-in and the wider key tiles it fits passed their device checks
-    (2026-12-01): not gated; devrun keeps a check case for every benched wide tile."""
-    from devtools import devrun
-    for cfg in (FwdConfig(head_dim=128, tile_n=160, fresh_s=True),
-                FwdConfig(head_dim=256, tile_n=80, fresh_s=True, is_causal=True)):
-        assert verified.pending(cfg) == ()
-    assert verified.pending(FwdConfig(head_dim=128, tile_n=160)) == ()
-    checked = {(kw["head_dim"], kw["tile_n"], kw.get("is_causal", False))
-               for _, kw, _ in devrun.CHECKS if kw.get("fresh_s")}
-    for name, kw in devrun.VARIANTS.items():
-        if kw.get("fresh_s"):
-            assert (kw["head_dim"], kw["tile_n"], kw.get("is_causal", False)) in checked, name
-
-
 def test_forward_192_rows_persistent_checked_and_picked():
-    """192-row tiles on the persistent loop passed 6 GPU checks and the sanitizer (2026-12-01):
-    not gated, and what hd 64 plain calls get where the key loop is short (S <= 1k; causal
+    """192-row tiles on the persistent loop passed 6 GPU checks and the sanitizer: not gated, and what hd 64 plain calls get where the key loop is short (S <= 1k; causal
     S <= 4k); devrun keeps its check cases (dense, causal, T < S, lengths, window + softcap,
     tile pipe) and bench column."""
     from devtools import devrun
     from jaxflash.kernels.policy.choose import schedule_for
     assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()
     assert schedule_for(64, 1024, False, softcap=True) == dict(tile_m=192, persistent=True)
-    assert schedule_for(64, 1024, False)["tile_m"] == 256  # (since 2026-12-02)
+    assert schedule_for(64, 1024, False)["tile_m"] == 256
     assert schedule_for(64, 1024, True) == dict(tile_m=64, ctas_per_sm=2, tile_n=64,
                                                 persistent=True, tile_pipe=True,
                                                 tile_order="pairs", mask_select=True)
@@ -241,48 +187,16 @@ def test_gate_rules_live_outside_the_hashed_sources():
                                         "jaxflash.kernels.variants.fwd:FwdConfig")}
     files |= {m for m, _ in source_files("jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide",
                                          "jaxflash.kernels.variants.bwd:BwdConfig")}
-    files |= {m for m, _ in source_files("jaxflash.kernels.sm90.bwd_m80:FlashBwdSm90M80",
-                                         "jaxflash.kernels.variants.bwd:BwdConfig")}
-    assert "jaxflash.kernels.sm90.bwd_m80" in files
     assert "jaxflash.kernels.variants.fwd" in files and "jaxflash.kernels.sm90.bwd" in files
     assert "jaxflash.kernels.policy.verified" not in files and "jaxflash.kernels.policy.choose" not in files
     assert not hasattr(FwdConfig, "unverified") and not hasattr(BwdConfig, "unverified")
 
 
-def test_forward_end_aligned_tiles_checked_and_picked():
-    """End-aligned query tiles v2 (m_align="end", clamped first tile) passed 10 float64 checks,
-    bitwise repeats, memcheck and racecheck on the H200 (2026-12-01): not gated; picked for hd
-    64 causal S <= 1k without softcap until two CTAs per SM overtook them there (2026-12-01
-    late), so no longer picked; default keys do not name the field; devrun keeps their check
-    cases and bench columns."""
-    from devtools import devrun
-    from jaxflash.kernels.policy.choose import schedule_for
-    cfg = FwdConfig(head_dim=64, tile_m=192, persistent=True, is_causal=True, m_align="end")
-    assert verified.pending(cfg) == ()
-    assert "_mend" in cfg.key
-    assert "_mend" not in FwdConfig(head_dim=64, tile_m=192, is_causal=True).key
-    picked = {(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384)
-              for c in (False, True) if schedule_for(d, s, c).get("m_align") == "end"}
-    assert picked == set()
-    assert "m_align" not in schedule_for(64, 1024, True, softcap=True)
-    assert schedule_for(64, 1024, True, plain=False) == {}
-    cases = [(n, kw, p) for n, kw, p in devrun.CHECKS if kw.get("m_align") == "end"]
-    assert len(cases) >= 9 and all("mend" in n for n, _, _ in cases)
-    assert sum(1 for _, _, p in cases if p[-1].get("repeat", 0) >= 5) >= 2
-    assert devrun.VARIANTS["m192_ps_end"] == dict(head_dim=64, tile_m=192, persistent=True,
-                                                  m_align="end", is_causal=True)
-    for name in ("m192_ps_end", "m192_ps_end_we"):
-        points = {p for p in devrun.VARIANT_POINTS
-                  if devrun._variant(p[0], p[2], devrun.VARIANTS[name]) is not None}
-        assert {(64, 1024, True), (64, 4096, True)} <= points
-        assert all(d == 64 and c for d, _, c in points)
-
-
 def test_forward_wg_epilogue_checked_and_picked():
     """The per-warpgroup epilogue passed 8 float64 checks (bitwise repeats included), memcheck
-    and racecheck on the H200 (2026-12-01): not gated, picked where it was faster in both
-    runs (hd 128 dense S <= 1k; hd 128 and hd 64 causal S <= 1k until two CTAs per SM, with
-    one consumer warpgroup, overtook them there), only with persistent + its own O buffer."""
+    and racecheck on the H200: not gated, picked where it was faster in both runs (hd 128 at
+    S <= 1k, but causal without softcap, which runs two CTAs per SM), only with persistent +
+    its own O buffer."""
     from devtools import devrun
     from jaxflash.kernels.policy.choose import schedule_for
     cfg = FwdConfig(head_dim=128, persistent=True, tile_pipe=True, wg_epilogue=True)
@@ -298,7 +212,7 @@ def test_forward_wg_epilogue_checked_and_picked():
         FwdConfig(head_dim=256, persistent=True, wg_epilogue=True)  # O shares Q's buffer
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("wg_epilogue")]
     assert len(cases) >= 5 and {kw["head_dim"] for kw in cases} == {64, 128}
-    assert any(kw.get("tile_m") == 192 and kw.get("m_align") == "end" for kw in cases)
+    assert any(kw.get("tile_m") == 192 for kw in cases)
 
 
 def test_forward_lazy_rescale_exact_checked_picked_on_long_keys():
@@ -331,7 +245,7 @@ def test_forward_lazy_rescale_exact_checked_picked_on_long_keys():
 
 def test_backward_dq_flat_checked_benched_and_picked():
     """dq_flat (the dQ tile in fragment order, one bulk reduce per step) passed its checks on
-    the H200 (2026-12-01) and is picked wherever the step is 64 queries and on hd 64's
+    the H200 and is picked wherever the step is 64 queries and on hd 64's
     128-query step without a mask, except with ALiBi, segment ids, or softcap at hd 128; its
     check cases cover both kernels (hd 96 / 128 / 192
     / 256), fp16, deterministic, and a bench column sits beside hd 128's and hd 256's
@@ -359,29 +273,12 @@ def test_backward_dq_flat_checked_benched_and_picked():
     assert bwd_devrun.BENCH_VARIANTS[256]["dqf"] == dict(dq_flat=True)
 
 
-def test_backward_dq_flat_with_writer_cleared_not_picked():
-    """dq_flat with dq_writer (the writer warp's one bulk reduce per warpgroup part) passed its
-    checks and the sanitizers on the H200 (2026-12-01): cleared by the gate, not picked (two
-    benches: within noise of dq_flat alone); its check cases and an hd 128 bench column stay."""
-    from devtools import bwd_devrun
-    from jaxflash.kernels.policy.choose import backward_config
-    from devtools.devrun import grid_problem
-    cfg = BwdConfig(head_dim=128, early_dv=True, overlap_dq=True, dq_writer=True,
-                    dq_flat=True)
-    assert cfg.check()[0] and verified.pending(cfg) == ()
-    assert not any(backward_config(grid_problem(d, s, c)).dq_writer
-                   for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True))
-    cases = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_flat") and kw.get("dq_writer")]
-    assert {kw["head_dim"] for kw in cases} == {96, 128} and len(cases) >= 6
-    assert bwd_devrun.BENCH_VARIANTS[128]["edv_ovl_dqw_dqf"]["dq_writer"]
-
-
 def test_forward_pairs_cleared_and_picked_where_measured():
     """tile_order "pairs" (persistent causal tiles two by two, tile m with tile nm - 1 - m)
-    passed its GPU checks (2026-12-01) and is picked at causal hd 128 / 256 up to 4k (won both
-    benches there; and with two CTAs per SM at hd 64 / 128 1k), not at 16k, hd 64 with 192
-    rows, dense, softcap or masks it was not measured with; its
-    check cases cover hd 64 (192 rows, end-aligned too) / 96 / 128 / 256, odd and even tile
+    passed its GPU checks and is picked at causal hd 128 / 256 up to 4k (won both benches
+    there; and with two CTAs per SM at hd 64 / 128 1k), not at 16k, hd 64 with 192 rows, dense,
+    softcap or masks it was not measured with; its check cases cover hd 64 (192 rows) / 96 /
+    128 / 256, odd and even tile
     counts, T < S and T > S, window with lengths, fp16, and a "pick_pairs" bench column sits
     beside the pick at every causal grid point."""
     from devtools import devrun
@@ -401,13 +298,13 @@ def test_forward_pairs_cleared_and_picked_where_measured():
     assert schedule_for(128, 4096, True, plain=False) == {}  # windows etc.: the default
     cases = [kw for _, kw, _ in devrun.CHECKS if kw.get("tile_order") == "pairs"]
     assert {kw["head_dim"] for kw in cases} == {64, 96, 128, 256} and len(cases) >= 10
-    assert any(kw.get("m_align") == "end" for kw in cases)
+    assert any(kw.get("tile_m") == 192 for kw in cases)
     assert any(kw.get("has_window") and kw.get("has_q_seqlen") for kw in cases)
 
 
 def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
     """tail_lpt (the last heads' backward CTAs launched key-block-major) passed its GPU checks
-    (2026-12-01) and is picked on every plain causal backward (faster in both benches at every
+    and is picked on every plain causal backward (faster in both benches at every
     causal point), with dq_flat at hd 64 (which pays there only with it); never dense,
     deterministic, windowed, softcapped; its check cases cover hd 64 / 128 / 256,
     deterministic, lengths with empty rows, fp16, T < S and T > S, and bench columns sit beside
@@ -438,7 +335,7 @@ def test_backward_tail_lpt_cleared_and_picked_on_plain_causal():
 
 def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
     """64-row tiles at two CTAs per SM passed their float64 checks and the sanitizers on the
-    H200 (2026-12-01 23:25-23:35 UTC): cleared, and picked where two benches measured a gain,
+    H200: cleared, and picked where two benches measured a gain,
     causal S <= 1k at hd 64 / 128 without softcap (64-key stages, paired tiles); tile_m 64 and
     ctas_per_sm 2 come together; shared memory is held to half the SM's; check cases cover
     hd 64 / 96 / 128, persistent or not, pairs, window with lengths, softcap, fp16."""
@@ -452,6 +349,12 @@ def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
     for bad in (dict(tile_m=64), dict(ctas_per_sm=2), dict(tile_m=64, ctas_per_sm=3)):
         with pytest.raises(ValueError, match="ctas_per_sm"):
             FwdConfig(head_dim=128, **bad)
+    # 128-row tiles at two CTAs per SM (hd 64) hung on the H200: the consumers' setmaxnreg.inc
+    # wants more registers than the producer's decrease frees (`test_kernels_compile`,
+    # `test_setmaxnreg_raises_fit_the_registers_the_producer_frees`): refused as a config
+    with pytest.raises(ValueError, match="ctas_per_sm"):
+        FwdConfig(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, persistent=True,
+                  tile_pipe=True)
     with pytest.raises(ValueError, match="head_dim"):  # ptxas C7602 under 128 registers
         FwdConfig(head_dim=256, tile_m=64, ctas_per_sm=2, num_stages=1)
     with pytest.raises(ValueError, match="shared memory"):  # two 128-key stages: too big
@@ -473,7 +376,7 @@ def test_forward_two_ctas_per_sm_cleared_and_picked_where_measured():
 
 
 def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
-    """`mask_skip` (checked on the H200 2026-12-02) is cleared and named in the key; dispatch
+    """`mask_skip` (checked on the H200) is cleared and named in the key; dispatch
     picks it at the dense points where two interleaved benches showed it paying (hd 128 every
     length, hd 64 4k), not at causal ones, softcap or non-plain calls; the bench times the pick
     with it flipped at every dense grid point; check cases cover key lengths on and off the
@@ -487,7 +390,7 @@ def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
     assert "_msk" not in FwdConfig(head_dim=128).key
     picked = {(d, s_) for d in (64, 128, 256) for s_ in (1024, 4096, 16384)
               if forward_config(grid_problem(d, s_, 0)).mask_skip}
-    # (hd 64 1k: with the 256-row tiles picked there, 2026-12-02)
+    # (hd 64 1k: with the 256-row tiles picked there)
     assert picked == {(128, 1024), (128, 4096), (128, 16384), (64, 4096), (64, 1024)}
     for d in (64, 128, 256):
         for s_ in (1024, 4096, 16384):
@@ -507,8 +410,8 @@ def test_forward_mask_skip_cleared_picked_where_measured_and_benched():
 
 
 def test_forward_mask_select_cleared_picked_at_causal_and_benched():
-    """`mask_select` (checked on the H200 2026-12-02) is cleared and named in the key, refused
-    where it is implied (192 rows with overlap); dispatch picks it for every plain causal call
+    """`mask_select` (checked on the H200) is cleared and named in the key, refused where it
+    is implied (192-row tiles); dispatch picks it for every plain causal call
     whose tile is not 192 rows at the head dims whose checks ran (hd 192's too), nowhere
     else; the bench times the pick with it flipped at every causal grid point; check cases
     cover the causal picks, T < S, softcap, a window with lengths (empty rows), a dense key
@@ -535,7 +438,7 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     assert any(kw.get("has_window") and kw.get("has_kv_seqlen") for kw in cases)
     assert any(not kw.get("is_causal") for kw in cases)
     assert any(kw.get("ctas_per_sm") == 2 for kw in cases)
-    # hd 192's case passed on the H200 (2026-12-02): picked there too
+    # hd 192's case passed on the H200: picked there too
     assert schedule_for(192, 4096, True)["mask_select"]
     assert schedule_for(96, 4096, True) == {"mask_select": True}
     # the masked calls off the grid: timed with and without it before dispatch gives it them
@@ -545,7 +448,7 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
     assert all(c.has_window or c.has_kv_seqlen for c in feats)
     for _, kw, ex in FEAT_BENCH:
         cols = columns(kw, ex)
-        # dispatch gives these calls the plain call's schedule (measured 2026-12-02)
+        # dispatch gives these calls the plain call's schedule (measured with feat_bench)
         d = cols["dispatched"]
         assert d == FwdConfig(**kw, **schedule_for(d.head_dim, 4096, d.is_causal))
         assert d.persistent and cols["default"] == FwdConfig(**kw)
@@ -553,7 +456,7 @@ def test_forward_mask_select_cleared_picked_at_causal_and_benched():
 
 
 def test_forward_masked_calls_take_the_plain_schedule():
-    """Windows and key lengths get the plain call's schedule (feat_bench, H200 2026-12-02);
+    """Windows and key lengths get the plain call's schedule (feat_bench, H200);
     query lengths, ALiBi and segment ids keep the default; the float64 cases hold each picked
     schedule together with a window or lengths."""
     from jaxflash._types import AttentionStatics, Problem
@@ -593,35 +496,9 @@ def _picked_where(flag: str, where) -> None:
                 assert got == bool(where(d, s_, c)), (flag, d, s_, c)
 
 
-def _never_picked(flag: str) -> None:
-    """No point of the anchor grid dispatches to a backward config with ``flag`` set."""
-    _picked_where(flag, lambda d, s_, c: False)
-
-
-def test_backward_dq_wg_flush_cleared_keyed_checked_not_picked():
-    """dq_wg_flush (each warpgroup of the wide kernel reduce-adds its own dQ half) passed its
-    H200 checks (2026-12-02) and is cleared, but lost to dq_flat alone there: it is keyed,
-    double-buffers P^T / dS^T, is refused outside dq_flat / the wide kernel / deterministic,
-    and dispatch never picks it; its check cases and D=256 bench columns stay."""
-    from devtools import bwd_devrun
-    cfg = BwdConfig(head_dim=256, dq_flat=True, dq_wg_flush=True)
-    base = BwdConfig(head_dim=256, dq_flat=True)
-    assert "_dqg" in cfg.key and cfg.num_stages == 1
-    assert cfg.smem_bytes() == base.smem_bytes() + 2 * 64 * 64 * 2 <= 227 * 1024
-    assert verified.pending(cfg) == ()
-    for bad in (dict(head_dim=256), dict(head_dim=128, dq_flat=True),
-                dict(head_dim=256, dq_flat=True, deterministic=True)):
-        with pytest.raises(ValueError, match="dq_wg_flush"):
-            BwdConfig(dq_wg_flush=True, **bad)
-    _never_picked("dq_wg_flush")
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("dq_wg_flush")]
-    assert len(kws) >= 6 and {kw["head_dim"] for kw in kws} == {192, 256}
-    assert any(kw.get("is_causal") for kw in kws) and any(kw.get("has_window") for kw in kws)
-
-
 def test_backward_q_multicast_cleared_keyed_refused_picked_at_dense_hd256_from_4k():
     """q_multicast (key-block pairs sharing Q / dO loads by TMA multicast) passed its H200
-    checks (2026-12-02): cleared, keyed, refused where the pair's CTAs would walk different
+    checks: cleared, keyed, refused where the pair's CTAs would walk different
     query blocks, and picked at plain dense hd 256 from 4k keys only (where it was measured
     faster); its check cases and bench columns stay."""
     from devtools import bwd_devrun
@@ -633,7 +510,8 @@ def test_backward_q_multicast_cleared_keyed_refused_picked_at_dense_hd256_from_4
     assert cfg.smem_bytes() == base.smem_bytes() and cfg.num_stages == base.num_stages
     assert verified.pending(cfg) == () and verified.pending(base) == ()
     assert "_tl" in BwdConfig(head_dim=256, is_causal=True, tail_lpt=True, q_multicast=True).key
-    for bad in (dict(has_window=True), dict(deterministic=True), dict(head_dim=128, tile_m=80)):
+    for bad in (dict(has_window=True), dict(deterministic=True), dict(has_segments=True,
+                                                                        head_dim=128)):
         with pytest.raises(ValueError, match="q_multicast"):
             BwdConfig(**{"head_dim": 256, "q_multicast": True, **bad})
     _picked_where("q_multicast", lambda d, s_, c: d == 256 and s_ >= 4096 and not c)
@@ -646,27 +524,9 @@ def test_backward_q_multicast_cleared_keyed_refused_picked_at_dense_hd256_from_4
     assert {"edv_dqf_qmc", "edv_dqf_tl_qmc"} <= set(bwd_devrun.BENCH_VARIANTS[128])
 
 
-def test_backward_do_first_cleared_keyed_wide_only_not_picked():
-    """do_first (the wide kernel's step takes dP^T first and releases dO after dV) passed its
-    H200 checks (2026-12-02) but was within 1% of the picks (mostly behind): cleared, keyed,
-    wide kernel only, never picked; check cases (alone, with tail_lpt, with q_multicast)
-    stay (its bench columns were dropped after two runs)."""
-    from devtools import bwd_devrun
-    cfg = BwdConfig(head_dim=256, dq_flat=True, do_first=True)
-    base = BwdConfig(head_dim=256, dq_flat=True)
-    assert "_dof" in cfg.key and cfg.smem_bytes() == base.smem_bytes()
-    assert verified.pending(cfg) == ()
-    with pytest.raises(ValueError, match="do_first"):
-        BwdConfig(head_dim=128, do_first=True)
-    _never_picked("do_first")
-    kws = [kw for _, kw, _ in bwd_devrun.CHECKS if kw.get("do_first")]
-    assert len(kws) >= 8 and {kw["head_dim"] for kw in kws} == {192, 256}
-    assert any(kw.get("tail_lpt") for kw in kws) and any(kw.get("q_multicast") for kw in kws)
-
-
 def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
-    """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks (2026-12-02)
-    and are picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and
+    """256-row tiles (hd 64, four consumer warpgroups) passed their H200 checks and are
+    picked, with mask_skip, for dense hd 64 calls up to 2k keys (no softcap) and
     nowhere else on the grid; other head dims, wider key tiles and softcap are refused as
     configs; check cases cover dense (odd lengths, 1k against cuDNN with repeats, T > S with
     mask_skip, shorter than a tile), causal pairs and T < S, a window with lengths, fp16."""
@@ -702,26 +562,3 @@ def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     assert devrun._variant(64, False, devrun.VARIANTS["m256"]) is not None
     assert devrun._variant(64, True, devrun.VARIANTS["m256_pairs"]).mask_select
     assert {(64, 1024, False), (64, 2048, False)} <= devrun.VARIANT_POINTS
-
-
-def test_forward_two_ctas_at_128_rows_refused_never_picked_never_run(monkeypatch):
-    """128-row tiles at two CTAs per SM (hd 64) hung on the H200 (2026-12-02: the consumers'
-    setmaxnreg.inc wants more registers than the producer's decrease frees at 80 per thread,
-    `test_setmaxnreg_raises_fit_the_registers_the_producer_frees`): the gate refuses them,
-    dispatch never picks them, and no check case or bench column runs them."""
-    from devtools import devrun
-    from jaxflash.kernels.policy.choose import forward_config
-    from devtools.devrun import grid_problem
-    cfg = FwdConfig(head_dim=64, tile_m=128, ctas_per_sm=2, tile_n=64, persistent=True,
-                    tile_pipe=True)
-    assert verified.pending(cfg) == ("two CTAs per SM at tile_m 128",)
-    monkeypatch.delenv(verified.ENV, raising=False)
-    with pytest.raises(NotImplementedError, match="tile_m 128"):
-        verified.require_verified(cfg, "forward")
-    for d in (64, 128, 256):
-        for s_ in (1024, 4096, 16384):
-            for c in (0, 1):
-                pick = forward_config(grid_problem(d, s_, c))
-                assert not (pick.ctas_per_sm == 2 and pick.tile_m == 128)
-    runs = [kw for _, kw, _ in devrun.CHECKS] + list(devrun.VARIANTS.values())
-    assert not any(kw.get("ctas_per_sm") == 2 and kw.get("tile_m") == 128 for kw in runs)

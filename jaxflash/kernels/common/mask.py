@@ -23,56 +23,31 @@ class BlockRange(Carried):
 
     has_right: a right bound exists (causal or window); has_left: a left bound exists (window).
     window_right must already be min(right, 0) when causal.
-    row_shift: None (tile m starts at row m * tile_m) or, for end-aligned tiles
-    (``FwdConfig.m_align="end"``), ceil(T / tile_m) * tile_m - T: tile m then covers rows
-    [first_row(m), first_row(m) + tile_m) with first_row(m) = max(0, m * tile_m - row_shift),
-    and owns (writes LSE for) rows [m * tile_m - row_shift, own_end(m)) clipped at 0. Tile 0 is
-    clamped to row 0, so it recomputes rows [tile_m - row_shift, tile_m) of tile 1; no row is
-    ever negative (a TMA box at a negative row crashed on the H200, NOTES.md).
     """
 
     _dynamic = ("window_left", "window_right")
 
     def __init__(self, tile_m: int, tile_n: int, has_right: bool, has_left: bool,
-                 window_left: Int32, window_right: Int32, row_shift: Int32 = None):
+                 window_left: Int32, window_right: Int32):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.has_right = has_right
         self.has_left = has_left
         self.window_left = window_left
         self.window_right = window_right
-        self.row_shift = row_shift
-        if row_shift is not None:
-            self._dynamic = BlockRange._dynamic + ("row_shift",)
 
     def first_row(self, m_block: Int32):
-        """The tile's first row (never negative)."""
-        if cutlass.const_expr(self.row_shift is None):
-            return m_block * self.tile_m
-        return cutlass.max(m_block * self.tile_m - self.row_shift, 0)
+        """The tile's first row."""
+        return m_block * self.tile_m
 
     def end_row(self, m_block: Int32):
         """One past the tile's last row (may pass T; callers clip)."""
-        if cutlass.const_expr(self.row_shift is None):
-            return (m_block + 1) * self.tile_m
-        return self.first_row(m_block) + self.tile_m
-
-    def own_end(self, m_block: Int32, T: Int32):
-        """One past the last row the tile owns: T for start-aligned tiles (their rows are
-        disjoint; rows past T are clipped), else (m + 1) * tile_m - row_shift (<= T), which
-        leaves the rows tile 0 shares with tile 1 to tile 1."""
-        if cutlass.const_expr(self.row_shift is None):
-            return T
-        return (m_block + 1) * self.tile_m - self.row_shift
+        return (m_block + 1) * self.tile_m
 
     def row_box(self, t: cute.Tensor, m_block: Int32, cols: int):
         """Tile m_block's (tile_m, cols) box of a (T, cols) TMA coordinate tensor (Q load, O
-        store). End-aligned tiles offset the coordinates by `first_row` (>= 0) and take box 0:
-        no coordinate is ever negative."""
-        if cutlass.const_expr(self.row_shift is None):
-            return cute.local_tile(t, (self.tile_m, cols), (m_block, 0))
-        t = cute.domain_offset((self.first_row(m_block), 0), t)
-        return cute.local_tile(t, (self.tile_m, cols), (0, 0))
+        store)."""
+        return cute.local_tile(t, (self.tile_m, cols), (m_block, 0))
 
     @cute.jit
     def n_block_min_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
@@ -146,12 +121,10 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
                seqlen_k: Int32, window_left: Int32, window_right: Int32,
                mask_seqlen: cutlass.Constexpr[bool], mask_right: cutlass.Constexpr[bool],
                mask_left: cutlass.Constexpr[bool], by_select: cutlass.Constexpr[bool] = False,
-               row_start: Int32 = None, skip_full: cutlass.Constexpr[bool] = False):
+               skip_full: cutlass.Constexpr[bool] = False):
     """Set invisible scores of one (tile_m x tile_n) block to -inf.
 
-    The tile's first row is ``m_block * tile_m``, or ``row_start`` when given (end-aligned
-    tiles: `BlockRange.first_row`; then ``m_block`` is unused). Columns are compared as
-    compile-time offsets against per-row limits shifted by the thread's base column, so the
+    The tile's first row is ``m_block * tile_m``. Columns are compared as compile-time offsets against per-row limits shifted by the thread's base column, so the
     inner loop is one compare + select per register.
 
     by_select: write every register through one select instead of a conditional store. The
@@ -166,13 +139,12 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
     if cutlass.const_expr(skip_full and mask_seqlen and not (mask_right or mask_left)):
         if (n_block + 1) * tile_n > seqlen_k:
             apply_mask(acc_s, coords, m_block, n_block, tile_m, tile_n, seqlen_k, window_left,
-                       window_right, True, False, False, by_select, row_start)
+                       window_right, True, False, False, by_select)
         return
     s = acc_as_rows_cols(acc_s)
     t0 = coords.t0
     col0 = n_block * tile_n + coords.base_col
-    if cutlass.const_expr(row_start is None):
-        row_start = m_block * tile_m
+    row_start = m_block * tile_m
     if cutlass.const_expr(by_select):
         _mask_by_select(s, t0, row_start + coords.base_row - col0, seqlen_k - col0,
                         window_left, window_right, tile_n, mask_seqlen, mask_right, mask_left)

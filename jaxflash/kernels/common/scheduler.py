@@ -12,7 +12,7 @@ the hardware launches CTAs (increasing blockIdx.x) chosen for the two regimes:
   tile m and tile nm - 1 - m of one head, so every pair costs about nm + 1 key blocks and a
   static round-robin of pairs balances the CTAs. The LPT order dealt round-robin to a fixed
   set of persistent CTAs does not: at D=128 S=1k causal its busiest CTA gets 1.19x the mean
-  work (a model of the order, NOTES.md "Persistent causal balance"), pairs 1.03x. The order
+  work (a model of the order, `devtools.sched_model`), pairs 1.03x. The order
   runs over *slots* (2 per pair); with an odd nm the middle tile's second slot is empty and
   the producer skips it (hence the tile pipe, which tells the consumers only real tiles).
 """

@@ -24,8 +24,8 @@ LN2 = math.log(2.0)
 # before the output is rescaled. FlashAttention-4 uses 8 (probabilities <= 256); 0 here: a row
 # rescales whenever its max grows, exactly as `step`, so results are bitwise those of `step`
 # and only the multiplications by exactly 1 are skipped. With 8, the error against float64
-# was 1.04-1.16x cuDNN's on the H200 (2026-12-01): a stale reference leaves the dominant
-# probability rounded to bf16 instead of an exact 1 (NOTES.md, "Conditional rescaling").
+# was 1.04-1.16x cuDNN's on the H200: a stale reference leaves the dominant probability
+# rounded to bf16 instead of an exact 1 (docs/design.md).
 LAZY_RESCALE_LOG2 = 0.0
 
 

@@ -5,10 +5,9 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
 - One CTA per (key block n, kv head, batch): ``tile_n`` = 128 keys, split over 2 consumer
   warpgroups of 64 key rows, plus 1 producer warpgroup (setmaxnreg 24 / 240). K and V of the
   block are loaded once (TMA) and stay in shared memory. The CTA loops over the query heads of
-  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 at hd 64;
-  80 at hd 128 dense is `hopper_bwd_m80`, dQ computed transposed) that can see the key block
-  (`mask.QueryBlockRange`), so dK and dV are summed over the group in registers: no atomics
-  for them and no K/V copies.
+  its GQA group and, for each, over the query blocks m (``tile_m`` = 64, or 128 at hd 64)
+  that can see the key block (`mask.QueryBlockRange`), so dK and dV are summed over the group
+  in registers: no atomics for them and no K/V copies.
 - Producer: warp 0 issues TMA loads of Q with its LSE row slice and dO with its delta slice
   (``num_stages`` each), in the consumers' order.
 - Consumers, per step, with the keys as the wgmma M dimension ("swapAB", so every operand is in
@@ -24,8 +23,8 @@ Shape of the kernel (the FA2/FA3 backward scheme, written here from the papers):
                                  warpgroups by columns at tile_m 64, by 64-query rows at
                                  tile_m 128) then added to the float32 dQ accumulator in global
                                  memory (other CTAs add to the same rows): staged in shared
-                                 memory and added by TMA reduce-adds (``dq_accum="tma"``; one
-                                 per 8-column slab at tile_m 128), or red.global.add.f32
+                                 memory and added by TMA reduce-adds (one per 8-column slab
+                                 at tile_m 128), or with ``dq_flat`` one flat bulk reduce
 - Epilogue: dK * scale and dV converted to the input dtype, written to shared memory (K's and
   V's buffers, free by then) with stmatrix and stored by TMA (which clips rows past S).
 
@@ -110,11 +109,9 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         self.producer_regs, self.mma_regs = 24, 240
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
-        self.dq_tma = config.dq_accum == "tma"
-        self.dq_writer = config.dq_writer
         # `dq_flat`: the staging tile in fragment order, one bulk reduce (no TMA tensor map)
         self.dq_flat = config.dq_flat
-        self.dq_box = self.dq_tma and not self.dq_flat
+        self.dq_box = not self.dq_flat
         # How the two warpgroups split the tile_m x hd dQ tile of a step: at tile_m 64 (one
         # wgmma M atom) by head-dim halves; at tile_m 128 by 64-query row halves, each with the
         # whole head dim: wgmma N = hd instead of hd/2 (half the instructions) and each
@@ -131,15 +128,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         # reduce-add then takes hd/8 boxes.
         self.dq_swizzle = config.tile_m == 64
         self.dq_atom_cols = self.dq_cols if self.dq_swizzle else 8
-        # Zero the S^T and dQ accumulators before their zero-init GEMMs (`layouts.wgmma` clear)
-        # where the stale value they would feed in costs registers: tile_m 128 with overlap_dq
-        # spilled 32 B without it and is clean with it (ptxas, 2026-12-01). Not on dP^T: zeroing
-        # it while S^T is in flight makes ptxas inject a wait for S^T (C7517). Off elsewhere, so
-        # the other variants' PTX stays as measured.
-        self.clear_acc = config.tile_m == 128 and config.overlap_dq
-        # dQ tile computed as [tile_m, hd] here; `hopper_bwd_m80` computes it as [hd, tile_m]
-        # (dQ^T = K^T dS^T) and stores it through a transposed view of sdQ.
-        self.dq_transposed = False
 
     @classmethod
     def can_implement(cls, config: BwdConfig) -> tuple[bool, str]:
@@ -237,15 +225,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         tma_dK, tma_mdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_layout, (self.tile_n, self.hd))
         tma_dV, tma_mdV = cpasync.make_tiled_tma_atom(s2g, mdV, sV_layout, (self.tile_n, self.hdv))
         tma_dQ, tma_mdQ = None, mdQ
-        if const_expr(self.dq_flat):
-            pass  # one flat bulk reduce per step (`flush_dq`): no tensor map
-        elif const_expr(self.dq_writer):
-            # One reduce-add per warpgroup half (`write_dq`): the box is that half, whose
-            # shared-memory layout is the whole tile's restricted to its (whole) atoms.
-            tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, self.dq_part_layout(),
-                (self.tile_m, self.dq_cols))
-        else:
+        if const_expr(self.dq_box):  # (`dq_flat`: one flat bulk reduce per step, no tensor map)
             tma_dQ, tma_mdQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQ, sdQ_layout, (self.tile_m, self.hd))
         self.q_bytes = cute.size_in_bytes(self.dtype, sel(sQ_layout)) + self.tile_m * 4
@@ -265,8 +245,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[
-                Float32, cute.cosize(sdQ_layout) if self.dq_tma else 0], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         S = mK.shape[0]
         num_n_blocks = self.pair_grid_x((S + self.tile_n - 1) // self.tile_n)
@@ -280,9 +259,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         ).launch(grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
                  stream=stream, min_blocks_per_mp=1, **self.pair_launch())
 
-    # The two things the subclasses (`hopper_bwd_wide`, `hopper_bwd_m80`) change; everything
-    # else of the launch (TMA atoms, shared storage, grid) is shared. Called while tracing
-    # `launch`.
+    # The two things the subclass `FlashBwdSm90Wide` changes; everything else of the launch
+    # (TMA atoms, shared storage, grid) is shared. Called while tracing `launch`.
     def tiled_mmas(self):
         """(S^T / dP^T, dK, dV, dQ) tiled MMAs of the key-split scheme."""
         K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
@@ -306,10 +284,10 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         return tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq
 
     def row_layout(self):
-        """LSE / delta rows in shared memory, [tile_m, stage], the stages 128 B apart: each is
-        a TMA destination (`BwdConfig.row_stage_stride`). Shared by both backward kernels."""
-        return cute.make_layout((self.tile_m, self.num_stages),
-                                stride=(1, self.cfg.row_stage_stride))
+        """LSE / delta rows in shared memory, [tile_m, stage]: each stage is a TMA
+        destination, 128-byte aligned (tile_m floats, a multiple of 32). Shared by both
+        backward kernels."""
+        return cute.make_layout((self.tile_m, self.num_stages), stride=(1, self.tile_m))
 
     def smem_layouts(self):
         """(Q, dO, K, V, dS^T, LSE / delta rows, dQ) shared-memory layouts."""
@@ -389,9 +367,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDelta = storage.sDelta.get_tensor(sRow_layout)
-        sdQ = None
-        if const_expr(self.dq_tma):
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
         # Runtime scalars (device-resident: new values never recompile).
         softmax_scale = mFScalars[0]
@@ -442,10 +418,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 self.produce(mQ, mK, mV, mdO, mLSE, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
                              tma_Q, tma_K, tma_V, tma_dO, tma_LSE, tma_Dl, pipe_kv, pipe_q,
                              pipe_do, n_block, kv_head, batch, group, m_min, num_m, num_steps)
-            if const_expr(self.dq_writer):
-                if warp_idx == 1:
-                    self.write_dq(mdQ, sdQ, tma_dQ, kv_head, batch, group, m_min, num_m,
-                                  num_steps)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(mdQ, mdK, mdV, sQ, sK, sV, sdO, sdS, sLSE, sDelta, sdQ, tma_dK, tma_dV,
@@ -530,7 +502,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         tdVrdOt = wg_dv.make_fragment_B(wg_dv.partition_B(layouts.transpose_mn(sdO)))
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
         dq_ops = self.dq_operands(wg_dq, sdS, sK)
-        (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds, tdSsdS,
+        (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, st_atom, thr_st_ds, tdSsdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sdS, sdQ)
         # ALiBi slope in S^T units (the exp2 applies the softmax scale to the whole score).
@@ -556,7 +528,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 buf = step % 2
                 pipe_q.consumer_wait(state)
                 layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
-                              zero_init=True, wait=-1, clear=self.clear_acc)
+                              zero_init=True, wait=-1)
                 pipe_do.consumer_wait(state)
                 layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
                               zero_init=True, wait=-1)
@@ -600,9 +572,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                     # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
                     layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
                                   tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
-                if const_expr(not self.cfg.overlap_dq):
-                    layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
-                                  tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
+                layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
+                              tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
                 if const_expr(self.cfg.has_alibi):
                     # acc_dP still holds dS^T in float32 (under the dK GEMM, which reads rdS).
                     # Measured with ptxas: here hd <= 96 has no spills; at the end of the step
@@ -612,31 +583,16 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                                                   mdAlibi, dslope)
                 cute.copy(st_atom, thr_st_ds.retile(rdS), tdSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
-                if const_expr(self.dq_tma and not self.dq_writer):
-                    if warp_idx == 4:
-                        # The previous step's reduce has read sdQ once this barrier is passed.
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if warp_idx == 4:
+                    # The previous step's reduce has read sdQ once this barrier is passed.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                if const_expr(self.cfg.overlap_dq):
-                    # dQ first, then dK: the dQ tile's store, barrier and reduce-add run while
-                    # the tensor cores compute dK (groups complete in order: <= 1 pending
-                    # means dV and dQ are done).
-                    self.dq_gemm(tiled_mma_dq, acc_dQ, dq_ops, buf, -1, self.clear_acc)
-                    layouts.wgmma(tiled_mma_dk, acc_dK, layouts.acc_as_operand_a(rdS),
-                                  tdKrQt[None, None, None, stage], zero_init=False, wait=1)
-                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                                  head, batch, n_block, T, warp_idx, mSem, blocks)
-                    warpgroup.wait_group(0)  # dK read Q (and rdS): then release the stage
-                    pipe_q.consumer_release(state)
-                    pipe_do.consumer_release(state)
-                    state.advance()
-                else:
-                    self.dq_gemm(tiled_mma_dq, acc_dQ, dq_ops, buf, 0, False)
-                    pipe_q.consumer_release(state)
-                    pipe_do.consumer_release(state)
-                    state.advance()
-                    self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                                  head, batch, n_block, T, warp_idx, mSem, blocks)
+                self.dq_gemm(tiled_mma_dq, acc_dQ, dq_ops, buf)
+                pipe_q.consumer_release(state)
+                pipe_do.consumer_release(state)
+                state.advance()
+                self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, m_block, head, batch, n_block,
+                              warp_idx, mSem, blocks)
 
         self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
                         sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)
@@ -676,22 +632,21 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
 
     def dq_operands(self, wg_dq, sdS, sK):
         """The dQ GEMM's shared-memory operand fragments: A = dS (dS^T's transposed view, a
-        buffer mode last), B = K^T. Plain Python (inlined while `consume` is traced);
-        `hopper_bwd_m80` swaps them."""
+        buffer mode last), B = K^T. Plain Python (inlined while `consume` is traced)."""
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sdS)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
         return tdQrdS, tdQrKt
 
-    def dq_gemm(self, tiled_mma_dq, acc_dQ, dq_ops, buf, wait: int, clear: bool):
-        """acc_dQ = dS K from dS^T buffer `buf` (`dq_operands`), one wgmma group."""
+    def dq_gemm(self, tiled_mma_dq, acc_dQ, dq_ops, buf):
+        """acc_dQ = dS K from dS^T buffer `buf` (`dq_operands`), one wgmma group, waited for."""
         tdQrdS, tdQrKt = dq_ops
         layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
-                      zero_init=True, wait=wait, clear=clear)
+                      zero_init=True, wait=0)
 
     def consumer_tiles(self, tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv, thr_dq,
                        tidx, sdS, sdQ):
-        """A consumer thread's accumulators (dK / dV zeroed), its coordinates in the S^T and dQ
-        tiles, its stmatrix atom, slice and partition of the dS^T (and P^T) buffer, and its
+        """A consumer thread's accumulators (dK / dV zeroed), its coordinates in the S^T
+        tile, its stmatrix atom, slice and partition of the dS^T (and P^T) buffer, and its
         partition of the dQ tile: the same in both backward kernels (only the MMAs that shape
         them differ). Plain Python, inlined while `consume` is traced."""
         acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((self.tile_n, self.tile_m)))
@@ -701,18 +656,14 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         coords = TileCoords.make(tiled_mma_sdp, tidx, (self.tile_n, self.tile_m))
-        dq_mn = (self.hd, self.tile_m) if self.dq_transposed else (self.tile_m, self.hd)
-        dq_coords = TileCoords.make(tiled_mma_dq, tidx, dq_mn)
         st_atom = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st_ds = cute.make_tiled_copy_C(st_atom, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(sdS)
-        tdQsdQ = None
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(dq_mn))
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.hd)))
         if const_expr(self.dq_flat):
             tdQsdQ = self.dq_flat_partition(sdQ, tidx)
-        elif const_expr(self.dq_tma):
-            tdQsdQ = thr_dq.partition_C(layouts.transpose_mn(sdQ) if self.dq_transposed
-                                        else sdQ)
-        return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_ds,
-                tdSsdS, tdQsdQ)
+        else:
+            tdQsdQ = thr_dq.partition_C(sdQ)
+        return (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, st_atom, thr_st_ds, tdSsdS,
+                tdQsdQ)

@@ -4,9 +4,9 @@ The backward launches one CTA per key block of each (kv head, batch), x = key bl
 and the hardware starts CTAs in launch order as SMs free up. Under a causal mask key block n
 has fewer query blocks the larger n is, so head after head the order runs long -> short, and
 the *last* heads' longest CTAs start in the final wave: the busiest SM ends ~6-7% after the
-mean at D=128 / 256 S = 1k / 4k (a list-scheduling model of the launch, NOTES.md "Backward
-launch order"). `BwdConfig.tail_lpt` keeps that order for all but the last few heads and
-launches those key-block-major (every tail head's block 0, then every block 1, ...), so the
+mean at D=128 / 256 S = 1k / 4k (a list-scheduling model of the launch,
+`devtools.sched_model`). `BwdConfig.tail_lpt` keeps that order for all but the last few heads
+and launches those key-block-major (every tail head's block 0, then every block 1, ...), so the
 final wave ends with short CTAs (model: 1.01-1.02). Only the tail is reordered, so the heads
 whose CTAs run together still share Q / dO and their dQ accumulator in L2: the tail's heads
 are as many as fit an L2 budget (Q, dO and the float32 dQ rows of a head).

@@ -1,5 +1,5 @@
 """The backward step's elementwise math, shared by every Hopper backward kernel
-(`FlashBwdSm90`, `FlashBwdSm90Wide`, `FlashBwdSm90M80`): P^T from S^T and the LSE rows, dS^T
+(`FlashBwdSm90`, `FlashBwdSm90Wide`): P^T from S^T and the LSE rows, dS^T
 from dP^T and the delta rows (times the softcap derivative), and the ALiBi slope gradient.
 
 The tiles are transposed (rows = keys, columns = queries), so every per-query value (lse2,
@@ -22,8 +22,7 @@ class BwdStepMath:
     def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
                              stage: Int32, scale_log2: Float32):
         """`probs_and_grads`, then P^T and dS^T in the input dtype (the RS operands of dV and
-        dK). Plain Python (inlined while `consume` is traced); `hopper_bwd_m80` converts
-        per column group instead."""
+        dK). Plain Python (inlined while `consume` is traced)."""
         self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))

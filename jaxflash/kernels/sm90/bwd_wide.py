@@ -1,13 +1,13 @@
 """FlashAttention backward for Hopper at head dims 192 / 256: `FlashBwdSm90Wide`.
 
-`hopper_bwd.FlashBwdSm90` gives each consumer warpgroup 64 key rows of dK and dV (hd/2 + hd/2
+`sm90.bwd.FlashBwdSm90` gives each consumer warpgroup 64 key rows of dK and dV (hd/2 + hd/2
 floats per thread): 256 registers of accumulators at hd 256, more than setmaxnreg's 240. Here
 (the FlashAttention-3 hdim-256 idea, written from the description) the two consumer warpgroups
 split the *head dim* instead:
 
 - One CTA per (key block n of ``tile_n`` = 64, kv head, batch); producer warp 0 as in the base
   kernel (K, V once; Q + LSE, dO + delta per step). Same GQA loop, masks, LSE / delta inputs,
-  dQ accumulator (TMA reduce-add or red.add) and deterministic semaphores: only `launch` (the
+  dQ accumulator (staged tile, reduce-add) and deterministic semaphores: only `launch` (the
   tiled MMAs and shared-memory layouts) and `consume` (the step) differ.
 - Per step, warpgroup w (0 or 1):
     S^T[:, 32w:32w+32]  = K Q^T      64 keys x 32 queries, K-dim hd (SS)
@@ -21,12 +21,9 @@ split the *head dim* instead:
   64 + 64 at hd 256), the 16 + 16 of S^T / dP^T, and dQ's hd/4 (64) once S^T / dP^T are dead.
 - Q / dO are released as soon as the dV and dK GEMMs are done (the dQ GEMM reads only dS^T and
   K), so the producer loads the next step during dQ and its flush (what makes one stage usable).
-- Buffer reuse: with dq_accum="tma" P^T / dS^T have one buffer: the flush's BAR_DQ, which each
-  thread passes after its warpgroup's wait for all three GEMMs, proves the other warpgroup is
-  done reading them before the next step overwrites them. With "red" there is no such barrier,
-  so they have two buffers (a warpgroup can be at most one step ahead: _BAR_DS of step i+1
-  needs the other warpgroup to have finished step i); so with `dq_wg_flush`, whose flush is
-  per warpgroup.
+- Buffer reuse: P^T / dS^T have one buffer: the flush's BAR_DQ, which each thread passes after
+  its warpgroup's wait for all three GEMMs, proves the other warpgroup is done reading them
+  before the next step overwrites them.
 - Epilogue as the base kernel: dK * scale and dV through K's and V's buffers, TMA stores.
 
 Every shared-memory tile read as an MN-major operand in hd/2-column slices (Q, dO, K) is laid
@@ -47,7 +44,7 @@ from cutlass.cute.nvgpu import warpgroup
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.variants.bwd import BwdConfig
 from jaxflash.kernels.sm90.bwd import _BAR_DS, FlashBwdSm90
-from jaxflash.kernels.common.mask import QueryBlockRange, TileCoords, apply_mask_kq
+from jaxflash.kernels.common.mask import QueryBlockRange, apply_mask_kq
 
 
 class FlashBwdSm90Wide(FlashBwdSm90):
@@ -58,8 +55,6 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         super().__init__(config)
         if config.split != "headdim":
             raise ValueError(f"FlashBwdSm90Wide serves head dims > 128, got {config.key}")
-        # P^T / dS^T buffers (see the module docstring); index 2b: P^T, 2b + 1: dS^T.
-        self.pds_bufs = 1 if self.dq_tma and not config.dq_wg_flush else 2
 
     # Only the MMAs and the shared-memory layouts differ from `FlashBwdSm90.launch` (which
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
@@ -94,9 +89,8 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         sK_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hd, atom_cols=half)
         # V too: the dV epilogue stores each warpgroup's hd/2 columns into it (stmatrix).
         sV_layout = layouts.smem_layout(self.dtype, self.tile_n, self.hdv, atom_cols=halfv)
-        # P^T and dS^T (2 per buffer, see the module docstring)
-        sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m,
-                                         2 * self.pds_bufs)
+        # P^T (index 0) and dS^T (index 1), one buffer each (see the module docstring)
+        sdS_layout = layouts.smem_layout(self.dtype, self.tile_n, self.tile_m, 2)
         sRow_layout = self.row_layout()
         sdQ_layout = (self.dq_flat_layout() if self.dq_flat
                       else layouts.smem_layout(Float32, self.tile_m, self.hd, atom_cols=half))
@@ -132,13 +126,10 @@ class FlashBwdSm90Wide(FlashBwdSm90):
         tdKrQt = wg_dk.make_fragment_B(wg_dk.partition_B(layouts.transpose_mn(sQ)))
         tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(layouts.transpose_mn(sPdS)))
         tdQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(layouts.transpose_mn(sK)))
-        (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, dq_coords, st_atom, thr_st_pds, tPsPdS,
+        (acc_S, acc_dP, acc_dK, acc_dV, acc_dQ, coords, st_atom, thr_st_pds, tPsPdS,
          tdQsdQ) = self.consumer_tiles(tiled_mma_sdp, tiled_mma_dq, thr_sdp, thr_dk, thr_dv,
                                        thr_dq, tidx, sPdS, sdQ)
 
-        issuer = 4  # the warp whose reduce-adds read sdQ (each warpgroup's first: dq_wg_flush)
-        if const_expr(self.cfg.dq_wg_flush):
-            issuer = 4 + 4 * wg
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_kv.consumer_wait(kv_state)  # K and V stay until the end: never released
@@ -149,22 +140,13 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 m_block = m_min + step - g * num_m
                 head = kv_head * group + g
                 stage = state.index
-                ip = 0  # P^T of this step's buffer; ip + 1: dS^T
-                if const_expr(self.pds_bufs == 2):
-                    ip = (step % 2) * 2
-                if const_expr(self.cfg.do_first):  # dP^T first: dO is what arrives first
-                    pipe_do.consumer_wait(state)
-                    layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
-                                  zero_init=True, wait=-1)
                 pipe_q.consumer_wait(state)
                 layouts.wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, stage],
                               zero_init=True, wait=-1)
-                if const_expr(not self.cfg.do_first):
-                    pipe_do.consumer_wait(state)
-                    layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
-                                  zero_init=True, wait=-1)
-                # S^T is ready; dP^T may still run (do_first: S^T is the last, wait for all)
-                warpgroup.wait_group(0 if self.cfg.do_first else 1)
+                pipe_do.consumer_wait(state)
+                layouts.wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, stage],
+                              zero_init=True, wait=-1)
+                warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
                 if const_expr(self.cfg.has_softcap):
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
@@ -180,36 +162,27 @@ class FlashBwdSm90Wide(FlashBwdSm90):
                 rdS.store(acc_dP.load().to(self.dtype))
                 # This warpgroup's query columns of P^T and dS^T (the buffer is free: see the
                 # module docstring).
-                cute.copy(st_atom, thr_st_pds.retile(rP), tPsPdS[None, None, None, ip])
-                cute.copy(st_atom, thr_st_pds.retile(rdS), tPsPdS[None, None, None, ip + 1])
+                cute.copy(st_atom, thr_st_pds.retile(rP), tPsPdS[None, None, None, 0])
+                cute.copy(st_atom, thr_st_pds.retile(rdS), tPsPdS[None, None, None, 1])
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
-                if const_expr(self.dq_tma):
-                    if warp_idx == issuer:
-                        # The previous step's reduce has read sdQ once this barrier is passed.
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if warp_idx == 4:
+                    # The previous step's reduce has read sdQ once this barrier is passed.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                layouts.wgmma(tiled_mma_dv, acc_dV, tdVrP[None, None, None, ip],
+                layouts.wgmma(tiled_mma_dv, acc_dV, tdVrP[None, None, None, 0],
                               tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)
-                layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, ip + 1],
+                layouts.wgmma(tiled_mma_dk, acc_dK, tdKrdS[None, None, None, 1],
                               tdKrQt[None, None, None, stage], zero_init=False, wait=-1)
                 # dV and dK done (groups complete in order) -> Q and dO are free: the producer
-                # loads the next step while dQ runs and is flushed. do_first: dO as soon as dV
-                # is done (dK and dQ still queued), then Q.
-                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, ip + 1], tdQrKt,
-                              zero_init=True, wait=2 if self.cfg.do_first else 1)
-                if const_expr(self.cfg.do_first):
-                    pipe_do.consumer_release(state)
-                    warpgroup.wait_group(1)
+                # loads the next step while dQ runs and is flushed.
+                layouts.wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, 1], tdQrKt,
+                              zero_init=True, wait=1)
                 pipe_q.consumer_release(state)
-                if const_expr(not self.cfg.do_first):
-                    pipe_do.consumer_release(state)
+                pipe_do.consumer_release(state)
                 state.advance()
                 warpgroup.wait_group(0)
-                self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords, m_block,
-                              head, batch, n_block, T, warp_idx, mSem, blocks)
-            if const_expr(self.cfg.dq_wg_flush):
-                if warp_idx == 8:  # (warp 4 waits in the epilogue) sdQ outlives the reads
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                self.flush_dq(mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, m_block, head, batch, n_block,
+                              warp_idx, mSem, blocks)
 
         self.store_dkdv(acc_dK, acc_dV, softmax_scale, st_atom, tiled_mma_dk, tiled_mma_dv, tidx,
                         sK, sV, mdK, mdV, tma_dK, tma_dV, kv_head, batch, n_block, warp_idx)

@@ -1,46 +1,31 @@
 """How a backward step's dQ partial reaches the float32 dQ accumulator in global memory (other
-CTAs add to the same rows): staged in shared memory and added by one TMA reduce-add
-(``dq_accum="tma"``), or one red.global.add.f32 per element; with ``deterministic``, the
+CTAs add to the same rows): staged in shared memory and added by one TMA reduce-add, or with
+``dq_flat`` by one flat bulk reduce of the fragment-ordered tile; with ``deterministic``, the
 reduce-adds into a query block take turns in key block order through a semaphore per (batch,
-head, query block) (see `hopper_bwd`'s docstring). Shared by both backward kernels
-(`hopper_bwd`, `hopper_bwd_wide`).
+head, query block) (see `sm90.bwd`'s docstring). Shared by both backward kernels
+(`FlashBwdSm90`, `FlashBwdSm90Wide`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from jaxflash.kernels.common import layouts
-from jaxflash.kernels.common.mask import QueryBlockRange, TileCoords
+from jaxflash.kernels.common.mask import QueryBlockRange
 
-# Named barrier id (the kernels' others are in `hopper_bwd`): the step's dQ tile is in shared
-# memory, the TMA reduce may read it.
+# Named barrier id (the kernels' others are in `sm90.bwd`): the step's dQ tile is in shared
+# memory, the reduce may read it.
 BAR_DQ = 3
-# `dq_writer`: per consumer warpgroup w, "half w stored" (BAR_DQ_FULL + w: the warpgroup
-# arrives, the writer warp waits) and "half w read by its reduce" (BAR_DQ_EMPTY + w: the
-# writer arrives, the warpgroup waits); 128 + 32 threads each.
-BAR_DQ_FULL = 4
-BAR_DQ_EMPTY = 6
-_WG_AND_WRITER = 128 + 32
 
 
 class DqAccumulation:
     """Mixin of `FlashBwdSm90` (and so `FlashBwdSm90Wide`): the dQ staging layouts and the
-    flush. Reads the kernel's ``tile_m``, ``hd``, ``dq_tma``, ``dq_writer``, ``dq_flat``,
-    ``dq_cols``, ``dq_atom_cols``, ``dq_swizzle``, ``num_mma_wg``, ``num_mma_threads`` and
-    ``cfg``."""
-
-    def dq_part_layout(self):
-        """Shared-memory layout of one warpgroup's half of the dQ tile (`dq_writer`, tile_m
-        64: tile_m x hd/2, whole swizzle atoms; the whole tile's atoms are tiled rows first,
-        so half w is the contiguous w-th half of the buffer)."""
-        return layouts.smem_layout(Float32, self.tile_m, self.dq_cols,
-                                   atom_cols=self.dq_atom_cols, swizzle=self.dq_swizzle)
+    flush. Reads the kernel's ``tile_m``, ``hd``, ``dq_flat``, ``num_mma_wg``,
+    ``num_mma_threads`` and ``cfg``."""
 
     def dq_flat_layout(self):
         """`dq_flat`'s staging tile: tile_m x hd floats in fragment order, one part per
@@ -71,43 +56,21 @@ class DqAccumulation:
             tdQsdQ.store(acc_dQ.load())
 
     @cute.jit
-    def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, thr_dq, dq_coords: TileCoords,
-                 m_block: Int32, head: Int32, batch: Int32, n_block: Int32, T: Int32,
-                 warp_idx: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange):
+    def flush_dq(self, mdQ, sdQ, tdQsdQ, tma_dQ, acc_dQ, m_block: Int32, head: Int32,
+                 batch: Int32, n_block: Int32, warp_idx: Int32, mSem: Optional[cute.Tensor],
+                 blocks: QueryBlockRange):
         """Add one step's dQ partial (acc_dQ, complete) to the float32 accumulator in global
-        memory: through sdQ and TMA reduce-adds (or with `dq_flat` one bulk reduce) issued by
-        warp 4 or the `dq_writer` warp, or per-element atomics. sdQ must be free: warp 4 (or
-        the writer, through BAR_DQ_EMPTY) waited for the previous reduce's reads before the
+        memory: through sdQ and TMA reduce-adds (with `dq_flat` one bulk reduce) issued by
+        warp 4. sdQ must be free: warp 4 waited for the previous reduce's reads before the
         last _BAR_DS that every consumer thread passed since."""
-        if const_expr(self.dq_writer):
-            wg = (warp_idx - 4) // 4
-            cute.arch.barrier(barrier_id=BAR_DQ_EMPTY + wg, number_of_threads=_WG_AND_WRITER)
-            self.stage_dq(acc_dQ, tdQsdQ)
-            cute.arch.fence_view_async_shared()  # visible to the TMA unit
-            cute.arch.barrier_arrive(barrier_id=BAR_DQ_FULL + wg,
-                                     number_of_threads=_WG_AND_WRITER)
-        elif const_expr(self.cfg.dq_wg_flush):
-            # Each warpgroup its own part (contiguous in both places), behind its own barrier;
-            # its first warp issues the bulk reduce and waits for its read before the next
-            # step's dS barrier (the part's next writes come after that barrier).
-            wg = (warp_idx - 4) // 4
-            self.stage_dq(acc_dQ, tdQsdQ)
-            cute.arch.fence_view_async_shared()  # visible to the bulk copy unit
-            cute.arch.barrier(barrier_id=BAR_DQ_FULL + wg, number_of_threads=128)
-            if warp_idx == 4 + 4 * wg:
-                part = self.tile_m * self.dq_cols
-                with cute.arch.elect_one():
-                    dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
-                    bulk_reduce_add_f32(dst + wg * part, sdQ.iterator + wg * part, part * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-        elif const_expr(self.dq_flat):
-            # Fragment order, 16-byte stores, then one bulk reduce of the whole tile into its
-            # block of the fragment-ordered accumulator.
-            self.stage_dq(acc_dQ, tdQsdQ)
-            cute.arch.fence_view_async_shared()  # visible to the bulk copy unit
-            cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
-            if warp_idx == 4:
-                sem = None
+        self.stage_dq(acc_dQ, tdQsdQ)
+        cute.arch.fence_view_async_shared()  # visible to the TMA / bulk copy unit
+        cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
+        if warp_idx == 4:
+            sem = None
+            if const_expr(self.dq_flat):
+                # Fragment order: one bulk reduce of the whole tile into its block of the
+                # fragment-ordered accumulator.
                 if const_expr(self.cfg.deterministic):
                     sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
                     wait_turn(sem, n_block - blocks.n_block_first(m_block))
@@ -115,90 +78,17 @@ class DqAccumulation:
                     dst = mdQ.iterator + cute.crd2idx((batch, head, m_block, 0), mdQ.layout)
                     bulk_reduce_add_f32(dst, sdQ.iterator, self.tile_m * self.hd * 4)
                     cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.cfg.deterministic):
-                    pass_turn(sem)
-        elif const_expr(self.dq_tma):
-            self.stage_dq(acc_dQ, tdQsdQ)
-            cute.arch.fence_view_async_shared()  # visible to the TMA unit
-            if const_expr(self.cfg.dq_arrive):
-                # Only warp 4 (the reduce's issuer) waits for the whole tile; see `BwdConfig`.
-                if warp_idx == 4:
-                    cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
-                else:
-                    cute.arch.barrier_arrive(barrier_id=BAR_DQ,
-                                             number_of_threads=self.num_mma_threads)
             else:
-                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=self.num_mma_threads)
-            if warp_idx == 4:
                 gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd),
                                       (m_block, 0))
                 tQs, tQg = layouts.tma_tiles(tma_dQ, sdQ, gdQ)
-                sem = None
                 if const_expr(self.cfg.deterministic):
                     sem = mSem.iterator + cute.crd2idx((m_block, head, batch), mSem.layout)
                     wait_turn(sem, n_block - blocks.n_block_first(m_block))
                 cute.copy(tma_dQ, tQs, tQg)  # reduce-add into global (rows past T are
                 cute.arch.cp_async_bulk_commit_group()  # clipped by the TMA unit)
-                if const_expr(self.cfg.deterministic):
-                    pass_turn(sem)
-        else:
-            self.add_dq(mdQ, acc_dQ, thr_dq, dq_coords, m_block, head, batch, T)
-
-    @cute.jit
-    def write_dq(self, mdQ, sdQ, tma_dQ, kv_head: Int32, batch: Int32, group: Int32,
-                 m_min: Int32, num_m: Int32, num_steps: Int32):
-        """The dQ writer warp (`dq_writer`; warp 1, idle otherwise): per step, in the
-        consumers' order, one TMA reduce-add per warpgroup half as soon as that half is
-        stored, then hand each half back once its reduce has read it. Both halves start
-        free (the first arrivals); the last step's hand-back is never awaited."""
-        if num_steps > 0:
-            for w in cutlass.range_constexpr(2):
-                cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,
-                                         number_of_threads=_WG_AND_WRITER)
-            for step in cutlass.range(num_steps, unroll=1):
-                g = step // num_m
-                m_block = m_min + step - g * num_m
-                gdQ = None
-                if const_expr(not self.dq_flat):
-                    gdQ = mdQ[None, None, kv_head * group + g, batch]
-                for w in cutlass.range_constexpr(2):
-                    if const_expr(self.dq_flat):
-                        # the part is contiguous in both places: one bulk reduce of it
-                        part = self.tile_m * self.dq_cols
-                        cute.arch.barrier(barrier_id=BAR_DQ_FULL + w,
-                                          number_of_threads=_WG_AND_WRITER)
-                        with cute.arch.elect_one():
-                            dst = mdQ.iterator + cute.crd2idx(
-                                (batch, kv_head * group + g, m_block, w * part), mdQ.layout)
-                            bulk_reduce_add_f32(dst, sdQ.iterator + w * part, part * 4)
-                            cute.arch.cp_async_bulk_commit_group()
-                    else:
-                        sPart = cute.local_tile(sdQ, (self.tile_m, self.dq_cols), (0, w))
-                        gPart = cute.local_tile(gdQ, (self.tile_m, self.dq_cols), (m_block, w))
-                        tQs, tQg = layouts.tma_tiles(tma_dQ, sPart, gPart)
-                        cute.arch.barrier(barrier_id=BAR_DQ_FULL + w,
-                                          number_of_threads=_WG_AND_WRITER)
-                        cute.copy(tma_dQ, tQs, tQg)  # rows past T: clipped by the TMA unit
-                        cute.arch.cp_async_bulk_commit_group()
-                for w in cutlass.range_constexpr(2):
-                    cute.arch.cp_async_bulk_wait_group(1 - w, read=True)
-                    cute.arch.barrier_arrive(barrier_id=BAR_DQ_EMPTY + w,
-                                             number_of_threads=_WG_AND_WRITER)
-
-    @cute.jit
-    def add_dq(self, mdQ, acc_dQ, thr_dq, dq_coords: TileCoords, m_block: Int32, head: Int32,
-               batch: Int32, T: Int32):
-        """dQ_acc[m block rows] += acc_dQ, one red.global.add.f32 per element (rows past T
-        skipped)."""
-        gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.hd), (m_block, 0))
-        g = layouts.acc_as_rows_cols(thr_dq.partition_C(gdQ))
-        a = layouts.acc_as_rows_cols(acc_dQ)
-        for r in cutlass.range_constexpr(cute.size(a, mode=[0])):
-            if m_block * self.tile_m + dq_coords.row(r) < T:
-                for c in cutlass.range_constexpr(cute.size(a, mode=[1])):
-                    ptr = g.iterator + cute.crd2idx((r, c), g.layout)
-                    cute.arch.red(ptr, a[r, c], op="add", dtype=Float32, sem="relaxed",
-                                  scope="gpu")
+            if const_expr(self.cfg.deterministic):
+                pass_turn(sem)
 
 
 @dsl_user_op

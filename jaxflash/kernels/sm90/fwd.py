@@ -9,10 +9,10 @@ Shape of the kernel (FlashAttention-3's design, written here from the paper and 
   swizzled shared memory, in the order the consumers use them: K[last], Q, then (K[j-1], V[j])
   pairs, then V[first]. Key blocks run right to left so the masked blocks come first.
 - Consumers: S = Q K^T by wgmma from shared memory; online softmax in registers with exp2; P
-  converted to 16-bit in registers and fed to O += P V as the A operand (RS wgmma). With
-  ``intra_wg_overlap`` the QK GEMM of block j and the PV GEMM of block j+1 are in flight while
-  the softmax of block j runs (FA3 Alg. 2); with ``pingpong`` the two warpgroups take turns
-  issuing GEMMs (named barriers), so one's softmax hides under the other's GEMMs.
+  converted to 16-bit in registers and fed to O += P V as the A operand (RS wgmma). The QK GEMM
+  of block j and the PV GEMM of block j+1 are in flight while the softmax of block j runs (FA3
+  Alg. 2, intra-warpgroup overlap); two consumer warpgroups (up to hd 128) take turns issuing
+  GEMMs (pingpong: named barriers), so one's softmax hides under the other's GEMMs.
 - Epilogue: O scaled by 1/rowsum, converted, written to shared memory (Q's buffer) with stmatrix
   and stored by TMA (which clips rows past T); LSE (natural log, float32) written per row.
 
@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.carry import Carried
-from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, FwdConfig
+from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION_MB, FwdConfig
 from jaxflash.kernels.sm90.fwd_epilogue import FwdEpilogue
 from jaxflash.kernels.common.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
                                    apply_segment_mask)
@@ -98,36 +98,33 @@ class FlashFwdSm90(FwdEpilogue):
         self.num_mma_wg = config.num_mma_warpgroups
         self.num_mma_threads = 128 * self.num_mma_wg
         self.num_threads = 128 * (self.num_mma_wg + 1)
-        # (producer, consumer) registers after setmaxnreg; a raise takes only what the CTA freed
-        # (256 rows: 128 x 72 >= 512 x 16 from 96; the gated 2-CTA 128 rows' from 80 hung).
+        # (producer, consumer) registers after setmaxnreg by consumer warpgroups; a raise takes
+        # only what the CTA freed (256 rows: 128 x 72 >= 512 x 16 from 96 at launch; 64 rows
+        # at two CTAs per SM: 128 at launch).
         self.producer_regs, self.mma_regs = {1: (24, 232), 2: (24, 240), 3: (32, 160),
-                                             4: (24, 112)}[self.num_mma_wg] if (
-            config.ctas_per_sm == 1 or self.num_mma_wg == 1) else (24, 112)
+                                             4: (24, 112)}[self.num_mma_wg]
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
-        self.overlap = config.intra_wg_overlap
-        # With overlap, each block's QK GEMM gets a fresh S fragment. The wgmma's accumulator
-        # operands are read-write even when it zero-fills them, so a reused fragment keeps the
-        # previous block's 64 fp32 scores live into it, and LLVM then carries those scores
-        # instead of the 16-bit P and converts them only after the QK GEMM is issued: old and new
-        # S (128 registers) + P + O. At 160 registers (tile_m 192) that spilled 580 bytes and
-        # serialized the wgmma; a fresh fragment's inputs are undefined, so only P stays live.
-        # On by default there (and at 256 rows, 112); 128-row tiles opt in (`FwdConfig.fresh_s`),
-        # so the default variants' binaries stay as measured.
-        self.fresh_s = self.overlap and (self.num_mma_wg >= 3 or config.fresh_s)
-        # The select-form mask saved the last registers at 160 (tile_m 192 with overlap); other
-        # tiles opt in (`FwdConfig.mask_select`: the conditional stores' select cascade costs
-        # ~14 selects per score on every masked block; NOTES.md), binaries otherwise as measured.
-        self.mask_by_select = self.overlap and self.num_mma_wg == 3 or config.mask_select
+        # Each block's QK GEMM gets a fresh S fragment at 192 / 256 rows. The wgmma's
+        # accumulator operands are read-write even when it zero-fills them, so a reused fragment
+        # keeps the previous block's 64 fp32 scores live into it, and LLVM then carries those
+        # scores instead of the 16-bit P and converts them only after the QK GEMM is issued: old
+        # and new S (128 registers) + P + O. At 160 registers (tile_m 192) that spilled 580 bytes
+        # and serialized the wgmma; a fresh fragment's inputs are undefined, so only P stays
+        # live. The smaller tiles have the registers and keep the reused fragment.
+        self.fresh_s = self.num_mma_wg >= 3
+        # The select-form mask saved the last registers at 160 (tile_m 192); other tiles take
+        # it with `FwdConfig.mask_select` (the conditional stores' select cascade costs ~14
+        # selects per score on every masked block).
+        self.mask_by_select = self.num_mma_wg == 3 or config.mask_select
         # Ping-pong needs two warpgroups; FA3 finds it pays up to hdim 128 (beyond, the O
         # accumulator leaves too few registers for two softmaxes in flight to matter).
-        self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
+        self.pingpong = self.num_mma_wg == 2 and self.hd <= 128
         self.persistent = config.persistent
         self.tile_pipe = config.tile_pipe
         self.separate_o = config.separate_o
         self.wg_epilogue = config.wg_epilogue
         self.lazy_rescale = config.lazy_rescale
-        self.m_end = config.m_align == "end"
 
     @classmethod
     def can_implement(cls, config: FwdConfig) -> tuple[bool, str]:
@@ -237,8 +234,7 @@ class FlashFwdSm90(FwdEpilogue):
         num_heads = mQ.shape[2]
         batch = mQ.shape[3]
         num_tiles = num_m_blocks * num_heads * batch
-        scheduler = TileScheduler(lpt=self.cfg.lpt,
-                                  section_bytes=self.cfg.l2_section_mb * 1024 * 1024,
+        scheduler = TileScheduler(lpt=self.cfg.lpt, section_bytes=L2_SECTION_MB * 1024 * 1024,
                                   pairs=self.cfg.tile_order == "pairs")
         grid = num_tiles
         if const_expr(self.persistent):
@@ -321,10 +317,8 @@ class FlashFwdSm90(FwdEpilogue):
                 window_right = cutlass.min(window_right, Int32(0))
 
         T = mQ.shape[0]
-        # End-aligned tiles: the rows the last tile would leave empty (BlockRange.first_row).
-        row_shift = num_m_blocks * self.tile_m - T if const_expr(self.m_end) else None
         blocks = BlockRange(self.tile_m, self.tile_n, self.has_right, self.has_left,
-                            window_left, window_right, row_shift)
+                            window_left, window_right)
         bid, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
@@ -494,9 +488,6 @@ class FlashFwdSm90(FwdEpilogue):
             mods.kv_blk = mKVBlk[batch, None, None]
             mods.S = mK.shape[0]
             dyn += ["rows", "kv_seg", "kv_blk", "S"]
-        if const_expr(self.m_end):
-            mods.row0 = blocks.first_row(m_block)  # the masks' first row (once per tile)
-            dyn.append("row0")
         mods._dynamic = tuple(dyn)
         return self.consume(ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state,
                             kv_state, tiled_mma_qk, tiled_mma_pv, tidx, warp_idx, pre_scale,
@@ -558,36 +549,21 @@ class FlashFwdSm90(FwdEpilogue):
         cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
         if n_max > n_min:
-            if const_expr(self.overlap):
-                # The consumers use K[j-1] before V[j]: load in that order.
-                for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                    n_prev = n_max - 1 - i
-                    prev_state = kv_state.clone()
-                    kv_state.advance()
-                    pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                    pipe_v.producer_acquire(prev_state)
-                    cute.copy(tma_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_V, tVgV[None, n_min], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            # The consumers use K[j-1] before V[j]: load in that order.
+            for i in cutlass.range(n_max - 1 - n_min, unroll=1):
+                n_prev = n_max - 1 - i
+                prev_state = kv_state.clone()
                 kv_state.advance()
-            else:
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_V, tVgV[None, n], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
-                for i in cutlass.range(n_max - 1 - n_min, unroll=1):
-                    n = n_max - 2 - i
-                    pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_K, tKgK[None, n], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                    pipe_v.producer_acquire(kv_state)
-                    cute.copy(tma_V, tVgV[None, n], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                    kv_state.advance()
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_K, tKgK[None, n_prev - 1], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(prev_state)
+                cute.copy(tma_V, tVgV[None, n_prev], tVsV[None, prev_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(prev_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_V, tVgV[None, n_min], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
         return q_state, kv_state
 
     @cute.jit
@@ -638,19 +614,16 @@ class FlashFwdSm90(FwdEpilogue):
                 window_right, mods, ms, mr, ml)
 
             n = n_max - 1
-            if const_expr(self.overlap):
-                # First half block: S and P of the rightmost block only.
-                seg_cmp = self.segment_compare_needed(mods, n)
-                pipe_k.consumer_wait(kv_state)
-                layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                              zero_init=True, wait=0, clear=self.persistent)
-                pipe_k.consumer_release(kv_state)
-                self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
-                            window_right, mods, seg_cmp, True, self.has_right, self.has_left)
-                softmax.step(acc_S, is_first=True)
-                tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
-            else:
-                kv_state = step(kv_state, n, True, self.has_right, self.has_left)
+            # First half block: S and P of the rightmost block only.
+            seg_cmp = self.segment_compare_needed(mods, n)
+            pipe_k.consumer_wait(kv_state)
+            layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                          zero_init=True, wait=0, clear=self.persistent)
+            pipe_k.consumer_release(kv_state)
+            self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
+                        window_right, mods, seg_cmp, True, self.has_right, self.has_left)
+            softmax.step(acc_S, is_first=True)
+            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
             # Blocks cut by the right (causal/window) bound.
             n_right = blocks.n_block_min_right_mask(m_block, n_min)
             count = cutlass.max(n - n_right, 0)
@@ -670,13 +643,12 @@ class FlashFwdSm90(FwdEpilogue):
                     kv_state = step(kv_state, n - 1 - i, False, self.has_right, True)
             if const_expr(self.separate_o):
                 pipe_q.consumer_release(q_state)  # last QK GEMM done: the next Q may load
-            if const_expr(self.overlap):
-                # Last half block: O += P V of the leftmost block.
-                pipe_v.consumer_wait(kv_state)
-                layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
-                              zero_init=False, wait=0)
-                pipe_v.consumer_release(kv_state)
-                kv_state.advance()
+            # Last half block: O += P V of the leftmost block.
+            pipe_v.consumer_wait(kv_state)
+            layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
+                          zero_init=False, wait=0)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
         else:
             if const_expr(self.separate_o):
                 pipe_q.consumer_release(q_state)
@@ -706,8 +678,7 @@ class FlashFwdSm90(FwdEpilogue):
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left,
-                       by_select=self.mask_by_select, skip_full=self.cfg.mask_skip,
-                       row_start=mods.row0 if const_expr(self.m_end) else None)
+                       by_select=self.mask_by_select, skip_full=self.cfg.mask_skip)
 
     @cute.jit
     def segment_compare_needed(self, mods, n_block: Int32):
@@ -726,51 +697,31 @@ class FlashFwdSm90(FwdEpilogue):
                   wg: Int32, m_block: Int32, seqlen_k: Int32, pre_scale: Float32,
                   window_left: Int32, window_right: Int32, mods, mask_seqlen: cutlass.Constexpr,
                   mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
-        """One key block. With overlap: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight
-        together, softmax of S_j under the PV GEMM. Returns the advanced pipeline state."""
-        if const_expr(self.overlap):
-            if const_expr(self.fresh_s):
-                acc_S = cute.make_rmem_tensor_like(acc_S)
-            v_state = kv_state.clone()
-            kv_state.advance()
-            seg_cmp = self.segment_compare_needed(mods, n_block)
-            pipe_k.consumer_wait(kv_state)
-            self.sched_sync(wg)
-            layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                          zero_init=True, wait=-1, clear=self.persistent)
-            pipe_v.consumer_wait(v_state)
-            layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
-                          zero_init=False, wait=-1)
-            self.sched_arrive(wg)
-            warpgroup.wait_group(1)
-            pipe_k.consumer_release(kv_state)
-            self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                        window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
-            row_scale, moved = self.softmax_step(softmax, acc_S)
-            warpgroup.wait_group(0)
-            pipe_v.consumer_release(v_state)
-            # P's registers are free only now that the PV GEMM reading them is done.
-            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
-            self.rescale_o(acc_O, row_scale, moved)
-        else:
-            seg_cmp = self.segment_compare_needed(mods, n_block)
-            pipe_k.consumer_wait(kv_state)
-            self.sched_sync(wg)
-            layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
-                          zero_init=True, wait=-1, clear=self.persistent)
-            self.sched_arrive(wg)
-            warpgroup.wait_group(0)
-            pipe_k.consumer_release(kv_state)
-            self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                        window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
-            row_scale, moved = self.softmax_step(softmax, acc_S)
-            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
-            self.rescale_o(acc_O, row_scale, moved)
-            pipe_v.consumer_wait(kv_state)
-            layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index],
-                          zero_init=False, wait=0)
-            pipe_v.consumer_release(kv_state)
-            kv_state.advance()
+        """One key block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax
+        of S_j under the PV GEMM. Returns the advanced pipeline state."""
+        if const_expr(self.fresh_s):
+            acc_S = cute.make_rmem_tensor_like(acc_S)
+        v_state = kv_state.clone()
+        kv_state.advance()
+        seg_cmp = self.segment_compare_needed(mods, n_block)
+        pipe_k.consumer_wait(kv_state)
+        self.sched_sync(wg)
+        layouts.wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index],
+                      zero_init=True, wait=-1, clear=self.persistent)
+        pipe_v.consumer_wait(v_state)
+        layouts.wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index],
+                      zero_init=False, wait=-1)
+        self.sched_arrive(wg)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(kv_state)
+        self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
+                    window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
+        row_scale, moved = self.softmax_step(softmax, acc_S)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(v_state)
+        # P's registers are free only now that the PV GEMM reading them is done.
+        tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+        self.rescale_o(acc_O, row_scale, moved)
         return kv_state
 
     def softmax_step(self, softmax, acc_S):

@@ -1,6 +1,6 @@
 """The forward kernel's output epilogue: normalized O from registers to shared memory
 (stmatrix) and out with TMA stores. Mixin of `FlashFwdSm90` (reads ``dtype``, ``hdv``,
-``separate_o``, ``wg_epilogue``, ``num_mma_threads``); split from `hopper_fwd` to keep that
+``separate_o``, ``wg_epilogue``, ``num_mma_threads``); split from `sm90.fwd` to keep that
 module to the kernel's structure.
 
 Two forms: the whole tile by warp 4 after 256-thread barriers (O in Q's buffer or its own),
@@ -16,7 +16,7 @@ from cutlass import Float32, Int32, const_expr
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.softmax import rescale_rows
 
-# Named barrier ids (`hopper_fwd` has the others: 0 is __syncthreads, 2 / 3 the pingpong pair).
+# Named barrier ids (`sm90.fwd` has the others: 0 is __syncthreads, 2 / 3 the pingpong pair).
 BAR_EPILOGUE = 1
 BAR_EPILOGUE_WG = 4  # 4 + consumer warpgroup index (`wg_epilogue`)
 
@@ -27,7 +27,7 @@ class FwdEpilogue:
                     warp_idx: Int32, blocks, m_block: Int32, head: Int32, batch: Int32,
                     seqlen_q: Int32, T: Int32):
         """A tile's epilogue: O scaled by 1 / rowsum, LSE written, O stored (`store_o`). ``c``
-        is the consumer's fragments (`hopper_fwd._ConsumerCtx`)."""
+        is the consumer's fragments (`sm90.fwd._ConsumerCtx`)."""
         num_rows = c.num_rows
         tOcO = c.tOcO
         lse = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
@@ -42,11 +42,8 @@ class FwdEpilogue:
 
         if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
             for r in cutlass.range_constexpr(num_rows):
-                # End-aligned: rows tile 0 shares with tile 1 are tile 1's (own_end), one LSE
-                # writer per row; both store the shared O rows, bitwise equal (NOTES.md,
-                # "End-aligned query tiles v2"). Start-aligned: own_end is T.
                 row = blocks.first_row(m_block) + tOcO.row(r)
-                if row < blocks.own_end(m_block, T):
+                if row < T:
                     mLSE[row, head, batch] = lse[r]
 
         self.store_o(c.acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx, warp_idx,

@@ -3,7 +3,7 @@
 Why: every CTA of the backward reads the Q and dO tiles of every query block it visits from
 L2; at hd 256 (64 keys per CTA) that is 64 KB per 64 x 64 step beside the 64 KB dQ reduce-add,
 and Nsight Compute puts the kernel at 83% of L2 peak with the tensor pipes half idle
-(`benchmarks/results/ncu-bwd-h256-4k-dense-*`, 2026-12-02). Two CTAs whose key blocks are
+(measured on the H200 at 4k dense, see docs/design.md). Two CTAs whose key blocks are
 adjacent visit the same query blocks (dense: all of them; causal: the odd block's range is the
 even block's minus its first block), so they can fetch each tile once.
 
@@ -94,8 +94,8 @@ class QMulticast:
 
     def qdo_load_order(self, q_load, do_load):
         """The producer's per-step order of the Q (+ LSE) and dO (+ delta) loads: the order in
-        which the consumers first wait for them (`BwdConfig.do_first`: dO first)."""
-        return (do_load, q_load) if self.cfg.do_first else (q_load, do_load)
+        which the consumers first wait for them."""
+        return q_load, do_load
 
     def qdo_copy_kw(self) -> dict:
         """Extra `cute.copy` arguments of the Q / dO loads: both CTAs receive each half."""

@@ -1,23 +1,23 @@
-"""Static configuration of the Hopper backward kernel (`hopper_bwd.FlashBwdSm90`); DSL-free.
+"""Static configuration of the Hopper backward kernel (`sm90.bwd.FlashBwdSm90`); DSL-free.
 
-Like `config.py` for the forward: everything here changes the binary (it is part of the variant
-key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
+Like `variants.fwd` for the forward: everything here changes the binary (it is part of the
+variant key); batch, lengths, head counts, scale, softcap and window values are runtime arguments.
 
 Tile: ``tile_n`` = 128 keys per CTA (two consumer warpgroups of 64 key rows each) and
-``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`; 80
-opt-in at hd 128 dense: `hopper_bwd_m80`). Per
+``tile_m`` = 64 queries per step of the CTA's loop (128 at hd 64: `choose.tile_m_for`). Per
 consumer thread the registers hold the dK and dV accumulators (64 x hd / 128 threads each:
 hd/2 + hdv/2 floats) plus the 64 x 64 S^T and dP^T tiles (32 + 32 floats): 192 at hd 128,
 inside the 240 that setmaxnreg gives. hd 192 and 256 do not fit that budget at 64 keys per
-warpgroup: they run `hopper_bwd_wide` instead (``split == "headdim"``): ``tile_n`` = 64 keys,
+warpgroup: they run `sm90.bwd_wide` instead (``split == "headdim"``): ``tile_n`` = 64 keys,
 the two warpgroups split the head dim of dK, dV and dQ (hd/4 + hd/4 floats + hd/4 for dQ per
 thread, P^T / dS^T through shared memory). Its shared memory: at hd 256 the float32 dQ tile
-(64 KB, dq_accum="tma") leaves room for one Q / dO stage (``num_stages`` defaults to the most,
-up to 2, that fits); "red" fits 2 stages.
+(64 KB) leaves room for one Q / dO stage (``num_stages`` defaults to the most, up to 2, that
+fits).
 
 Shared memory: K and V (tile_n x hd, loaded once), Q and dO (tile_m x hd, ``num_stages``), dS^T
 (tile_n x tile_m, 2 buffers: the dQ GEMM of step i reads one while step i+1 writes the other),
-LSE / delta rows (tile_m floats per stage) and, with ``dq_accum="tma"``, the float32 dQ tile.
+LSE / delta rows (tile_m floats per stage) and the float32 dQ tile that the TMA reduce-add
+reads.
 """
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ import dataclasses
 from typing import Optional
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-# Head dims above this run `hopper_bwd_wide.FlashBwdSm90Wide` (tile_n 64, head dim split).
+# Head dims above this run `sm90.bwd_wide.FlashBwdSm90Wide` (tile_n 64, head dim split).
 KEY_SPLIT_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
 FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids")
-# Per consumer warp partial sums of d(alibi slope) (see `hopper_bwd`): [B, N, n blocks, 8].
+# Per consumer warp partial sums of d(alibi slope) (see `sm90.bwd`): [B, N, n blocks, 8].
 ALIBI_PARTS = 8
 # Runtime scalars, in tensor order (same names and meaning as the forward's).
 FLOAT_SCALARS = ("softmax_scale", "softcap")
@@ -38,14 +38,12 @@ INT_SCALARS = ("window_left", "window_right")
 # LSE and delta are passed padded to a multiple of this many queries (TMA boxes of tile_m rows
 # need 16-byte aligned row strides; padding rows carry LSE = +inf so they contribute nothing).
 # A config with another tile_m pads to lcm(LSE_PAD, tile_m) (`bwd_launch.padded_len`): 128 at
-# tile_m 128, 320 at tile_m 80.
+# tile_m 128.
 LSE_PAD = 64
 # Head dims that may take tile_m 128 (see `BwdConfig`): hd 96 (64 + 64 + 48 + 48 accumulator
 # registers per thread for S^T, dP^T, dK and dV) spills 388 bytes and serializes the wgmma
-# (ptxas, 2026-12-01, with "tma" and "red" alike); hd 128 would need 256.
+# (ptxas); hd 128 would need 256.
 TILE_M128_HEAD_DIMS = (64,)
-# tile_m 80 (`hopper_bwd_m80`, FA3's hd 128 non-causal step): this head dim, dense only.
-TILE_M80_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,82 +56,44 @@ class BwdConfig:
     tile_m: queries per inner step: 64 (one wgmma M atom for the dQ GEMM; the field's default) or
       128 (``TILE_M128_HEAD_DIMS`` only; what `choose.backward_config` picks there): S^T
       and dP^T are then 64 keys x 128 queries per warpgroup (64 + 64 floats per thread,
-      + hd/2 + hd/2 for dK and dV: 192 at hd 64, as
-      hd 128 at tile_m 64), half as many steps (barriers, LSE / delta reads, dQ reduce-adds
-      per query) and the dQ GEMM splits its 128 query rows over the warpgroups (64 rows x hd
-      each) instead of the head dim. Q / dO stages, TMA boxes, dS^T buffers, the float32 dQ
-      tile, the query-block ranges, the deterministic semaphores ([B, N, ceil(T / tile_m)])
-      and the segment block summaries all follow tile_m.
-      80 (hd 128 dense only, opt-in; `hopper_bwd_m80.FlashBwdSm90M80`): S^T / dP^T are
-      64 keys x 80 queries per warpgroup, dV / dK take K = 80 (5 k-blocks), and dQ is
-      computed transposed, dQ^T = K^T dS^T (M = head dim, 64 per warpgroup; N = 80 queries),
-      its float32 tile stored transposed into the [query, hd] staging tile of the reduce-add.
+      + hd/2 + hd/2 for dK and dV: 192 at hd 64, as hd 128 at tile_m 64), half as many steps
+      (barriers, LSE / delta reads, dQ reduce-adds per query) and the dQ GEMM splits its 128
+      query rows over the warpgroups (64 rows x hd each) instead of the head dim. Q / dO
+      stages, TMA boxes, dS^T buffers, the float32 dQ tile, the query-block ranges, the
+      deterministic semaphores ([B, N, ceil(T / tile_m)]) and the segment block summaries all
+      follow tile_m.
     tile_n: keys per CTA (64 per consumer warpgroup).
     num_stages: pipeline depth of the Q / dO (+ LSE / delta) loads.
-    dq_accum: how a step's 64 x hd dQ partial reaches the float32 accumulator in global memory:
-      "tma": written to shared memory, then one TMA reduce-add (cp.reduce.async.bulk.tensor) per
-      step (the add happens in L2, no per-element instructions; 32 KB more shared memory at
-      hd 128); "red": one red.global.add.f32 per element from registers.
+    A step's tile_m x hd dQ partial reaches the float32 accumulator in global memory through
+      shared memory and one TMA reduce-add (cp.reduce.async.bulk.tensor) per step: the add
+      happens in L2, no per-element instructions (the key says "dqtma").
     deterministic: bitwise-reproducible dQ: the CTAs add into a query block in key-block order
-      (a per-(batch, head, query block) semaphore in global memory; needs dq_accum="tma").
-      dK/dV never use atomics, so they are deterministic in either mode.
-    overlap_dq: issue order dV, (dS^T to smem, barrier), dQ, dK instead of dV, dK, (...), dQ,
-      and wait for dV + dQ only: the dQ tile's store to shared memory, barrier and reduce-add
-      (or atomics) then run while the tensor cores compute dK, instead of after every GEMM
-      of the step has finished (FA3 / FA4's order). hd 64 and 96; hd 128 only with early_dv:
-      without it the dQ accumulator live beside dK, dV and the in-flight dS^T operand makes
-      ptxas spill 32-48 bytes; with it 4-28 B, loop-invariant values stored before the step
-      loop and reloaded once per step (SASS, 2026-12-01). With tile_m 128 (hd 64) the kernel
-      zeroes S^T and dQ before their GEMMs (`FlashBwdSm90.clear_acc`); unverified there.
-    dq_arrive: (dq_accum "tma", hd <= 128) the dQ tile barrier (BAR_DQ) becomes arrive for
-      every consumer warp but warp 4 (which issues the reduce-add and still waits): a
-      warpgroup goes on to its next step as soon as its own dQ half is stored, instead of both
-      warpgroups meeting twice per step. Safe because the next writes of what the barrier
-      guards come after the next step's _BAR_DS, which warp 4 (after the reduce has read sdQ)
-      and the other warpgroup (after its dQ GEMM read dS^T) must reach first. Unverified.
+      (a per-(batch, head, query block) semaphore in global memory). dK/dV never use atomics,
+      so they are deterministic in either mode.
     has_alibi / has_segments: as in `FwdConfig` (slopes [1, N], ids and block summaries with
       rows = keys, columns = queries); ALiBi also writes per-warp partial sums of
       sum_ij dS_ij |i - j| (``ALIBI_PARTS`` per (batch, head, key block)) that the caller
       reduces in XLA into d(slopes) (no atomics: deterministic).
-    dq_writer: (dq_accum "tma", tile_m 64, not deterministic) FA3 / FA4's dQ hand-off: an
-      otherwise idle warp of the producer warpgroup (warp 1) issues the reduce-adds, one per
-      warpgroup half of the dQ tile, each guarded by its own pair of named barriers (half
-      stored / half read back) between that warpgroup and the writer. A consumer warpgroup
-      then never waits for the other one at the dQ flush (BAR_DQ and warp 4's reduce are
-      gone), only for its own half of the previous step to have been read.
-    dq_flat: (dq_accum "tma", tile_m 64 / 128; not with dq_arrive) FA4's dQ path: each
-      consumer thread stores its dQ fragment to shared memory in fragment order (16-byte
-      vector stores, conflict-free) and warp 4 adds the whole tile with one flat bulk
-      reduce (cp.reduce.async.bulk .add.f32, tile_m x hd x 4 bytes) into a fragment-ordered
-      accumulator [B, N, ceil(T / tile_m), tile_m x hd] that the caller un-permutes in XLA
-      (`bwd_launch.dq_from_flat`, fused with the scale and cast), instead of hd / 32 TMA
-      tensor boxes of tile_m x 128 B per step (4 at hd 128, 8 at hd 256), or at tile_m 128
-      hd / 8 boxes of 128 x 32 B. Both kernels. With dq_writer, that warp issues one bulk
-      reduce per warpgroup part (FA4's exact scheme; gated in `verified.RULES`).
+    dq_flat: FA4's dQ path: each consumer thread stores its dQ fragment to shared memory in
+      fragment order (16-byte vector stores, conflict-free) and warp 4 adds the whole tile with
+      one flat bulk reduce (cp.reduce.async.bulk .add.f32, tile_m x hd x 4 bytes) into a
+      fragment-ordered accumulator [B, N, ceil(T / tile_m), tile_m x hd] that the caller
+      un-permutes in XLA (`bwd_launch.dq_from_flat`, fused with the scale and cast), instead of
+      hd / 32 TMA tensor boxes of tile_m x 128 B per step (4 at hd 128, 8 at hd 256), or at
+      tile_m 128 hd / 8 boxes of 128 x 32 B. Both kernels.
     tail_lpt: (causal) launch the last heads' CTAs key-block-major, longest first, so the final
       wave ends with short CTAs (`jaxflash.kernels.sm90.bwd_order`).
     early_dv: compute P^T as soon as S^T is ready (while the dP^T GEMM still runs) and issue
       dV += P^T dO before forming dS^T (whose arithmetic then runs behind the dV GEMM), instead
       of waiting for both GEMMs and doing all the elementwise work with the tensor cores idle.
       With softcap the tanh values are kept for dS^T (32 more registers): hd <= 96 there.
-    dq_wg_flush: (hd 192 / 256 with dq_flat, not deterministic) each consumer warpgroup
-      reduce-adds its own head-dim half of the dQ tile (32 KB at hd 256) as soon as it is
-      staged, behind a barrier of its own 128 threads, instead of both meeting at BAR_DQ and
-      warp 4 adding the whole tile: the warpgroups meet once per step (at the dS barrier)
-      instead of twice; P^T / dS^T get two buffers (the dQ barrier no longer guards their reuse).
-    q_multicast: (not deterministic, window, segment ids or tile_m 80) key blocks 2j
-      and 2j+1 of one (head, batch) run as a cluster of two CTAs walking the same query blocks
-      (those of block 2j: under causal masking block 2j+1's first one is fully masked), and
-      each CTA loads half of every Q and dO tile by TMA multicast into both CTAs' shared
-      memory (`jaxflash.kernels.sm90.q_multicast`): half the Q / dO bytes read from L2, where the
+    q_multicast: (not deterministic, window or segment ids) key blocks 2j and 2j+1 of one
+      (head, batch) run as a cluster of two CTAs walking the same query blocks (those of block
+      2j: under causal masking block 2j+1's first one is fully masked), and each CTA loads half
+      of every Q and dO tile by TMA multicast into both CTAs' shared memory
+      (`jaxflash.kernels.sm90.q_multicast`): half the Q / dO bytes read from L2, where the
       hd 256 kernel waits (Nsight Compute: L2 at 83% of peak). The pair's stage release is
       coupled: a stage is refilled once both CTAs' consumers have released it.
-    do_first: (hd 192 / 256) the wide kernel's step takes dP^T = V dO^T before S^T = K Q^T and
-      releases dO as soon as the dV GEMM is done, Q after the dK GEMM (instead of both after
-      dK), and the producer loads dO before Q: with one Q / dO stage at hd 256, the next
-      step's dO load then overlaps the dK and dQ GEMMs and Q's the dQ GEMM and the next dP^T
-      (today both overlap only dQ and its flush). The mask / softcap on S^T no longer runs
-      under the dP^T GEMM.
     """
 
     dtype: str = "bfloat16"
@@ -149,17 +109,11 @@ class BwdConfig:
     tile_m: int = 64
     tile_n: Optional[int] = None
     num_stages: Optional[int] = None
-    dq_accum: str = "tma"
     deterministic: bool = False
-    overlap_dq: bool = False
     early_dv: bool = False
-    dq_arrive: bool = False
-    dq_writer: bool = False
     dq_flat: bool = False
     tail_lpt: bool = False
-    dq_wg_flush: bool = False
     q_multicast: bool = False
-    do_first: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -169,7 +123,7 @@ class BwdConfig:
             object.__setattr__(self, "tile_n", 64 if wide else 128)
         if self.num_stages is None:
             # 2 (prefetch the next step's Q / dO) where the shared memory allows, else 1: at
-            # hd 256 the float32 dQ tile of dq_accum="tma" (64 KB) leaves room for one stage.
+            # hd 256 the float32 dQ tile (64 KB) leaves room for one stage.
             object.__setattr__(self, "num_stages", 2)
             if self.smem_bytes() > SMEM_LIMIT_BYTES:
                 object.__setattr__(self, "num_stages", 1)
@@ -185,33 +139,15 @@ class BwdConfig:
                            "accumulators of larger head dims do not fit the registers)")
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m not in (64, 80, 128):
-            return False, (f"tile_m {self.tile_m} must be 64 or 128 (wgmma M atoms of dQ), or 80 "
-                           "(hd 128 dense: dQ^T = K^T dS^T, queries as its N)")
-        if self.tile_m == 80:
-            # `hopper_bwd_m80`: written for the plain dense step only (what FA3 runs at hd 128
-            # non-causal); every feature below would need its own mask / range / register work.
-            if self.head_dim != TILE_M80_HEAD_DIM:
-                return False, (f"tile_m 80 at head_dim {self.head_dim}: only hd "
-                               f"{TILE_M80_HEAD_DIM} (the dQ^T GEMM splits the head dim 64 / 64)")
-            extra = [n for n, on in (
-                ("causal", self.is_causal), ("window", self.has_window),
-                ("softcap", self.has_softcap), ("q_seqlen", self.has_q_seqlen),
-                ("kv_seqlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
-                ("segment ids", self.has_segments), ("deterministic", self.deterministic),
-                ("dq_accum red", self.dq_accum != "tma"), ("early_dv", self.early_dv),
-                ("overlap_dq", self.overlap_dq), ("dq_arrive", self.dq_arrive)) if on]
-            if extra:
-                return False, (f"tile_m 80 with {', '.join(extra)}: the 80-query step is dense "
-                               "only (no masks, TMA dQ reduce-add, default schedule)")
+        if self.tile_m not in (64, 128):
+            return False, f"tile_m {self.tile_m} must be 64 or 128 (wgmma M atoms of dQ)"
         if self.tile_m == 128 and self.head_dim not in TILE_M128_HEAD_DIMS:
             return False, (f"tile_m 128 at head_dim {self.head_dim}: the 64 x 128 S^T and dP^T "
                            "tiles beside the dK / dV accumulators exceed the 240 registers "
                            f"(head dims {TILE_M128_HEAD_DIMS})")
         if self.tile_m == 128:
-            # Measured with ptxas at hd 64 (2026-12-01): each of these adds live registers to
-            # the 192 accumulators (tanh kept, bias and d(slope), P^T early). overlap_dq (dQ
-            # beside dS^T) spilled 32 B until the kernel zeroed S^T / dQ before their GEMMs.
+            # Measured with ptxas at hd 64: each of these adds live registers to the 192
+            # accumulators (tanh kept, bias and d(slope), P^T early).
             extra = [n for n, on in (("softcap", self.has_softcap), ("alibi", self.has_alibi),
                                      ("early_dv", self.early_dv)) if on]
             if extra:
@@ -227,48 +163,16 @@ class BwdConfig:
             if self.early_dv:
                 return False, (f"early_dv at head_dim {self.head_dim}: a schedule of the "
                                "key-split kernel only (hd <= 128)")
-        if self.dq_arrive and (self.dq_accum != "tma" or self.split != "keys"):
-            return False, ("dq_arrive needs dq_accum='tma' and the key-split kernel (hd <= 128; "
-                           "the wide kernel's single P^T / dS^T buffer relies on BAR_DQ "
-                           "being a full sync)")
-        if self.dq_arrive and self.deterministic and self.head_dim > 96:
-            return False, ("dq_arrive with deterministic at head_dim 128: the deterministic "
-                           "hd 128 kernel spills 4 B already (ptxas, 2026-12-01); not extended")
-        if self.dq_writer and (self.dq_accum != "tma" or self.split != "keys"
-                               or self.tile_m != 64 or self.deterministic or self.dq_arrive):
-            return False, ("dq_writer needs dq_accum='tma', the key-split kernel at tile_m 64 "
-                           "(head-dim halves per warpgroup) and neither deterministic (whose "
-                           "ordered adds stay with warp 4) nor dq_arrive")
-        if self.dq_flat and (self.dq_accum != "tma" or self.tile_m not in (64, 128)
-                             or self.dq_arrive):
-            return False, ("dq_flat needs dq_accum='tma' at tile_m 64 or 128 (a warpgroup's "
-                           "dQ part is its head-dim half, or its 64 query rows), without "
-                           "dq_arrive (warp 4, or dq_writer's warp, issues the bulk reduces)")
-        if self.dq_wg_flush and (not self.dq_flat or self.deterministic
-                                 or self.split != "headdim"):
-            return False, ("dq_wg_flush needs dq_flat (contiguous per-warpgroup parts) in the "
-                           "head-dim-split kernel (hd 192 / 256), not deterministic (whose "
-                           "ordered adds are whole tiles)")
         if self.q_multicast:
             extra = [n for n, on in (
                 ("window", self.has_window), ("segment ids", self.has_segments),
-                ("deterministic", self.deterministic), ("tile_m 80", self.tile_m == 80)) if on]
+                ("deterministic", self.deterministic)) if on]
             if extra:
                 return False, (f"q_multicast with {', '.join(extra)}: the paired CTAs walk the "
                                "even key block's query blocks (a window's end, segment ranges "
                                "or ordered dQ adds would differ between the two)")
-        if self.do_first and self.split != "headdim":
-            return False, (f"do_first at head_dim {self.head_dim}: a step order of the "
-                           "head-dim-split kernel (hd 192 / 256) only")
         if self.tail_lpt and not self.is_causal:
             return False, "tail_lpt only with is_causal (key blocks cost the same otherwise)"
-        if self.dq_accum not in ("tma", "red"):
-            return False, f"dq_accum {self.dq_accum!r} not in ('tma', 'red')"
-        if self.deterministic and self.dq_accum != "tma":
-            return False, "deterministic needs dq_accum='tma' (ordered TMA reduce-adds)"
-        if self.overlap_dq and self.head_dim > 96 and not self.early_dv:
-            return False, (f"overlap_dq at head_dim {self.head_dim} without early_dv: ptxas "
-                           "spills 32-48 B (hd <= 96, or with early_dv at hd 128)")
         if self.early_dv and self.has_softcap and self.head_dim > 96:
             return False, (f"early_dv with softcap at head_dim {self.head_dim}: the tanh values "
                            "kept for dS^T make ptxas spill (hd <= 96)")
@@ -295,23 +199,14 @@ class BwdConfig:
         elt = 2
         kv = self.tile_n * (self.head_dim + self.head_dim_v) * elt
         qdo = self.num_stages * self.tile_m * (self.head_dim + self.head_dim_v) * elt
-        ds = 2 * self.tile_n * self.tile_m * elt  # dS^T, 2 buffers
-        if self.split == "headdim":
-            # P^T and dS^T; 2 buffers with "red" or dq_wg_flush (no per-step barrier of both
-            # warpgroups then guards their reuse)
-            bufs = 1 if self.dq_accum == "tma" and not self.dq_wg_flush else 2
-            ds = 2 * bufs * self.tile_n * self.tile_m * elt
-        rows = 2 * self.num_stages * self.row_stage_stride * 4
-        dq = self.tile_m * self.head_dim * 4 if self.dq_accum == "tma" else 0
+        # dS^T, 2 buffers (key split); P^T and dS^T, one buffer each (head-dim split: the
+        # flush's barrier of both warpgroups guards their reuse)
+        ds = 2 * self.tile_n * self.tile_m * elt
+        # LSE / delta rows: tile_m floats per stage, each stage a TMA destination (128-byte
+        # aligned: tile_m is a multiple of 32)
+        rows = 2 * self.num_stages * self.tile_m * 4
+        dq = self.tile_m * self.head_dim * 4
         return kv + qdo + ds + rows + dq + 1024  # + barriers and alignment
-
-    @property
-    def row_stage_stride(self) -> int:
-        """Floats between two stages of the LSE / delta rows in shared memory: tile_m rounded
-        up to 32 (128 B), because each stage is a TMA destination and a bulk tensor copy's
-        shared-memory address must be 128-byte aligned. Only tile_m 80 pads (80 -> 96: its
-        second stage at +320 B faulted with a misaligned address on the H200, 2026-12-01)."""
-        return -(-self.tile_m // 32) * 32
 
     @property
     def split(self) -> str:
@@ -329,13 +224,13 @@ class BwdConfig:
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen),
                                  ("alibi", self.has_alibi), ("seg", self.has_segments)) if on]
+        # "dqtma": the dQ path's name from when a second one existed; kept so keys (and the
+        # result files that cite them) stay stable
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
-                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dq{self.dq_accum}"
-                f"{'_det' if self.deterministic else ''}{'_ovl' if self.overlap_dq else ''}"
-                f"{'_edv' if self.early_dv else ''}{'_dqa' if self.dq_arrive else ''}"
-                f"{'_dqw' if self.dq_writer else ''}{'_dqf' if self.dq_flat else ''}"
-                f"{'_tl' if self.tail_lpt else ''}{'_dqg' if self.dq_wg_flush else ''}"
-                f"{'_qmc' if self.q_multicast else ''}{'_dof' if self.do_first else ''}"
+                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_dqtma"
+                f"{'_det' if self.deterministic else ''}{'_edv' if self.early_dv else ''}"
+                f"{'_dqf' if self.dq_flat else ''}{'_tl' if self.tail_lpt else ''}"
+                f"{'_qmc' if self.q_multicast else ''}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 

@@ -29,15 +29,11 @@ from jaxflash.kernels.variants.bwd import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALAR
 KERNEL_REF = "jaxflash.kernels.sm90.bwd:FlashBwdSm90"
 # hd 192 / 256: consumer warpgroups split the head dim (see `BwdConfig.split`).
 WIDE_KERNEL_REF = "jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide"
-# hd 128 dense, 80 queries per step (`BwdConfig.tile_m` 80): dQ computed transposed.
-M80_KERNEL_REF = "jaxflash.kernels.sm90.bwd_m80:FlashBwdSm90M80"
 
 
 def kernel_ref(config: BwdConfig) -> str:
     """The one place that maps a backward config to its kernel class."""
-    if config.split != "keys":
-        return WIDE_KERNEL_REF
-    return M80_KERNEL_REF if config.tile_m == 80 else KERNEL_REF
+    return KERNEL_REF if config.split == "keys" else WIDE_KERNEL_REF
 
 
 def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
@@ -72,7 +68,7 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
 def padded_len(t: int, config: BwdConfig) -> int:
     """Tp: T rounded up to LSE_PAD and to the config's tile_m, so the last query block's
     LSE / delta box lies inside the array (its rows past T are +inf padding, not TMA fill)."""
-    pad = math.lcm(LSE_PAD, config.tile_m)  # tile_m 80: 320 (the launch declares LSE_PAD)
+    pad = math.lcm(LSE_PAD, config.tile_m)  # (the launch declares LSE_PAD)
     return -(-t // pad) * pad
 
 

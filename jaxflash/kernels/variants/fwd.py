@@ -5,8 +5,8 @@ not (batch, sequence lengths, scale, softcap value, window bounds, GQA ratio) is
 of the kernel and deliberately absent.
 
 Tile shapes follow the register and shared-memory budget of sm_90 with one producer warpgroup and
-``tile_m // 64`` consumer warpgroups (2 here: 128 query rows per CTA), 2 K/V stages and P kept in
-registers for the PV GEMM (RS wgmma). Shared memory = Q + stages * (K + V) (O reuses Q's buffer),
+``tile_m // 64`` consumer warpgroups (2 by default: 128 query rows per CTA), 2 K/V stages and P
+kept in registers for the PV GEMM (RS wgmma). Shared memory = Q + stages * (K + V) (O reuses Q's buffer),
 which must stay under the 227 KB a CTA may use.
 """
 from __future__ import annotations
@@ -18,12 +18,15 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
 SMEM_PER_SM_BYTES = 228 * 1024
-# Per head dim: (tile_m, tile_n). hdim 64/96/128: 128x128. 192: 128x112 and 256: 128x80 keep
-# Q + 2 K + 2 V stages inside the shared-memory limit (O reuses Q), and the 64 x hdim fp32
-# O accumulator + 64 x tile_n S accumulator inside 240 registers per consumer thread.
+# Longest-first tile order walks heads in sections whose K/V fit this much L2 (another size was
+# within noise where measured).
+L2_SECTION_MB = 24
 # Runtime scalars of a launch (`jaxflash.ffi` Launch.scalars / int_scalars), in tensor order.
 FLOAT_SCALARS = ("softmax_scale", "softcap")
 INT_SCALARS = ("window_left", "window_right")
+# Per head dim: (tile_m, tile_n). hdim 64/96/128: 128x128. 192: 128x112 and 256: 128x80 keep
+# Q + 2 K + 2 V stages inside the shared-memory limit (O reuses Q), and the 64 x hdim fp32
+# O accumulator + 64 x tile_n S accumulator inside 240 registers per consumer thread.
 _TILES = {64: (128, 128), 96: (128, 128), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
 # With a causal/window mask, hdim 256 at tile_n 80 makes ptxas serialize the wgmma ("insufficient
 # register resources", C7512); tile_n 64 frees the 12 registers that avoids it.
@@ -50,28 +53,21 @@ class FwdConfig:
       segments cannot meet the query tile's are skipped (per-block summaries computed in XLA by
       `jaxflash.kernels.common.segments`).
     tile_m, tile_n, num_stages: CTA tile and K/V pipeline depth (None: the per-head-dim default).
-    intra_wg_overlap: overlap softmax of block j with the PV GEMM of block j-1 (FA3 Alg. 2).
-    fresh_s: (tile_m 128 with overlap) give each key block's QK GEMM a fresh S fragment
-      (`FlashFwdSm90.fresh_s`), so the previous block's fp32 S is not kept live into it: frees
-      the registers that let wider key tiles fit (hd 128 x 160, hd 64 x 192, hd 256 causal x 80).
-      tile_m 192 / 256 with overlap always do this (they spill otherwise), so the field is only
-      the 128-row opt-in.
-    pingpong: order the two consumer warpgroups' GEMMs with named barriers (FA3 sec. 3.1).
-    ctas_per_sm: 2 with tile_m 64 (the only pairing): one consumer warpgroup per CTA, two
-      CTAs resident per SM (128 registers per thread at launch, setmaxnreg 24 / 232; shared
-      memory at most half the SM's), so one CTA's tile start and epilogue run under the other's
-      key loop instead of a warpgroup waiting at the tile boundary. The persistent grid is two
-      CTAs per SM. Also tile_m 128 at head_dim 64 with tile_n <= 64: four consumer warpgroups
-      per SM, 80 registers at launch (S 32 + O 32 + P 16 fit), setmaxnreg 24 / 112 (2026-12-02,
-      compiled only, gated).
+      tile_m is 64 per consumer warpgroup: 128 (the default), 192 and 256 at head dim 64, 64
+      with two CTAs per SM. Every consumer warpgroup overlaps the softmax of key block j with
+      the PV GEMM of block j-1 (FA3 Alg. 2), and two warpgroups up to hd 128 take turns at the
+      tensor cores (pingpong, FA3 sec. 3.1).
+    ctas_per_sm: 2 with tile_m 64 (and only then): one consumer warpgroup per CTA, two CTAs
+      resident per SM (128 registers per thread at launch, setmaxnreg 24 / 232; shared memory
+      at most half the SM's), so one CTA's tile start and epilogue run under the other's key
+      loop instead of a warpgroup waiting at the tile boundary. The persistent grid is two CTAs
+      per SM.
     persistent: one CTA per SM loops over tiles, so a tile's loads overlap the previous tile's
-      epilogue (and causal tiles are dealt longest-first in a balanced order). Off by default:
-      measured slower on the H200 (2026-11-30) where ptxas had serialized its wgmma (hdim 128
-      dense, 256; fixed 2026-12-01, not yet re-measured), see jaxflash/kernels/NOTES.md.
+      epilogue (and causal tiles are dealt longest-first in a balanced order).
     tile_pipe: persistent only: the producer warp (idle while its loads fly) decodes each tile
       and hands (m_block, head, batch) to the consumers through a 2-slot shared-memory
       pipeline, so the consumers' tile loop carries no scheduler state and does no index
-      division per tile (NOTES.md, "Persistent forward").
+      division per tile (`sm90.tile_handoff`).
     wg_epilogue: (persistent, O in its own buffer) each consumer warpgroup normalizes, stores
       (stmatrix, then a TMA store of its own 64 rows issued by its first warp) and leaves its
       half of the tile on its own, with a 128-thread barrier instead of the two 256-thread
@@ -81,27 +77,20 @@ class FwdConfig:
       warp raised its running max, through a warp-uniform branch (`OnlineSoftmax.step_lazy`;
       FlashAttention-4's conditional rescaling with threshold 0, so the results are bitwise
       those without it). The branch also lets ptxas keep most of the exp2 under the PV GEMM.
-    tile_order: "auto" (longest-first for causal/window, natural otherwise), "lpt", "plain", or
-      "pairs" (persistent with tile_pipe, causal / window: tile m with tile nm - 1 - m of the
-      same head on one CTA, pairs dealt round-robin; `scheduler.TileScheduler`).
-    l2_section_mb: longest-first order walks heads in sections whose K/V fit this much L2.
-    m_align: "start" (tile m covers rows [m * tile_m, ..)) or "end": tiles aligned to the last
-      row so the partial tile is the first (cheapest under a causal bound) instead of the last
-      (which runs every key block). With shift = ceil(T / tile_m) * tile_m - T, tile m starts
-      at row max(0, m * tile_m - shift): tile 0 is clamped to row 0 (no TMA box ever starts
-      at a negative row) and recomputes rows [tile_m - shift, tile_m) that tile 1 owns (NOTES.md,
-      "End-aligned query tiles v2"). Causal / window only; not with per-batch query lengths,
-      ALiBi or segment ids.
+    tile_order: "auto" (longest-first for causal / window, heads in sections whose K/V fit
+      ``L2_SECTION_MB`` of L2; natural otherwise) or "pairs" (persistent with tile_pipe,
+      causal / window: tile m with tile nm - 1 - m of the same head on one CTA, pairs dealt
+      round-robin; `scheduler.TileScheduler`).
     mask_skip: where only the key length can cut a block (no causal / window bound), test once
       per block, warp-uniformly, whether the block reaches past the key length and skip the
       per-element compare when it does not. Every tile's first (rightmost) block is masked on
       its exposed path (the QK waits to completion there), so at S = 1k dense this is one
-      compare per score on one block in eight (checked and picked 2026-12-02).
+      compare per score on one block in eight.
     mask_select: mask a block with one select per score (`mask.apply_mask(by_select=True)`)
       instead of conditional stores, which ptxas turns into a cascade of ~14 selects per score
       (909 FSEL in one masked hd 128 block): every causal tile's diagonal block pays it. Always
-      on at tile_m 192 with overlap (its registers needed it); an opt-in for the other tiles
-      so their measured binaries stay as they were (checked 2026-12-02; picked at causal).
+      on at tile_m 192 (its registers need it); a flag for the other tiles, whose binaries
+      without it are the dense and non-causal picks.
     """
 
     dtype: str = "bfloat16"
@@ -117,17 +106,12 @@ class FwdConfig:
     tile_m: Optional[int] = None
     tile_n: Optional[int] = None
     num_stages: int = 2
-    intra_wg_overlap: bool = True
-    fresh_s: bool = False
     ctas_per_sm: int = 1
-    pingpong: bool = True
     persistent: bool = False
     tile_pipe: bool = False
     wg_epilogue: bool = False
     lazy_rescale: bool = False
     tile_order: str = "auto"
-    l2_section_mb: int = 24
-    m_align: str = "start"
     mask_skip: bool = False
     mask_select: bool = False
 
@@ -159,14 +143,9 @@ class FwdConfig:
         if self.tile_m not in (64, 128, 192, 256):
             return False, (f"tile_m {self.tile_m} must be 64, 128, 192 or 256 (one to four "
                            "64-row consumer warpgroups)")
-        # (softcap's tanh keeps S twice: 864 B spilled at 80 registers)
-        two_fit = self.tile_m == 64 or (self.tile_m == 128 and self.head_dim <= 64
-                                         and self.tile_n <= 64 and not self.has_softcap)
-        if not (self.ctas_per_sm == 1 and self.tile_m != 64 or self.ctas_per_sm == 2 and two_fit):
+        if (self.ctas_per_sm == 2) != (self.tile_m == 64) or self.ctas_per_sm not in (1, 2):
             return False, (f"ctas_per_sm {self.ctas_per_sm} with tile_m {self.tile_m}: 64-row "
-                           "tiles run two CTAs per SM (one warpgroup each), 128-row ones one, "
-                           "or two at head_dim 64 with tile_n <= 64, no softcap (80 registers "
-                           "at launch)")
+                           "tiles run two CTAs per SM (one warpgroup each), the others one")
         if self.ctas_per_sm == 2 and self.head_dim > 128:
             # ptxas C7602 at hd 256: the PV wgmma (64 x 256 float32 accumulator, 128 registers
             # a thread) cannot be compiled under the 128-register launch bound
@@ -180,15 +159,11 @@ class FwdConfig:
                            f"{self.head_dim}, tile_n {self.tile_n})")
         if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
             return False, f"tile_n {self.tile_n} must be a multiple of 16 in [16, 256]"
-        if self.fresh_s and (self.tile_m != 128 or not self.intra_wg_overlap):
-            return False, ("fresh_s is the 128-row opt-in with intra_wg_overlap (192 rows with "
-                           "overlap always use it; without overlap S is not live across P)")
-        if self.mask_select and self.tile_m == 192 and self.intra_wg_overlap:
-            return False, ("mask_select is always on at tile_m 192 with intra_wg_overlap (drop the "
-                           "flag: the key would name a second copy of one binary)")
-        if self.tile_order not in ("auto", "lpt", "plain", "pairs"):
-            return False, (f"tile_order {self.tile_order!r} not in ('auto', 'lpt', 'plain', "
-                           "'pairs')")
+        if self.mask_select and self.tile_m == 192:
+            return False, ("mask_select is always on at tile_m 192 (drop the flag: the key "
+                           "would name a second copy of one binary)")
+        if self.tile_order not in ("auto", "pairs"):
+            return False, f"tile_order {self.tile_order!r} not in ('auto', 'pairs')"
         if self.tile_order == "pairs" and not (self.tile_pipe
                                                and (self.is_causal or self.has_window)):
             return False, ("tile_order 'pairs' needs tile_pipe=True (the producer skips empty "
@@ -200,18 +175,6 @@ class FwdConfig:
                            "goes on to the next tile")
         if self.tile_pipe and not self.persistent:
             return False, "tile_pipe needs persistent=True (it feeds the persistent tile loop)"
-        if not 1 <= self.l2_section_mb <= 64:
-            return False, f"l2_section_mb {self.l2_section_mb} not in [1, 64]"
-        if self.m_align not in ("start", "end"):
-            return False, f"m_align {self.m_align!r} not in ('start', 'end')"
-        if self.m_align == "end":
-            if not (self.is_causal or self.has_window):
-                return False, "m_align 'end' only pays with a causal or window mask"
-            # Per-batch query lengths would need per-batch alignment; ALiBi and segment ids
-            # read row positions / start-aligned block summaries: not done, refused.
-            for flag in ("has_q_seqlen", "has_alibi", "has_segments"):
-                if getattr(self, flag):
-                    return False, f"m_align 'end' not supported with {flag}"
         if self.num_stages < 1 or self.num_stages > 4:
             return False, f"num_stages {self.num_stages} must be in [1, 4]"
         if self.smem_bytes() > self.smem_limit:
@@ -242,9 +205,7 @@ class FwdConfig:
     @property
     def lpt(self) -> bool:
         """Whether tiles go longest-first (their cost varies with m under a right bound)."""
-        if self.tile_order == "auto":
-            return self.is_causal or self.has_window
-        return self.tile_order == "lpt"
+        return self.tile_order == "auto" and (self.is_causal or self.has_window)
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -257,25 +218,22 @@ class FwdConfig:
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
                                  ("seg", self.has_segments)) if on]
-        sched = (("ov" if self.intra_wg_overlap else "")
-                 + ("fs" if self.fresh_s else "")
-                 + ("pp" if self.pingpong else "") + ("ps" if self.persistent else "")
-                 + ("tp" if self.tile_pipe else "") + ("we" if self.wg_epilogue else "")
-                 + ("lz" if self.lazy_rescale else ""))
+        # "ovpp": intra-warpgroup overlap and pingpong, which every variant has (the names stay
+        # so keys, and the result files that cite them, stay stable)
+        sched = ("ovpp" + ("ps" if self.persistent else "") + ("tp" if self.tile_pipe else "")
+                 + ("we" if self.wg_epilogue else "") + ("lz" if self.lazy_rescale else ""))
         if self.lpt:
-            sched += f"_lpt{self.l2_section_mb}"
+            sched += f"_lpt{L2_SECTION_MB}"
         if self.tile_order == "pairs":
             sched += "_pairs"
         if self.ctas_per_sm != 1:
             sched += f"_c{self.ctas_per_sm}"
-        if self.m_align != "start":  # default keys unchanged (existing artifacts stay valid)
-            sched += f"_m{self.m_align}"
         if self.mask_skip:
             sched += "_msk"
         if self.mask_select:
             sched += "_sel"
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
-                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched or 'plain'}"
+                f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched}"
                 f"_{'-'.join(feats) or 'dense'}")
 
 
