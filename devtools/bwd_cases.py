@@ -174,8 +174,9 @@ CHECKS = [
      (2, 333, 301, 4, 2, {})),
     *_wide_dq_cases("dqf", dq_flat=True),
     # tail_lpt: the last heads' CTAs launch key-block-major (`bwd_order`). More heads than
-    # fit the tail (the order switches mid-grid) and fewer (all reordered), GQA, odd lengths, T < S and T > S, lengths with empty rows, fp16,
-    # deterministic (its ordered adds wait on lower key blocks), hd 64 / 128 / 256, 2k vs cuDNN.
+    # fit the tail (the order switches mid-grid) and fewer (all reordered), GQA, odd lengths,
+    # T < S and T > S, lengths with empty rows, fp16, deterministic (its ordered adds wait on
+    # lower key blocks), hd 64 / 128 / 256, 2k vs cuDNN.
     ("bf16 h128 edv dqf tl causal gqa T<S", dict(head_dim=128, early_dv=True, dq_flat=True,
                                                  is_causal=True, tail_lpt=True),
      (2, 500, 700, 8, 2, {})),

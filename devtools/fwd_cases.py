@@ -176,9 +176,10 @@ CHECKS = [
     ("bf16 h256 pairs causal", dict(head_dim=256, is_causal=True, persistent=True,
                                     tile_pipe=True, tile_order="pairs"),
      (4, 1000, 1000, 8, 8, {})),
-    # 64-row tiles at two CTAs per SM: one consumer warpgroup per CTA. Persistent (grid 2 x SMs) and not, one stage of 128 keys and two of 64, GQA, odd
-    # lengths, T < S, pairs, window with lengths (empty rows), softcap, fp16, hd 64 / 96 /
-    # 128, bitwise repeats, 2k against cuDNN.
+    # 64-row tiles at two CTAs per SM: one consumer warpgroup per CTA. Persistent (grid 2 x
+    # SMs) and not, one stage of 128 keys and two of 64, GQA, odd lengths, T < S, pairs,
+    # window with lengths (empty rows), softcap, fp16, hd 64 / 96 / 128, bitwise repeats, 2k
+    # against cuDNN.
     ("bf16 h128 m64c2 ps dense gqa odd", dict(head_dim=128, tile_m=64, ctas_per_sm=2,
                                               num_stages=1, persistent=True, tile_pipe=True),
      (2, 1000, 1111, 12, 4, {"repeat": 2})),

@@ -157,9 +157,10 @@ def test_backward_cudnn_comparisons_only_where_cudnn_computes_the_same_function(
 
 
 def test_forward_192_rows_persistent_checked_and_picked():
-    """192-row tiles on the persistent loop passed 6 GPU checks and the sanitizer: not gated, and what hd 64 plain calls get where the key loop is short (S <= 1k; causal
-    S <= 4k); devrun keeps its check cases (dense, causal, T < S, lengths, window + softcap,
-    tile pipe) and bench column."""
+    """192-row tiles on the persistent loop passed 6 GPU checks and the sanitizer: not gated,
+    and what hd 64 plain calls get where the key loop is short (S <= 1k; causal S <= 4k);
+    devrun keeps its check cases (dense, causal, T < S, lengths, window + softcap, tile pipe)
+    and bench column."""
     from devtools import devrun
     from jaxflash.kernels.policy.choose import schedule_for
     assert verified.pending(FwdConfig(head_dim=64, tile_m=192, persistent=True)) == ()

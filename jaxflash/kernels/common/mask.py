@@ -124,8 +124,9 @@ def apply_mask(acc_s: cute.Tensor, coords: TileCoords, m_block: Int32, n_block: 
                skip_full: cutlass.Constexpr[bool] = False):
     """Set invisible scores of one (tile_m x tile_n) block to -inf.
 
-    The tile's first row is ``m_block * tile_m``. Columns are compared as compile-time offsets against per-row limits shifted by the thread's base column, so the
-    inner loop is one compare + select per register.
+    The tile's first row is ``m_block * tile_m``. Columns are compared as compile-time offsets
+    against per-row limits shifted by the thread's base column, so the inner loop is one
+    compare + select per register.
 
     by_select: write every register through one select instead of a conditional store. The
     conditional stores (one runtime ``if`` each) reach PTX as a cascade of selects that re-pick

@@ -43,5 +43,5 @@ def require_verified(config, what: str) -> None:
     pending_ = pending(config)
     if pending_ and not allowed():
         raise NotImplementedError(
-            f"the CuTe {what} variant {config.key} uses {', '.join(pending_)}, compiled but not yet "
-            f"checked on a GPU; set {ENV}=1 to run it anyway")
+            f"the CuTe {what} variant {config.key} uses {', '.join(pending_)}, compiled but not "
+            f"yet checked on a GPU; set {ENV}=1 to run it anyway")

@@ -263,7 +263,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     # (TMA atoms, shared storage, grid) is shared. Called while tracing `launch`.
     def tiled_mmas(self):
         """(S^T / dP^T, dK, dV, dQ) tiled MMAs of the key-split scheme."""
-        K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K_, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wgs = self.num_mma_wg
         # S^T = K Q^T and dP^T = V dO^T: M = keys (one 64-row atom per warpgroup), N = queries.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(
@@ -351,7 +351,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             if const_expr(self.dq_box):
                 cpasync.prefetch_descriptor(tma_dQ)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         pipes = TmaPipelines(self.num_mma_threads)
         pipe_kv = pipes.make(storage.mbar_kv.data_ptr(), 1, self.kv_bytes)

@@ -60,7 +60,7 @@ class FlashBwdSm90Wide(FlashBwdSm90):
     # asks for them); ALiBi and segment tensors never reach this class: `BwdConfig.check`
     # refuses those features at the wide head dims.
     def tiled_mmas(self):
-        K_, MN = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K_, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         half, halfv = self.hd // 2, self.hdv // 2
         # S^T, dP^T: 64 keys x tile_m queries, the queries split over the warpgroups.
         tiled_mma_sdp = sm90_helpers.make_trivial_tiled_mma(

@@ -44,8 +44,8 @@ from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.carry import Carried
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION_MB, FwdConfig
 from jaxflash.kernels.sm90.fwd_epilogue import FwdEpilogue
-from jaxflash.kernels.common.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi, apply_mask,
-                                   apply_segment_mask)
+from jaxflash.kernels.common.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi,
+                                          apply_mask, apply_segment_mask)
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.pipes import TmaPipelines
 from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
@@ -180,11 +180,12 @@ class FlashFwdSm90(FwdEpilogue):
         mQ, mK, mV, mO = [layouts.select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
         mLSE = layouts.select_modes(mLSE, [2, 1, 0])  # (T, N, B)
 
+        K_, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, K_, K_,
             Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n))
         tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, K_, MN,
             Float32, atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.hdv),
             a_source=warpgroup.OperandSource.RMEM)
 
@@ -274,7 +275,7 @@ class FlashFwdSm90(FwdEpilogue):
             for atom in (tma_Q, tma_K, tma_V, tma_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         pipes = TmaPipelines(self.num_mma_threads)
         pipe_q = pipes.make(storage.mbar_q.data_ptr(), 1, self.q_bytes)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 
 from jaxflash.ffi.variant import Launch, TensorArg
-from jaxflash.kernels.variants.bwd import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, LSE_PAD, BwdConfig
+from jaxflash.kernels.variants.bwd import (ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, LSE_PAD,
+                                          BwdConfig)
 
 KERNEL_REF = "jaxflash.kernels.sm90.bwd:FlashBwdSm90"
 # hd 192 / 256: consumer warpgroups split the head dim (see `BwdConfig.split`).
@@ -60,7 +61,8 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
         outputs.append(TensorArg("float32", (None, None, None, ALIBI_PARTS)))
     if config.deterministic:
         outputs.append(TensorArg("int32", (None, None, None)))
-    return Launch(kernel=kernel_ref(config), config=config, inputs=tuple(inputs), outputs=tuple(outputs),
+    return Launch(kernel=kernel_ref(config), config=config, inputs=tuple(inputs),
+                  outputs=tuple(outputs),
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
 

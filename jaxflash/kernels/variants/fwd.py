@@ -6,8 +6,8 @@ of the kernel and deliberately absent.
 
 Tile shapes follow the register and shared-memory budget of sm_90 with one producer warpgroup and
 ``tile_m // 64`` consumer warpgroups (2 by default: 128 query rows per CTA), 2 K/V stages and P
-kept in registers for the PV GEMM (RS wgmma). Shared memory = Q + stages * (K + V) (O reuses Q's buffer),
-which must stay under the 227 KB a CTA may use.
+kept in registers for the PV GEMM (RS wgmma). Shared memory = Q + stages * (K + V) (O reuses
+Q's buffer), which must stay under the 227 KB a CTA may use.
 """
 from __future__ import annotations
 
