@@ -4,6 +4,7 @@ touch the compiled kernels (a move, a comment, a removed knob that was off) leav
 binary's PTX byte-identical.
 
     CUTE_DSL_ARCH=sm_90a python -m devtools.ptx_digest --out digests.json [--compare old.json]
+    CUTE_DSL_ARCH=sm_90a python -m devtools.ptx_digest --out - --build .device/kernels
 """
 from __future__ import annotations
 
@@ -114,10 +115,17 @@ def normalize(ptx: str) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default="-")
     ap.add_argument("--compare")
     ap.add_argument("--keep", help="directory to keep the PTX in")
+    ap.add_argument("--build", help="instead: build these variants' artifacts into this "
+                    "directory (what the grid and the feature cases dispatch to)")
     a = ap.parse_args(argv)
+    if a.build:
+        from jaxflash import aot
+        counts = aot.build([l for _, l in launches().values()], a.build, progress=False)
+        print(f"{counts['built']} built, {counts['kept']} up to date in {a.build}")
+        return 0
     res = {}
     for key, (label, launch) in sorted(launches().items()):
         with tempfile.TemporaryDirectory() as tmp:
@@ -131,8 +139,11 @@ def main(argv=None):
                       "w") as f:
                 f.write(ptx)
         print(f"{label:28s} {key:70s} {raw[:12]} {norm[:12]}", flush=True)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1, sort_keys=True)
+    if a.out == "-":
+        json.dump(res, sys.stdout, indent=1, sort_keys=True)
+    else:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1, sort_keys=True)
     if a.compare:
         old = json.load(open(a.compare))
         bad = [k for k in old if k in res and old[k]["normalized"] != res[k]["normalized"]]

@@ -13,9 +13,13 @@ export CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD
 bash ../shared/device/pack_runtime.sh .device "$PY"
 # the commit the artifacts are built from: results files name it (benchmarks/envinfo.py)
 echo "$(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- jaxflash || echo -dirty)" > .device/COMMIT
+# STAGES=quick: only what the GPU tests and the grids reach (no harness checks, no LM)
+"$PY" -m devtools.ptx_digest --build .device/kernels
+if [ "${STAGES:-all}" = all ]; then
 "$PY" -m devtools.devrun build --out .device/kernels
 "$PY" -m devtools.bwd_devrun build --out .device/kernels
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
+fi
 "$PY" -m devtools.gpu_selftest artifacts/ffi_selftest
 # one kernel directory for the whole GPU test run
 cp -r artifacts/ffi_selftest/kernels/. .device/kernels/

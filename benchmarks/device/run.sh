@@ -51,10 +51,15 @@ gated() {
 for stage in "$@"; do case $stage in
 tests)
   # XLA's GPU autotuning only picks speeds: off, it would triple the compile time of each test.
+  # The tests' time is XLA compiling on the CPU: with pytest-xdist (carried in .device/pylib
+  # when the machine lacks it) several workers share the GPU, none preallocating its memory.
+  N=""; PYTHONPATH=$PWD/.device/pylib:${PYTHONPATH:-} python3 -c "import xdist" 2>/dev/null \
+    && N="-n ${TESTS_N:-6}"
+  PYTHONPATH=$PWD/.device/pylib:${PYTHONPATH:-} XLA_PYTHON_CLIENT_PREALLOCATE=false \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   JAXFLASH_FFI_EXPORT_DIR=$PWD/artifacts/ffi_selftest \
-    timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -v -p no:cacheprovider tests ${TESTS_K:+-k "$TESTS_K"} \
-    2>&1 | tee $OUT/gpu-tests-$D.log | grep -E "PASS|FAIL|ERROR|SKIP|passed|failed" | tail -60 ;;
+    timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu $N -rA -p no:cacheprovider tests ${TESTS_K:+-k "$TESTS_K"} \
+    2>&1 | tee $OUT/gpu-tests-$D.log | grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL)|passed|failed" | tail -80 ;;
 checks)
   timeout 330 python3 -m devtools.bwd_devrun check --out $OUT/cute-bwd-check-$D.json 2>&1 | tail -30
   timeout 200 python3 -m devtools.devrun check --out $OUT/cute-fwd-check-$D.json 2>&1 | tail -30
