@@ -23,8 +23,8 @@ DOC = os.path.join(ROOT, "docs", "performance.md")
 IMG = os.path.join(ROOT, "docs", "img")
 
 # -- the result files this page cites (all in benchmarks/results/) ------------------------------
-GRID = "h200-2026-12-02-cc20.json"            # latest grid: cute beside cuDNN, fwd and fwd+bwd
-GRID_MD = "h200-2026-12-02-cc20.md"          # ... as written by the bench, with its checks
+GRID = "h200-2026-12-03-cc-b.json"           # latest grid: cute beside cuDNN, fwd and fwd+bwd
+GRID_MD = "h200-2026-12-03-cc-b.md"         # ... as written by the bench, with its checks
 GRID_ALL = "h200-2026-12-01-e.json"           # the grid with every implementation (Pallas)
 FA4_FWD = "fa4-sm90-h200-2026-11-30.json"     # FlashAttention-4 sm90 forward (from the anchors)
 FA4_FWDBWD = "fa4-sm90-fwdbwd-h200-2026-11-30.json"  # ... its forward+backward
