@@ -33,6 +33,29 @@ def fresh_key():
     return jax.random.key(np.random.SeedSequence().entropy % (2**31) + next(_counter))
 
 
+# Test inputs are drawn in NumPy: an eager jax.random draw compiles an XLA program for every new
+# shape (1-3 s of CPU each on the 2-core machine, several per test), a NumPy draw costs nothing.
+def fresh_rng():
+    """A new NumPy generator each call (fresh OS entropy), like `fresh_key`."""
+    return np.random.default_rng(np.random.SeedSequence().entropy + next(_counter))
+
+
+def randn(shape, dtype="float32", rng=None, scale=1.0):
+    """Fresh normal draws (standard deviation `scale`) of `shape`, a jax array of `dtype`."""
+    x = (rng or fresh_rng()).standard_normal(shape, np.float32) * np.float32(scale)
+    return jnp.asarray(x.astype(jnp.dtype(dtype)))
+
+
+def bernoulli(p, shape, rng=None):
+    """Fresh booleans, True with probability p."""
+    return jnp.asarray((rng or fresh_rng()).random(shape) < p)
+
+
+def randint(low, high, shape, rng=None):
+    """Fresh int32 in [low, high)."""
+    return jnp.asarray((rng or fresh_rng()).integers(low, high, shape).astype(np.int32))
+
+
 @dataclasses.dataclass
 class Case:
     B: int = 2
@@ -48,20 +71,37 @@ class Case:
     mask: bool = False
 
     def make(self, key=None):
-        """Random q, k, v (+ bias/mask when asked), and the call's keyword args."""
-        key = fresh_key() if key is None else key
-        ks = jax.random.split(key, 6)
+        """Random q, k, v (+ bias/mask when asked), and the call's keyword args. Drawn in NumPy
+        from fresh entropy (`randn`), or with jax.random from `key` when one is given."""
         Hv = self.Hv or self.H
+        shapes = [(self.B, self.T, self.N, self.H), (self.B, self.S, self.K, self.H),
+                  (self.B, self.S, self.K, Hv), (self.B, self.N, self.T, self.S),
+                  (self.B, 1, self.T, self.S)]
+        if key is None:  # (casts and scaling in NumPy too: eagerly, each would compile)
+            rng = fresh_rng()
+            normal = lambda i, dt="float32", c=1.0: jnp.asarray(
+                (rng.standard_normal(shapes[i], np.float32) * np.float32(c)).astype(dt))
+            bern = lambda p: jnp.asarray(rng.random(shapes[4]) < p)
+        else:
+            ks = jax.random.split(key, 6)
+            normal = lambda i, dt="float32", c=1.0: (
+                jax.random.normal(ks[i], shapes[i], jnp.float32) * c).astype(dt)
+            bern = lambda p: jax.random.bernoulli(ks[4], p, shapes[4])
         dt = jnp.dtype(self.dtype)
-        q = jax.random.normal(ks[0], (self.B, self.T, self.N, self.H), jnp.float32).astype(dt)
-        k = jax.random.normal(ks[1], (self.B, self.S, self.K, self.H), jnp.float32).astype(dt)
-        v = jax.random.normal(ks[2], (self.B, self.S, self.K, Hv), jnp.float32).astype(dt)
+        q, k, v = (normal(i, dt) for i in range(3))
         extra = {}
         if self.bias:
-            extra["bias"] = jax.random.normal(ks[3], (self.B, self.N, self.T, self.S)) * 0.5
+            extra["bias"] = normal(3, c=0.5)
         if self.mask:
-            extra["mask"] = jax.random.bernoulli(ks[4], 0.7, (self.B, 1, self.T, self.S))
+            extra["mask"] = bern(0.7)
         return q, k, v, {**extra, **self.kwargs}
+
+
+def split_kwargs(kwargs):
+    """flash_attention keyword args -> (array operands, static options): the arrays become
+    arguments of a jitted check, the rest is closed over."""
+    arrays = {n: x for n, x in kwargs.items() if isinstance(x, (jax.Array, np.ndarray))}
+    return arrays, {n: x for n, x in kwargs.items() if n not in arrays}
 
 
 def oracle(q, k, v, **kwargs):
@@ -86,15 +126,19 @@ def assert_sum_close(x, ref, terms, tol, what=""):
     reference. Its own relative error is unbounded when the terms cancel, and partial sums
     added in another order (sharded, ring) round differently: bound the difference by tol
     times the sum of the terms' magnitudes instead."""
-    x, ref = float(jnp.asarray(x, jnp.float32)), float(jnp.asarray(ref, jnp.float32))
+    x, ref = float(_f32(x)), float(_f32(ref))
     assert np.isfinite(x), f"{what}: {x}"
-    scale = float(jnp.sum(jnp.abs(jnp.asarray(terms, jnp.float32))))
+    scale = float(np.sum(np.abs(_f32(terms))))
     assert abs(x - ref) <= tol * scale, f"{what}: |{x} - {ref}| > {tol:.1e} * {scale:.4g}"
 
 
+def _f32(x):
+    """float32 NumPy copy (the cast in NumPy: eagerly in jax it would compile per shape)."""
+    return np.asarray(x).astype(np.float32)
+
+
 def assert_close(x, ref, tol, what=""):
-    x = np.asarray(jnp.asarray(x, jnp.float32))
-    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    x, ref = _f32(x), _f32(ref)
     assert x.shape == ref.shape, f"{what}: shape {x.shape} != {ref.shape}"
     fin = np.isfinite(ref)
     assert np.all(np.isfinite(x[fin])), f"{what}: non-finite values where the reference is finite"
@@ -104,23 +148,6 @@ def assert_close(x, ref, tol, what=""):
     err = rel_l2(x[fin], ref[fin])
     assert err <= tol, f"{what}: relative L2 error {err:.3e} > {tol:.1e}"
     return err
-
-
-def loss_and_grads(q, k, v, argnums=(0, 1, 2), **kwargs):
-    """d/d(q,k,v[,bias]) of a random-projection loss (sum(out * w), w fixed and random)."""
-    w = jax.random.normal(jax.random.key(1234), q.shape[:-1] + (v.shape[-1],), jnp.float32)
-
-    def f(q, k, v, bias=None):
-        kw = dict(kwargs)
-        if bias is not None:
-            kw["bias"] = bias
-        out = jaxflash.flash_attention(q, k, v, **kw)
-        return jnp.sum(out.astype(jnp.float32) * w)
-
-    if "bias" in kwargs and 3 in argnums:
-        bias = kwargs.pop("bias")
-        return jax.grad(f, argnums=argnums)(q, k, v, bias)
-    return jax.grad(f, argnums=argnums)(q, k, v)
 
 
 def runtime_only(monkeypatch, kernel_dir=None, forbid_compile=True):

@@ -1,19 +1,18 @@
 """The public API: argument validation, parity with jax.nn.dot_product_attention, dispatch."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxflash
-from tests.common import Case, assert_close, fresh_key, oracle
+from tests.common import (Case, assert_close, bernoulli, oracle, randint, randn,
+                          split_kwargs)
 
 
 def _qkv(B=2, T=5, S=7, N=4, K=2, H=8, Hv=None, dtype=jnp.float32):
-    k1, k2, k3 = jax.random.split(fresh_key(), 3)
-    q = jax.random.normal(k1, (B, T, N, H), dtype)
-    k = jax.random.normal(k2, (B, S, K, H), dtype)
-    v = jax.random.normal(k3, (B, S, K, Hv or H), dtype)
-    return q, k, v
+    return randn((B, T, N, H), dtype), randn((B, S, K, H), dtype), randn((B, S, K, Hv or H), dtype)
 
 
 # ---------------------------------------------------------------- every ValueError path
@@ -30,7 +29,8 @@ def _bad_calls():
         ("kv heads", dict(query=q, key=k, value=v[:, :, :1]), "head counts differ"),
         ("head dim", dict(query=q, key=k[..., :4], value=v), "head dims differ"),
         ("heads divide", dict(query=q[:, :, :3], key=k, value=v), "multiple of key/value heads"),
-        ("zero dim", dict(query=q[:, :0], key=k, value=v), "positive"),
+        ("zero head dim", dict(query=q[..., :0], key=k[..., :0], value=v), "positive"),
+        ("zero heads", dict(query=q[:, :, :0], key=k, value=v), "positive"),
         ("scale", dict(query=q, key=k, value=v, scale=float("nan")), "scale"),
         ("softcap neg", dict(query=q, key=k, value=v, softcap=-1.0), "softcap"),
         ("softcap zero", dict(query=q, key=k, value=v, softcap=0.0), "softcap"),
@@ -53,7 +53,7 @@ def _bad_calls():
                            kv_segment_ids=i32(2, 5)), "kv_segment_ids"),
         ("seg dtype", dict(query=q, key=k, value=v, q_segment_ids=jnp.zeros((2, 5)),
                            kv_segment_ids=i32(2, 7)), "int32"),
-        ("implementation", dict(query=q, key=k, value=v, implementation="cudnn"),
+        ("implementation", dict(query=q, key=k, value=v, implementation="nope"),
          "implementation"),
     ]
 
@@ -92,40 +92,52 @@ def test_matches_jax_nn_xla(kw, gqa):
         if name in kw:
             kw[name] = jnp.array(kw[name], jnp.int32)
     if kw.pop("bias", False):
-        kw["bias"] = jax.random.normal(fresh_key(), (2, 4, 5, 7))
+        kw["bias"] = randn((2, 4, 5, 7))
     if kw.pop("mask", False):
         # Keep at least one key per row: jax.nn and jaxflash differ (by design) on empty rows.
-        m = jax.random.bernoulli(fresh_key(), 0.6, (2, 1, 5, 7))
-        kw["mask"] = m.at[..., 0].set(True)
-    ours, lse = jaxflash.flash_attention(q, k, v, implementation="xla", return_residual=True,
-                                         **kw)
-    theirs, lse_ref = jax.nn.dot_product_attention(q, k, v, implementation="xla",
-                                                   return_residual=True, **kw)
+        m = np.array(bernoulli(0.6, (2, 1, 5, 7)))
+        m[..., 0] = True
+        kw["mask"] = jnp.asarray(m)
+    arrays, statics = split_kwargs(kw)
+
+    @jax.jit  # one program for both (eagerly every primitive compiles on its own)
+    def both(q, k, v, arrays):
+        kw = dict(statics, **arrays)
+        return (jaxflash.flash_attention(q, k, v, implementation="xla", return_residual=True,
+                                         **kw),
+                jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                             return_residual=True, **kw))
+
+    (ours, lse), (theirs, lse_ref) = both(q, k, v, arrays)
     if "query_seq_lengths" in kw:
         # jax.nn keeps a finite LSE for padded query rows; ours is -inf there (no key visible).
         valid = np.arange(5)[None, :] < np.asarray(kw["query_seq_lengths"])[:, None]
-        lse, lse_ref = lse[valid], lse_ref[valid]
+        lse, lse_ref = np.asarray(lse)[valid], np.asarray(lse_ref)[valid]
     np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(lse, lse_ref, rtol=2e-5, atol=2e-5)
 
 
 def test_three_dim_and_many_batch_dims():
     q, k, v = _qkv(B=6)
-    ref = jaxflash.flash_attention(q, k, v, is_causal=True, implementation="xla")
-    # [T, N, H]: no batch dim at all.
-    out3 = jaxflash.flash_attention(q[0], k[0], v[0], is_causal=True, implementation="xla")
+    rs = lambda x: x.reshape((2, 3) + x.shape[1:])  # (on NumPy results: eagerly, it compiles)
+    seg_q, seg_k = randint(0, 2, (6, 5)), randint(0, 2, (6, 7))
+    bias = randn((6, 1, 5, 7))
+
+    @jax.jit  # one program for all five calls
+    def calls(q, k, v, seg_q, seg_k, bias):
+        attn = functools.partial(jaxflash.flash_attention, implementation="xla")
+        return (attn(q, k, v, is_causal=True),
+                # [T, N, H]: no batch dim at all.
+                attn(q[0], k[0], v[0], is_causal=True),
+                # [2, 3, T, N, H]: two leading batch dims, with per-batch segment ids and bias.
+                attn(rs(q), rs(k), rs(v), is_causal=True),
+                attn(q, k, v, bias, q_segment_ids=seg_q, kv_segment_ids=seg_k),
+                attn(rs(q), rs(k), rs(v), rs(bias), q_segment_ids=rs(seg_q),
+                     kv_segment_ids=rs(seg_k)))
+
+    ref, out3, out5, a, b = map(np.asarray, calls(q, k, v, seg_q, seg_k, bias))
     np.testing.assert_allclose(out3, ref[0], rtol=1e-6, atol=1e-6)
-    # [2, 3, T, N, H]: two leading batch dims, with per-batch segment ids and bias broadcast.
-    rs = lambda x: x.reshape((2, 3) + x.shape[1:])
-    out5 = jaxflash.flash_attention(rs(q), rs(k), rs(v), is_causal=True, implementation="xla")
     np.testing.assert_allclose(out5, rs(ref), rtol=1e-6, atol=1e-6)
-    seg_q = jnp.asarray(np.random.randint(0, 2, (6, 5)), jnp.int32)
-    seg_k = jnp.asarray(np.random.randint(0, 2, (6, 7)), jnp.int32)
-    bias = jax.random.normal(fresh_key(), (6, 1, 5, 7))
-    a = jaxflash.flash_attention(q, k, v, bias, q_segment_ids=seg_q, kv_segment_ids=seg_k,
-                                 implementation="xla")
-    b = jaxflash.flash_attention(rs(q), rs(k), rs(v), rs(bias), q_segment_ids=rs(seg_q),
-                                 kv_segment_ids=rs(seg_k), implementation="xla")
     np.testing.assert_allclose(b, rs(a), rtol=1e-6, atol=1e-6)
 
 
@@ -162,13 +174,13 @@ def test_additions_against_independent_numpy():
     B, T, S, N, K, H = 2, 9, 11, 4, 2, 16
     q, k, v = _qkv(B, T, S, N, K, H, Hv=8)
     alibi = jnp.array([0.5, 0.25, 0.125, 0.0625])
-    bias = jax.random.normal(fresh_key(), (B, 1, T, S))
+    bias = randn((B, 1, T, S))
     seg_q = jnp.asarray(np.sort(np.random.randint(0, 3, (B, T)), axis=1), jnp.int32)
     seg_k = jnp.asarray(np.sort(np.random.randint(0, 3, (B, S)), axis=1), jnp.int32)
-    out, lse = jaxflash.flash_attention(
-        q, k, v, bias, softcap=2.5, alibi_slopes=alibi, is_causal=True,
-        q_segment_ids=seg_q, kv_segment_ids=seg_k, scale=0.3, implementation="xla",
-        return_residual=True)
+    out, lse = jax.jit(functools.partial(
+        jaxflash.flash_attention, softcap=2.5, is_causal=True, scale=0.3, implementation="xla",
+        return_residual=True))(q, k, v, bias, alibi_slopes=alibi, q_segment_ids=seg_q,
+                               kv_segment_ids=seg_k)
     i, j = np.arange(T)[:, None], np.arange(S)[None, :]
     keep = (j <= i)[None, None] & (np.asarray(seg_q)[:, None, :, None]
                                    == np.asarray(seg_k)[:, None, None, :])
@@ -180,46 +192,50 @@ def test_additions_against_independent_numpy():
 
 def test_fully_masked_rows_zero_output_finite_grad():
     q, k, v = _qkv()
-    mask = jnp.ones((2, 1, 5, 7), bool).at[:, :, 2].set(False)
+    mask = np.ones((2, 1, 5, 7), bool)
+    mask[:, :, 2] = False
     f = lambda q, k, v: jaxflash.flash_attention(q, k, v, mask=mask, implementation="xla",
                                                  return_residual=True)
-    out, lse = f(q, k, v)
-    assert np.all(np.asarray(out[:, 2]) == 0)
-    assert np.all(np.isneginf(np.asarray(lse[:, 2])))
-    assert np.all(np.isfinite(np.asarray(lse[:, [0, 1, 3, 4]])))
-    grads = jax.grad(lambda *a: jnp.sum(f(*a)[0] ** 2), argnums=(0, 1, 2))(q, k, v)
+    (out, lse), grads = jax.jit(lambda q, k, v: (f(q, k, v), jax.grad(
+        lambda *a: jnp.sum(f(*a)[0] ** 2), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+    out, lse, grads = np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
+    assert np.all(out[:, 2] == 0)
+    assert np.all(np.isneginf(lse[:, 2]))
+    assert np.all(np.isfinite(lse[:, [0, 1, 3, 4]]))
     for g in grads:
-        assert np.all(np.isfinite(np.asarray(g)))
-    assert np.all(np.asarray(grads[0][:, 2]) == 0)
+        assert np.all(np.isfinite(g))
+    assert np.all(grads[0][:, 2] == 0)
 
 
 def test_lse_is_float32_and_stops_gradient():
     q, k, v = _qkv(dtype=jnp.bfloat16)
-    out, lse = jaxflash.flash_attention(q, k, v, return_residual=True, implementation="xla")
+    out, lse = jax.jit(functools.partial(jaxflash.flash_attention, return_residual=True,
+                                         implementation="xla"))(q, k, v)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32 and lse.shape == (2, 5, 4)
-    g = jax.grad(lambda q: jnp.sum(jaxflash.flash_attention(
-        q, k, v, return_residual=True, implementation="xla")[1]))(q.astype(jnp.float32)
-                                                                   .astype(jnp.bfloat16))
+    g = jax.jit(jax.grad(lambda q: jnp.sum(jaxflash.flash_attention(
+        q, k, v, return_residual=True, implementation="xla")[1])))(q)
     assert np.all(np.asarray(g, np.float32) == 0)
 
 
 def test_bias_and_alibi_gradients_are_returned():
     q, k, v = _qkv()
-    bias = jax.random.normal(fresh_key(), (1, 4, 5, 7))
-    alibi = jnp.array([0.1, 0.2, 0.3, 0.4])
+    bias = randn((1, 4, 5, 7))
+    alibi = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
 
+    @jax.jit
     def loss(bias, alibi):
         return jnp.sum(jaxflash.flash_attention(q, k, v, bias, alibi_slopes=alibi,
                                                 implementation="xla") ** 2)
 
-    db, da = jax.grad(loss, argnums=(0, 1))(bias, alibi)
+    db, da = jax.jit(jax.grad(loss, argnums=(0, 1)))(bias, alibi)
     assert db.shape == bias.shape and da.shape == alibi.shape
     # Check against finite differences on one alibi slope (float32: loose but meaningful).
     eps = 1e-3
-    e = jnp.zeros(4).at[1].set(eps)
-    fd = (loss(bias, alibi + e) - loss(bias, alibi - e)) / (2 * eps)
-    np.testing.assert_allclose(da[1], fd, rtol=2e-2, atol=1e-3)
-    assert float(jnp.abs(db).sum()) > 0
+    e = np.zeros(4, np.float32)
+    e[1] = eps
+    fd = (float(loss(bias, alibi + e)) - float(loss(bias, alibi - e))) / (2 * eps)
+    np.testing.assert_allclose(np.asarray(da)[1], fd, rtol=2e-2, atol=1e-3)
+    assert np.abs(np.asarray(db)).sum() > 0
 
 
 # ---------------------------------------------------------------- dispatch and explain
@@ -263,13 +279,15 @@ def test_transformations_xla():
     case = Case(B=2, T=6, S=9, N=4, K=2, H=8, kwargs={"is_causal": True})
     q, k, v, kw = case.make()
     f = lambda q, k, v: jaxflash.flash_attention(q, k, v, implementation="xla", **kw)
-    ref, _ = oracle(q, k, v, **kw)
+    ref, _ = jax.jit(lambda q, k, v: oracle(q, k, v, **kw))(q, k, v)
+    assert_close(f(q, k, v), ref, 1e-5, "eager")  # the one eager call of this file
     assert_close(jax.jit(f)(q, k, v), ref, 1e-5, "jit")
-    vm = jax.vmap(f, in_axes=(1, 1, 1), out_axes=1)(q[:, None], k[:, None], v[:, None])
-    assert_close(vm[:, 0], ref, 1e-5, "vmap")
+    vm = jax.jit(lambda q, k, v: jax.vmap(f, in_axes=(1, 1, 1), out_axes=1)(
+        q[:, None], k[:, None], v[:, None])[:, 0])(q, k, v)
+    assert_close(vm, ref, 1e-5, "vmap")
     loss = lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
-    g1 = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-    g2 = jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2))(q, k, v)
+    g1, g2 = jax.jit(lambda q, k, v: (jax.grad(loss, argnums=(0, 1, 2))(q, k, v), jax.grad(
+        jax.checkpoint(loss), argnums=(0, 1, 2))(q, k, v)))(q, k, v)
     for a, b in zip(g1, g2):
         assert_close(b, a, 1e-5, "checkpoint")
     exp = jax.export.export(jax.jit(f))(q, k, v)

@@ -23,6 +23,7 @@ def _run(tmp_path, *extra):
     return out, data
 
 
+@pytest.mark.slow
 def test_quick_run_writes_sane_results(tmp_path):
     out, data = _run(tmp_path, "--impl", "xla,pallas")
     for ext in ("json", "png", "md"):
