@@ -12,7 +12,7 @@ Markers (registered in pyproject.toml, `--strict-markers`), applied here so no t
   module that imported ``cutlass`` (``cutlass = pytest.importorskip("cutlass")``) or marked
   itself ``compile``.
 - ``cpu``: every test that is not ``gpu`` (what CI runs).
-- ``slow``: the longest CPU tests (still run by default; ``-m "not slow"`` skips them).
+- ``slow``: the longest CPU tests (still run by default, first; ``-m "not slow"`` skips them).
 """
 import os
 import sys
@@ -64,6 +64,9 @@ def pytest_collection_modifyitems(config, items):
         module = getattr(item, "module", None)
         if item.get_closest_marker("compile") is None and _imports_cutlass(module):
             item.add_marker(pytest.mark.compile)
+    # The longest tests first (a stable sort: the rest keep their order): started last, one of
+    # them would leave the other xdist worker idle at the end.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_report_header(config):

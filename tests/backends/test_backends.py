@@ -127,13 +127,12 @@ SHAPES = {
     "T1": Case(T=1, S=17, N=4, K=2),
     "T_ne_S": Case(T=33, S=50),
     "gqa4": Case(T=20, S=35, N=8, K=2),
-    "mqa": Case(T=20, S=24, N=4, K=1),
     "hv_ne_h": Case(T=18, S=21, H=32, Hv=64),
     "h96_padded": Case(T=17, S=19, N=2, K=1, H=96),
-    "h64_bf16": Case(T=33, S=40, N=2, K=2, H=64, dtype="bfloat16"),
+    "h64_bf16_gqa": Case(T=33, S=40, N=4, K=2, H=64, dtype="bfloat16"),
     "f16": Case(T=24, S=31, dtype="float16"),
-    "bf16_gqa": Case(T=24, S=31, N=4, K=2, dtype="bfloat16"),
 }
+# MQA (K = 1): h96_padded, test_long_causal, test_fully_masked_rows, test_combined (in bf16).
 
 
 @pytest.mark.parametrize("name,backend", _pairs(SHAPES, KERNELS) + _pairs(
@@ -188,6 +187,7 @@ def test_feature(backend, name):
     check_case(backend, FEATURES[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_combined(backend):
     """Every feature at once, MQA, ragged T != S, bf16."""
@@ -227,6 +227,7 @@ def _small():
     return Case(B=2, T=17, S=20, N=4, K=2, H=32).make()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["pallas"])
 def test_transformations(backend):
     """jit, vmap (extra leading batch dim mapped), grad, checkpoint and export around

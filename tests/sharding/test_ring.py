@@ -94,6 +94,7 @@ def test_sequence(layout, causal, n):
     _check(mesh, case, seq_axis="seq", layout=layout)
 
 
+@pytest.mark.slow
 def test_batch_x_sequence():
     mesh = _mesh((2, 4), ("data", "seq"))
     case = Case(B=4, T=32, S=32, N=2, K=1, H=16, kwargs=dict(is_causal=True))
