@@ -7,7 +7,8 @@ imported anywhere, hence here.
 Markers (registered in pyproject.toml, `--strict-markers`), applied here so no test file has to:
 
 - ``gpu``: needs a CUDA GPU. Set by the test (``pytestmark = pytest.mark.gpu``) or by its file
-  name (``*_gpu.py``, ``*_gpu_cases.py``); skipped, with the reason shown, where there is none.
+  name (``*_gpu.py``, ``*_gpu_cases.py``; not on a test marked ``cpu`` there); skipped, with
+  the reason shown, where there is none.
 - ``compile``: needs the CuTe DSL compiler (compiles or traces kernels). Set on every test of a
   module that imported ``cutlass`` (``cutlass = pytest.importorskip("cutlass")``) or marked
   itself ``compile``.
@@ -54,7 +55,8 @@ def pytest_collection_modifyitems(config, items):
         if triton_needs_gpu and (item.name.startswith("test_triton_lowering")
                                  or item.name == "test_backward_has_no_t_by_s_buffer[cuda]"):
             item.add_marker(skip_triton)
-        if _is_gpu_file(item.path) and item.get_closest_marker("gpu") is None:
+        if (_is_gpu_file(item.path) and item.get_closest_marker("gpu") is None
+                and item.get_closest_marker("cpu") is None):
             item.add_marker(pytest.mark.gpu)
         if item.get_closest_marker("gpu") is not None:
             if not keep_gpu:

@@ -44,6 +44,7 @@ def _mismatches():
     return [b for b in bad if b]
 
 
+@pytest.mark.cpu  # (runs in CI: this file's other tests are gpu by its name)
 def test_case_lists_are_consistent():
     """CPU: names unique (a case is selected by name) and every case's inputs match its
     config's features, so each GPU test below checks what it says."""
