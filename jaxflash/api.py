@@ -178,7 +178,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     deterministic: bool = False, precision: Optional[str] = None,
                     q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
                     hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
-                    emulate: bool = False):
+                    scale_granularity: str = "block", dout_dtype=None, emulate: bool = False):
     """Scaled dot-product attention with the layout and meaning of `jax.nn.dot_product_attention`.
 
     query ``[B..., T, N, H]``, key ``[B..., S, K, H]``, value ``[B..., S, K, Hv]`` with N a
@@ -222,11 +222,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     ``()``, per (batch, head) ``[B..., heads]`` or per block of ``scale_block`` sequence rows
     ``[B..., heads, ceil(L / scale_block)]`` -- the layouts `jaxflash.quantize.quantize`
     returns. The output is ``out_dtype`` (bfloat16 by default). ``precision="fp8"`` on float16 /
-    bfloat16 / float32 inputs quantizes them here (per-block amax scales of ``scale_block``
-    rows; Q and K first through a random-sign Hadamard transform, ``hadamard=False`` to skip,
+    bfloat16 / float32 inputs quantizes them here (amax scales per block of ``scale_block``
+    rows, or per ``scale_granularity="tensor"`` / ``"head"``; Q and K first through a random-sign Hadamard transform, ``hadamard=False`` to skip,
     ``hadamard_seed`` an int or a `jax.random` key) and returns the input dtype unless
     ``out_dtype`` says otherwise; its gradients are the FP8 backward's, straight-through to the
-    float inputs. Numerics: `jaxflash.fp8.contract`. When no FP8 kernel can serve the call the
+    float inputs; ``dout_dtype`` (float8_e5m2 by default, or float8_e4m3fn) is the backward's
+    format for the output gradient. Numerics: `jaxflash.fp8.contract`. When no FP8 kernel can serve the call the
     emulated FP8 path runs (``implementation="xla"``, or ``emulate=True``); `explain` says which.
     ``precision="fp4"`` runs `jaxflash.fp4.fp4_attention` (``emulate=True`` without an sm_100a
     GPU; causal or not, no other mask or logit feature).
@@ -235,7 +236,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                            k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
                            hadamard=hadamard, hadamard_seed=hadamard_seed,
                            scale_block=scale_block, emulate=emulate,
-                           implementation=implementation)
+                           implementation=implementation, scale_granularity=scale_granularity,
+                           dout_dtype=dout_dtype)
     if precision == "fp4":
         return _fp4(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                     emulate=emulate, return_residual=return_residual,
@@ -366,7 +368,8 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, all
 
 
 _FP8_DEFAULTS = dict(precision=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
-                     hadamard=True, hadamard_seed=None, scale_block=128, emulate=False)
+                     hadamard=True, hadamard_seed=None, scale_block=128, emulate=False,
+                     scale_granularity="block", dout_dtype=None)
 
 
 def _problem(q, k, v, arrays, statics) -> Problem:

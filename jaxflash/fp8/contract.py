@@ -18,7 +18,8 @@ Forward (per batch row b, query head n, kv head n // G):
 
 Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the LSE):
   D_i    = sum_d dO_id * out_id     (dO unquantized, out as returned)
-  dO8    = E5M2 of dO, scales per (b, n, block of BWD_Q_TILE query rows), amax rule
+  dO8    = E5M2 of dO (E4M3 when Fp8Spec.do_dtype says so), scales per (b, n, block of
+           BWD_Q_TILE query rows), amax rule
   p_ij   = exp(z_ij - lse_i);  p8 as in the forward (E4M3, x 2^8)
   dV_j  += sum_i p8_ij dO8_i                     (dequantized operands, float32 accumulate)
   dP_ij  = dO8_i . v_j;   dZ_ij = p_ij (dP_ij - D_i)   (float32)
