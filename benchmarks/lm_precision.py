@@ -265,7 +265,8 @@ def markdown(res):
         lines.append(f"| {r['variant']} | {r['losses'][-1]:.4f} | "
                      f"{'' if vs is None else f'{vs:+.2%}'} | {r['val_loss']:.4f} | "
                      f"{(r['tokens_per_s'] or 0):,.0f} | "
-                     f"{r['backend'].splitlines()[0]} |")
+                     f"{r['backend'].splitlines()[0]}"
+                     f"{'; emulated FP8 path' if 'emulated FP8 path' in r['backend'] else ''} |")
     lines += ["", "dO flush fractions (share of non-zero dO an FP8 cast flushes to 0; mean over "
               "layers):", "", "| variant | E4M3 per-tensor | E4M3 per-block | E5M2 per-tensor | "
               "E5M2 per-block |", "|---|---|---|---|---|"]
