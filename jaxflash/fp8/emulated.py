@@ -40,6 +40,7 @@ def _fq_rows(x, dtype, rows: int, axis: int, amax_axes: tuple[int, ...]):
     xb = xp.reshape(shp)
     red = tuple(a + (1 if a > axis else 0) for a in amax_axes) + (axis + 1,)
     amax = jnp.max(jnp.abs(xb), axis=red, keepdims=True)
+    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=red, keepdims=True), jnp.nan, amax)
     fmax = C.E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(_E4M3) else C.E5M2_MAX
     zero = amax == 0
     scale = jnp.where(zero, 1.0, amax / fmax)
