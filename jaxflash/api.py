@@ -262,9 +262,6 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
             qs, ks, vs = prec.canonical_scales(req, q_scale, k_scale, v_scale, batch_shape,
                                                q.shape[2], k.shape[2])
             arrays = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
-        elif req.spec.hadamard:
-            q = quantize.hadamard(q, req.hadamard_seed)
-            k = quantize.hadamard(k, req.hadamard_seed)
     problem = _problem(q, k, v, arrays, statics)
     if _is_empty(problem):
         # No backend runs (no kernel is ever launched on an empty grid); a named backend must
@@ -273,6 +270,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         out, lse = _empty_result(q, v, None if req is None else req.spec.out_dtype)
     else:
         backend, plan = dispatch.select(problem, implementation)
+        if req is not None and req.spec.source == "quantized" and req.spec.hadamard:
+            # After dispatch (a refused call does no work); shapes and dtypes are unchanged.
+            q = quantize.hadamard(q, req.hadamard_seed)
+            k = quantize.hadamard(k, req.hadamard_seed)
         if req is None:
             out, lse = backend(q, k, v, arrays, statics, plan)
         elif req.spec.source == "fp8":
