@@ -17,7 +17,7 @@ def _rel(x, ref):
 
 
 def test_layers_and_attention_fn_take_fp8():
-    B, T, F, N = 2, 128, 128, 2                   # head dim 64
+    B, T, F, N = 2, 64, 128, 2                    # head dim 64
     x = jnp.asarray(np.random.default_rng(0).standard_normal((B, T, F)), jnp.float32)
     mk = lambda prec: FL.FlashMultiHeadAttention(N, F, num_kv_heads=1, is_causal=True,
                                                  attention_precision=prec, rngs=nnx.Rngs(0))
