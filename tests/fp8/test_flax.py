@@ -46,3 +46,16 @@ def test_layers_and_attention_fn_take_fp8():
     with pytest.raises(ValueError, match="attention_precision"):
         FL.attention_fn(x[:, :, None, :64], x[:, :, None, :64], x[:, :, None, :64],
                         attention_precision="int8")
+
+
+def test_example_lm_flag_reaches_the_layers():
+    from examples.lm import train
+    from examples.lm.model import LM
+    cfg = train.config_from_args(train.parse_args(["--size", "tiny",
+                                                   "--attention-precision", "fp8"]))
+    assert cfg.attention_precision == "fp8"
+    with jax.set_mesh(train.make_mesh("1,1")):    # the model's parameters carry mesh axes
+        model = nnx.eval_shape(lambda: LM(cfg, rngs=nnx.Rngs(0)))   # shapes only: no compute
+    assert all(b.attn.opts.attention_precision == "fp8" for b in model.blocks)
+    base = train.config_from_args(train.parse_args(["--size", "tiny"]))
+    assert base.attention_precision is None
