@@ -388,7 +388,9 @@ def _with_fp8_notes(p: dispatch.Plan, req) -> dispatch.Plan:
     notes = prec.describe(req.spec, req.hadamard_seed)
     if p.backend == "xla":
         why = ("asked for" if p.requested else
-               "no FP8 kernel can serve this call (see the refusals)")
+               "no FP8 kernel can serve this call (see the refusals)"
+               if p.platform in ("cuda", "gpu") else
+               f"the FP8 kernels are for Hopper GPUs (platform {p.platform})")
         notes += (f"{prec.EMULATED_NOTE}; {why}",)
     return dataclasses.replace(p, notes=notes + p.notes)
 
