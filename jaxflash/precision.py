@@ -68,6 +68,10 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
     if given and not fp8_in:
         raise ValueError(f"{', '.join(given)} given with non-FP8 inputs ({shapes}): scales are "
                          f"for FP8 query/key/value; precision='fp8' quantizes float inputs itself")
+    if precision == "fp4" and (fp8_in or given):
+        raise ValueError(f"precision='fp4' quantizes float16 / bfloat16 / float32 inputs itself "
+                         f"and takes no scales; got {shapes}"
+                         + (f" with {', '.join(given)}" if given else ""))
     if precision == "fp4" or (precision is None and not fp8_in):
         if out_dtype is not None:
             raise ValueError("out_dtype is for FP8 calls (FP8 inputs or precision='fp8')")

@@ -48,6 +48,7 @@ def _explain(*a, **kw):
     ((qb, kb, kb), dict(precision="fp8", emulate=True, implementation="pallas"),
      r"contradicts implementation='pallas'"),
     ((qb, kb, kb), dict(emulate=True), r"emulate=True is for precision"),
+    ((q8, k8, v8), dict(SC, precision="fp4", emulate=True), r"precision='fp4' quantizes"),
 ])
 def test_value_errors(args, kw, match):
     with pytest.raises(ValueError, match=match):
