@@ -192,3 +192,16 @@ def test_features_and_empty_rows():
     assert _rel(out[0, :150], ref[0, :150]) < 0.08
     np.testing.assert_allclose(np.asarray(lse)[0, :150], np.asarray(lref)[0, :150], atol=0.1)
     assert _rel(db, dbr) < 0.15 and _rel(da, dar) < 0.15
+
+
+def test_no_t_by_s_tensor():
+    """The emulation keeps O(T x tile) per head: lowered forward + backward at T = S = 1024
+    hold no [..., 1024, 1024] array (lowering only, no compile)."""
+    s = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(jaxflash.flash_attention(q, k, v, is_causal=True, precision="fp8"))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(s, s, s).as_text()
+    assert "1024x1024" not in text and "1024,1024" not in text
+    assert "128x" in text or ",128]" in text or "x128x" in text   # the key tiles are there
