@@ -12,6 +12,9 @@
 #   grid      the anchor grid, every implementation (a call of its own)            (~9 min)
 #   kbench    kernel-level forward and backward timings beside cuDNN               (~4 min)
 #   lm        examples.lm.compare: cute against xla, 400 steps                     (~4 min)
+#   extremes  tensors past 2^31 elements, B past the grid limit, one 2^20-token causal
+#             sequence forward+backward (tests/extremes/test_large_gpu.py; time and peak
+#             memory by benchmarks.long_context)                                  (~6 min)
 # A variant not yet checked on a GPU is admitted here (JAXFLASH_CUTE_UNVERIFIED=1): these runs
 # are what checks it; `gated` below runs a new feature's checks, sanitizers and bench at once.
 # Results go to $OUT (the device tool returns a few files per call): copy them into
@@ -84,5 +87,12 @@ lm)
   # LM_BASELINES=1 (one xla run instead of two) fits a call into ~4 min of device time
   timeout 330 python3 -m examples.lm.compare --out $OUT/lm --baseline-runs ${LM_BASELINES:-2} \
     --candidate cute --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
+extremes)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXTREMES_TIMEOUT:-420} python3 -m pytest -m gpu -rA -s \
+    -p no:cacheprovider tests/extremes/test_large_gpu.py ${EXTREMES_K:+-k "$EXTREMES_K"} 2>&1 \
+    | tee $OUT/gpu-extremes-$D.log | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^d|^cute|^pallas|\{" | tail -30
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m benchmarks.long_context --s 1048576 \
+    --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
+    2>&1 | grep -v -i warn | tail -25 ;;
 *) echo "unknown stage $stage" ;;
 esac; done

@@ -55,8 +55,62 @@ def bwd_finish(dq_acc, T: int, cfg, scale: float, dtype):
     return (dq_acc * jnp.float32(scale)).astype(dtype)
 
 
+# CUDA limits a launch grid's y and z extents to 65535; the backward's grid is (key blocks,
+# kv heads, batch), so larger batches and head counts are split into several launches.
+GRID_YZ_MAX = 65535
+
+
 def backward(launch, q, k, v, arrays, statics, out, lse, dout):
-    """(dq, dk, dv, None, dslopes or None) by the backward `launch`."""
+    """(dq, dk, dv, None, dslopes or None) by the backward `launch`; batches or kv-head counts
+    past the grid's y/z limit run as several launches over slices."""
+    B, _, N, _ = q.shape
+    K = k.shape[2]
+    if B > GRID_YZ_MAX:
+        parts = [backward(launch, *_batch_slice(b, b + GRID_YZ_MAX, q, k, v, arrays, out, lse,
+                                                dout, statics))
+                 for b in range(0, B, GRID_YZ_MAX)]
+        return _join(parts, batch=True)
+    if K > GRID_YZ_MAX:
+        g = N // K
+        parts = [backward(launch, *_head_slice(h, min(h + GRID_YZ_MAX, K), g, q, k, v, arrays,
+                                               out, lse, dout, statics))
+                 for h in range(0, K, GRID_YZ_MAX)]
+        return _join(parts, batch=False)
+    return _backward(launch, q, k, v, arrays, statics, out, lse, dout)
+
+
+def _batch_slice(b0, b1, q, k, v, arrays, out, lse, dout, statics):
+    per_batch = {f: getattr(arrays, f)[b0:b1] for f in
+                 ("q_seqlen", "kv_seqlen", "q_segment_ids", "kv_segment_ids")
+                 if getattr(arrays, f) is not None}
+    return (q[b0:b1], k[b0:b1], v[b0:b1], arrays._replace(**per_batch), statics,
+            out[b0:b1], lse[b0:b1], dout[b0:b1])
+
+
+def _head_slice(h0, h1, g, q, k, v, arrays, out, lse, dout, statics):
+    n0, n1 = h0 * g, h1 * g
+    upd = {}
+    if arrays.alibi_slopes is not None:
+        upd["alibi_slopes"] = jnp.reshape(arrays.alibi_slopes, (-1,))[n0:n1]
+    return (q[:, :, n0:n1], k[:, :, h0:h1], v[:, :, h0:h1],
+            arrays._replace(**upd), statics, out[:, :, n0:n1], lse[:, n0:n1],
+            dout[:, :, n0:n1])
+
+
+def _join(parts, batch: bool):
+    axis = 0 if batch else 2
+    dq, dk, dv = (jnp.concatenate([p[i] for p in parts], axis=axis) for i in range(3))
+    slopes = [p[4] for p in parts]
+    if slopes[0] is None:
+        dslopes = None
+    elif batch:  # d(slope) sums over the batch
+        dslopes = sum(slopes[1:], slopes[0])
+    else:
+        dslopes = jnp.concatenate(slopes)
+    return dq, dk, dv, None, dslopes
+
+
+def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
     B, T, N, H = q.shape
     cfg = launch.config
     Tp = padded_len(T, cfg)
