@@ -88,7 +88,8 @@ lm)
   timeout 330 python3 -m examples.lm.compare --out $OUT/lm --baseline-runs ${LM_BASELINES:-2} \
     --candidate cute --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
 extremes)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${EXTREMES_TIMEOUT:-420} python3 -m pytest -m gpu -rA -s \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+    timeout ${EXTREMES_TIMEOUT:-420} python3 -m pytest -m gpu -rA -s \
     -p no:cacheprovider tests/extremes/test_large_gpu.py ${EXTREMES_K:+-k "$EXTREMES_K"} 2>&1 \
     | tee $OUT/gpu-extremes-$D.log | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^d|^cute|^pallas|\{" | tail -30
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m benchmarks.long_context --s 1048576 \
