@@ -200,9 +200,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     the row's output NaN and its LSE +inf. A NaN/Inf at ``value[..., j, :, h]`` reaches
     column h of the rows that see key j. Known deviations (tracked as xfails in
     tests/extremes/test_bad_values.py): a NaN/Inf in value also reaches rows for which key j
-    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; the Pallas kernels
-    give LSE NaN, not +inf, for a +inf logit; and gradients may carry a masked NaN key/query
-    into dq/dk of its own problem. Other batch elements are never affected (but the
+    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; and gradients may
+    carry a masked NaN key/query into dq/dk of its own problem. Other batch elements are never affected (but the
     gradient of an operand they share, a broadcast bias or alibi_slopes, sums over them).
 
     ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
