@@ -15,6 +15,8 @@
 #   extremes  tensors past 2^31 elements, B past the grid limit, one 2^20-token causal
 #             sequence forward+backward (tests/extremes/test_large_gpu.py; time and peak
 #             memory by benchmarks.long_context)                                  (~6 min)
+#   ring1m    (nvidia-h200-x2) the 2^20-token causal GQA 8:1 sequence by ring_attention over
+#             two GPUs beside one GPU (benchmarks.ring_scaling)                    (~4 min)
 # A variant not yet checked on a GPU is admitted here (JAXFLASH_CUTE_UNVERIFIED=1): these runs
 # are what checks it; `gated` below runs a new feature's checks, sanitizers and bench at once.
 # Results go to $OUT (the device tool returns a few files per call): copy them into
@@ -95,5 +97,9 @@ extremes)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m benchmarks.long_context --s 1048576 \
     --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
     2>&1 | grep -v -i warn | tail -25 ;;
+ring1m)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m benchmarks.ring_scaling --s 1048576 \
+    --heads 8 --kv-heads 1 --impl cute --reps 1 --out $OUT/ring-1m-h200x2-$D.json 2>&1 \
+    | grep -v -i warn | tail -20 ;;
 *) echo "unknown stage $stage" ;;
 esac; done
