@@ -14,6 +14,7 @@ Skipped without a GPU; `benchmarks/device/run.sh extremes` runs it on the H200. 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,11 @@ import pytest
 
 import jaxflash
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              # Recording the launches by running these on the CPU would allocate their tens
+              # of GB there: `tests.collect_variants --lower` traces them instead.
+              pytest.mark.skipif(bool(os.environ.get("JAXFLASH_COLLECT_VARIANTS")),
+                                 reason="too large to run while collecting variants")]
 
 R = 64  # query rows with a nonzero output gradient
 HI = jax.lax.Precision.HIGHEST
