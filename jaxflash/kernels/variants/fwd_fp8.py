@@ -8,8 +8,9 @@ registers, and O leaves in a 16-bit type with the inputs' descales applied. A su
 FP8 kernel does not implement (persistent loops, tile pipe, tiles other than 128 rows, ALiBi).
 
 Shared memory: Q + stages * (K + V as loaded + V transposed), one byte an element; O (16-bit)
-reuses the loaded-V buffers (free once the last block is transposed, and as large as O when
-2 stages of 128 keys: 2 * 128 * Hv = 128 * Hv * 2 bytes), else gets its own.
+reuses the loaded-V buffers (free once the last block is transposed, and as large as O at 2
+stages of 128 keys: 2 * 128 * Hv = 128 * Hv * 2 bytes), extended over the V^T buffers when
+smaller (the consumers then meet before writing it).
 """
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ class Fp8FwdConfig(FwdConfig):
             return False, "FP8: no ALiBi"
         if self.num_stages != 2:
             return False, f"FP8: num_stages {self.num_stages} (only 2)"
+        if self.num_stages * self.tile_n < self.tile_m:
+            return False, (f"FP8: tile_n {self.tile_n} too small for O to fit in the V buffers "
+                           f"(stages x tile_n >= tile_m)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(tile {self.tile_m}x{self.tile_n}, head dim {self.head_dim})")
@@ -89,8 +93,7 @@ class Fp8FwdConfig(FwdConfig):
         q = self.tile_m * self.head_dim
         k = self.num_stages * self.tile_n * self.head_dim
         v = self.num_stages * self.tile_n * self.head_dim_v
-        o = 0 if self.o_in_vraw else self.tile_m * self.head_dim_v * 2
-        return q + k + 2 * v + o + 1024  # + barriers and alignment
+        return q + k + 2 * v + 1024  # + barriers and alignment (O reuses the V buffers)
 
     @property
     def separate_o(self) -> bool:
