@@ -16,6 +16,11 @@ class CuteBackend(Backend):
     def plan(self, problem):
         if problem.platform not in ("cuda", "gpu"):
             raise NotImplementedError(f"CuTe kernels run on CUDA only (platform {problem.platform})")
+        if problem.statics.fp8 is not None:
+            # The FP8 kernels plug in here (their plan, then forward/backward on FP8 operands
+            # with the scales in `arrays`, by the contract of jaxflash.fp8.contract).
+            raise NotImplementedError("no FP8 CuTe kernel in this build (the emulated FP8 path "
+                                      "serves FP8 calls)")
         from jaxflash.kernels import plan
         return plan.plan(problem)
 
