@@ -132,3 +132,13 @@ def test_fp8_plan_is_gated_and_refuses_block_scales(monkeypatch):
         d = jaxflash.explain(*args[:3], q_scale=blk, k_scale=kblk, v_scale=kblk)
     assert d.backend != "cute"
     assert "per-tensor and per-head scales only" in dict(d.refused)["cute"]
+
+
+def test_kernel_constants_follow_the_contract():
+    """The kernel cannot import `jaxflash.fp8` (sibling layers): its P scale and key tile are
+    checked against the contract here."""
+    from jaxflash.fp8 import contract
+    from jaxflash.kernels.sm90.fwd_fp8 import P_SHIFT_LOG2
+    assert P_SHIFT_LOG2 == contract.P_SCALE_LOG2
+    for c in MATRIX[:6]:  # the default tiles dispatch picks
+        assert c.tile_n == contract.FWD_KV_TILE and c.tile_m % 128 == 0

@@ -45,7 +45,9 @@ from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION
 from jaxflash.kernels.variants.fwd_fp8 import DESCALES, Fp8FwdConfig
 
 LOG2_E = math.log2(math.e)
-P_SHIFT_LOG2 = 8  # P scaled by 2^8 before e4m3 (see the module docstring)
+# P scaled by 2^8 before e4m3 (see the module docstring); `jaxflash.fp8.contract.P_SCALE_LOG2`
+# (a sibling layer, not importable here; tests/kernels/test_fp8_compile.py holds them equal)
+P_SHIFT_LOG2 = 8
 
 _FP8 = {"float8_e4m3fn": cutlass.Float8E4M3FN}
 _OUT = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
