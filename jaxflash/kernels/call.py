@@ -15,6 +15,7 @@ from jaxflash.kernels.common.segments import block_summaries
 from jaxflash.kernels.variants.bwd import ALIBI_PARTS
 from jaxflash.kernels.variants.bwd_launch import (dq_acc_shape, dq_from_flat, num_k_blocks,
                                                   num_q_blocks, padded_len)
+from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_inputs
 from jaxflash.kernels.variants.fwd_launch import fwd_inputs, fwd_scalars
 
 
@@ -26,6 +27,29 @@ def forward(launch, q, k, v, arrays, statics):
                         q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids)
     fs, is_ = fwd_scalars(statics)
     out_shapes = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
+                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
+    out, lse = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
+    return out, lse
+
+
+def forward_fp8(launch, q8, k8, v8, arrays, statics):
+    """(out [B, T, N, Hv] out_dtype, lse [B, N, T] float32) by the FP8 forward `launch`; the
+    canonical scales (`jaxflash._types.AttentionArrays`, [B, heads, nb]) must have one block
+    (the plan admits only those), taken as the kernel's per-(batch, head) descales."""
+    B, T, N, _ = q8.shape
+    cfg = launch.config
+    descales = []
+    for name in ("q_scale", "k_scale", "v_scale"):
+        s = getattr(arrays, name)
+        if s is None or s.shape[-1] != 1:
+            raise ValueError(f"{name} must be [B, heads, 1] for the FP8 kernel; got "
+                             f"{None if s is None else s.shape}")
+        descales.append(s[..., 0])
+    inputs = fwd_fp8_inputs(cfg, q8, k8, v8, *descales, q_seqlen=arrays.q_seqlen,
+                            kv_seqlen=arrays.kv_seqlen, q_segment_ids=arrays.q_segment_ids,
+                            kv_segment_ids=arrays.kv_segment_ids)
+    fs, is_ = fwd_scalars(statics)
+    out_shapes = [jax.ShapeDtypeStruct((B, T, N, v8.shape[-1]), jnp.dtype(cfg.out_dtype)),
                   jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     out, lse = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
     return out, lse
