@@ -31,6 +31,8 @@ def check(problem):
             f"the Pallas kernels lower through Triton (NVIDIA GPUs) or run in interpret mode "
             f"(CPU); platform {p.platform!r} is not supported (they use masked loads for "
             f"ragged tails, which Mosaic/TPU and ROCm are not verified with)")
+    if p.mods is not None:
+        raise NotImplementedError("score_mod / mask_mod: not in the Pallas kernels yet")
     for name, d in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
         if d > _config.MAX_HEAD_DIM:
             raise NotImplementedError(f"{name} {d} > {_config.MAX_HEAD_DIM}: the tiles would "
