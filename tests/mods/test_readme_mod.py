@@ -1,5 +1,5 @@
 """The README's custom-attention example runs as pasted (after the usage example's setup of
-q, k, v, at a smaller size), on the Pallas kernels as on the reference, with equal results."""
+q, k, v, at a smaller size; the kernels' agreement with the reference is test_pallas_mods')."""
 import os
 import re
 
@@ -19,13 +19,9 @@ def test_readme_custom_attention_example_runs():
     rng = np.random.default_rng()
     q = jnp.asarray(rng.standard_normal((1, 40, 8, 16)).astype(np.float32))
     k = jnp.asarray(rng.standard_normal((1, 40, 2, 16)).astype(np.float32))
-    results = {}
-    for impl in ("xla", "pallas"):
-        code = block.replace("jaxflash.flash_attention(\n    q, k, v,",
-                             f"jaxflash.flash_attention(\n    q, k, v, implementation={impl!r},")
-        assert code != block
-        env = {"jax": jax, "jnp": jnp, "jaxflash": jaxflash, "q": q, "k": k, "v": k}
-        exec(compile(code, "README.md custom attention", "exec"), env)
-        results[impl] = env["dtable"]
-    assert results["xla"].shape == (8, 129) and float(jnp.abs(results["xla"]).sum()) > 0
-    np.testing.assert_allclose(results["pallas"], results["xla"], rtol=2e-4, atol=2e-5)
+    env = {"jax": jax, "jnp": jnp, "jaxflash": jaxflash, "q": q, "k": k, "v": k}
+    exec(compile(block, "README.md custom attention", "exec"), env)
+    d = np.asarray(env["dtable"])
+    assert d.shape == (8, 129) and np.all(np.isfinite(d))
+    # Relative distances -39..39 occur at T = S = 40 (columns 25..103): only they get gradient.
+    assert np.abs(d[:, 25:104]).sum() > 0 and not d[:, :25].any() and not d[:, 104:].any()
