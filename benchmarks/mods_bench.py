@@ -20,7 +20,8 @@ error text and the run goes on):
 - ``cute-mods`` / ``cute-builtin``: the CuTe kernels with the mod / the built-in (with the mod
   they refuse until the kernels translate mods; the refusal is recorded);
 - ``cudnn-dense``: `jax.nn.dot_product_attention(implementation="cudnn")` given the
-  equivalent dense mask or bias (materialized once, outside the timing);
+  equivalent dense bias (a mask as 0 / most-negative bf16; materialized once, outside the
+  timing);
 - ``cudnn-native``: cuDNN's own sliding window, where it has one;
 - ``xla``: our reference (materializes T x S; only at S <= 8192).
 
@@ -50,6 +51,14 @@ from benchmarks.timing import time_throughput
 CASES = ("document", "window", "t5", "alibi")
 
 
+def _as_bias(mask):
+    """A [S, S] boolean mask as cuDNN's dense operand: a bf16 bias [1, 1, S, S], 0 where kept
+    and the most negative bf16 elsewhere (what jax.nn does with a mask, here done once, outside
+    the timing)."""
+    neg = jnp.finfo(jnp.bfloat16).min
+    return dict(bias=jnp.where(mask, 0.0, neg).astype(jnp.bfloat16)[None, None])
+
+
 def _case(name, quick, rng):
     """(B, S, causal, mod kwargs, builtin kwargs or None, dense mask/bias builder, block mask
     builder or None)."""
@@ -66,8 +75,8 @@ def _case(name, quick, rng):
         mm = mods.and_masks(mods.causal(), mods.document(0))
         c.update(causal=True, mods=dict(mask_mod=mm, aux=(ids,)),
                  builtin=dict(is_causal=True, q_segment_ids=ids, kv_segment_ids=ids),
-                 dense=lambda: dict(mask=(jnp.tril(jnp.ones((S, S), bool))
-                                          & (ids[0][:, None] == ids[0][None, :]))[None, None]),
+                 dense=lambda: _as_bias(jnp.tril(jnp.ones((S, S), bool))
+                                        & (ids[0][:, None] == ids[0][None, :])),
                  block=lambda: mods.create_block_mask(mm, 1, 1, S, S, (128, 128), aux=(ids,)),
                  docs=[int(x) for x in np.diff(np.r_[0, cuts, S])])
     elif name == "window":
@@ -76,8 +85,8 @@ def _case(name, quick, rng):
         ii = jnp.arange(S)
         c.update(causal=True, mods=dict(mask_mod=mm),
                  builtin=dict(local_window_size=(w, 0)),
-                 dense=lambda: dict(mask=((ii[None, :] <= ii[:, None])
-                                          & (ii[None, :] >= ii[:, None] - w))[None, None]),
+                 dense=lambda: _as_bias((ii[None, :] <= ii[:, None])
+                                        & (ii[None, :] >= ii[:, None] - w)),
                  native=dict(local_window_size=(w, 0), is_causal=True),
                  block=lambda: mods.create_block_mask(mm, 1, 1, S, S, (128, 128)))
     elif name == "t5":
