@@ -77,13 +77,14 @@ def _check(T, S, dtype, score_mod, mask_mod, aux, diff, block=None, builtins=Non
 
 @pytest.mark.slow
 def test_document_causal_softcap_alibi_bf16_block_sparse():
-    """Document masking and causal (a block mask built from them), softcap then learnable
-    ALiBi slopes; bf16, within 1.2x the faithful reference's error."""
+    """Document masking and causal (a block mask built from them, its 32 x 64 tiles split into
+    the kernels' blocks), softcap then learnable ALiBi slopes; bf16, within 1.2x the faithful
+    reference's error."""
     rng = fresh_rng()
     T = S = 45
     aux = (_docs(rng, B, S), jnp.abs(randn((N,), "float32", rng)) * 0.3)
     _check(T, S, "bfloat16", mods.chain(mods.softcap(3.0), mods.alibi(1)),
-           mods.and_masks(mods.causal(), mods.document(0)), aux, diff=(1,), block=(16, 32))
+           mods.and_masks(mods.causal(), mods.document(0)), aux, diff=(1,), block=(32, 64))
 
 
 def test_t5_bias_window_prefix_chunked_f32():
@@ -121,18 +122,19 @@ def test_user_written_mods_bf16_block_sparse():
 
 
 def test_block_mask_skips_empty_tiles_and_the_mask_on_full_ones():
-    """A block mask built from a sliding window, run with another mask_mod: the result keeps
+    """A block mask built from chunked attention, run with another mask_mod: the result keeps
     pairs exactly where the block mask's tile is full (mask_mod not evaluated), where it is
-    partial and the mask_mod keeps them; nothing of empty tiles (never visited)."""
-    T, S, tm, tn = 70, 75, 16, 32
-    window = mods.sliding_window(20, 20)
+    partial and the mask_mod keeps them; nothing of empty tiles (never visited). The mask's
+    32 x 64 tiles are several of the kernels' 16 x 32 blocks each."""
+    T, S, tm, tn = 70, 75, 32, 64
+    chunks = mods.chunked(48)
     parity = lambda b, h, qi, ki: (qi + ki) % 2 == 0
     rng = fresh_rng()
     q, k, v = (randn((B, x, n, H), "float32", rng) for x, n in ((T, N), (S, K), (S, K)))
 
     @jax.jit
     def run(q, k, v):
-        bm = mods.create_block_mask(window, 1, 1, T, S, block=(tm, tn))
+        bm = mods.create_block_mask(chunks, 1, 1, T, S, block=(tm, tn))
         out = jaxflash.flash_attention(q, k, v, implementation="pallas", mask_mod=parity,
                                        block_mask=bm)
         return out, bm
