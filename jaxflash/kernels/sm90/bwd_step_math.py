@@ -1,6 +1,7 @@
 """The backward step's elementwise math, shared by every Hopper backward kernel
 (`FlashBwdSm90`, `FlashBwdSm90Wide`): P^T from S^T and the LSE rows, dS^T
-from dP^T and the delta rows (times the softcap derivative), and the ALiBi slope gradient.
+from dP^T and the delta rows (times the softcap or score_mod derivative), the ALiBi slope
+gradient, and the mods on a transposed block (`mod_scores`; rows = keys).
 
 The tiles are transposed (rows = keys, columns = queries), so every per-query value (lse2,
 delta) is read once per column from shared memory. Masked scores hold -inf before the
@@ -14,16 +15,62 @@ from cutlass import Float32, Int32, const_expr
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.mask import TileCoords, alibi_distance_dot
+from jaxflash.kernels.common.mod_emit import apply_mask_mod, apply_score_mod
+from jaxflash.kernels.variants.mod_program import kernel_programs
 
 
 class BwdStepMath:
     """Mixin of `FlashBwdSm90`: needs ``cfg``, ``dtype``, ``tile_m`` and ``tile_n``."""
 
+    @property
+    def has_score_mod(self) -> bool:
+        return bool(self.cfg.score_mod)
+
+    @cute.jit
+    def mod_m_range(self, mModBlk, batch: Int32, kv_head: Int32, n_block: Int32,
+                    m_min: Int32, m_max: Int32):
+        """[m_min, m_max) narrowed to the query blocks the mask_mod leaves visible (not with
+        ``deterministic``: its dQ order counts every key block of the geometric range)."""
+        if const_expr(mModBlk is not None and not self.cfg.deterministic):
+            b = cutlass.min(batch, mModBlk.shape[0] - 1)
+            h = cutlass.min(kv_head, mModBlk.shape[1] - 1)
+            m_min = cutlass.max(m_min, mModBlk[b, h, n_block, 0])
+            m_max = cutlass.max(cutlass.min(m_max, mModBlk[b, h, n_block, 3]), m_min)
+        return m_min, m_max
+
+    @cute.jit
+    def mod_full_range(self, mModBlk, batch: Int32, kv_head: Int32, n_block: Int32):
+        """(first, end) of the query blocks the mask_mod leaves fully visible (None without)."""
+        full = None
+        if const_expr(mModBlk is not None):
+            b = cutlass.min(batch, mModBlk.shape[0] - 1)
+            h = cutlass.min(kv_head, mModBlk.shape[1] - 1)
+            full = (mModBlk[b, h, n_block, 1], mModBlk[b, h, n_block, 2])
+        return full
+
+    @cute.jit
+    def mod_scores(self, acc_S, coords: TileCoords, n_block: Int32, m_block: Int32,
+                   batch: Int32, head: Int32, mods, scale: Float32, full):
+        """The mods on one S^T block: score_mod (the returned fragment holds its derivative,
+        None without one), then mask_mod unless the block is in the full range."""
+        sp, mp, names = kernel_programs(self.cfg.score_mod, self.cfg.mask_mod)
+        aux = dict(zip(names, mods[1]))
+        rG = None
+        if const_expr(sp is not None):
+            rG = cute.make_rmem_tensor_like(acc_S, Float32)
+            apply_score_mod(sp, aux, acc_S, coords, n_block * self.tile_n,
+                            m_block * self.tile_m, batch, head, scale, True, rG)
+        if const_expr(mp is not None):
+            if (m_block < full[0]) | (m_block >= full[1]):
+                apply_mask_mod(mp, aux, acc_S, coords, n_block * self.tile_n,
+                               m_block * self.tile_m, batch, head, True)
+        return rG
+
     def probs_and_grads_lowp(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta,
-                             stage: Int32, scale_log2: Float32):
+                             stage: Int32, scale_log2: Float32, rG=None):
         """`probs_and_grads`, then P^T and dS^T in the input dtype (the RS operands of dV and
         dK). Plain Python (inlined while `consume` is traced)."""
-        self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2)
+        self.probs_and_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, scale_log2, rG)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -48,12 +95,16 @@ class BwdStepMath:
 
     @cute.jit
     def probs_and_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,
-                        scale_log2: Float32):
+                        scale_log2: Float32, rG=None):
         """In place: acc_S <- P^T = exp2(S^T * scale_log2 - lse2[query]) and
         acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap, where acc_S
-        held t = tanh(.)). Columns are queries: each column's lse2/delta is read once."""
+        held t = tanh(.); * rG, the score_mod's derivative, with one). Columns are queries:
+        each column's lse2/delta is read once."""
         s = layouts.acc_as_rows_cols(acc_S)
         dp = layouts.acc_as_rows_cols(acc_dP)
+        g = None
+        if const_expr(rG is not None):
+            g = layouts.acc_as_rows_cols(rG)
         t0 = coords.t0
         for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
             col = coords.base_col + t0[0, j][1]
@@ -68,6 +119,8 @@ class BwdStepMath:
                     # factor is 0 there instead of NaN (p is 0 as well).
                     t = cute.arch.fmax(x, Float32(-1.0))
                     ds = ds * (Float32(1.0) - t * t)
+                if const_expr(rG is not None):
+                    ds = ds * g[r, j]
                 s[r, j] = p
                 dp[r, j] = ds
 
@@ -84,12 +137,12 @@ class BwdStepMath:
     @cute.jit
     def grads(self, acc_P, acc_dP, rT, coords: TileCoords, sDelta, stage: Int32):
         """In place: acc_dP <- dS^T = P^T * (dP^T - delta[query]) (* (1 - t^2) with softcap,
-        t = tanh(.) kept in rT) (`early_dv`)."""
+        t = tanh(.) kept in rT; * rT, the score_mod's derivative, with one) (`early_dv`)."""
         p = layouts.acc_as_rows_cols(acc_P)
         dp = layouts.acc_as_rows_cols(acc_dP)
         t0 = coords.t0
         tt = None
-        if const_expr(self.cfg.has_softcap):
+        if const_expr(rT is not None):
             tt = layouts.acc_as_rows_cols(rT)
         for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
             delta = sDelta[coords.base_col + t0[0, j][1], stage]
@@ -98,4 +151,6 @@ class BwdStepMath:
                 if const_expr(self.cfg.has_softcap):
                     t = cute.arch.fmax(tt[r, j], Float32(-1.0))  # masked: -inf -> factor 0
                     ds = ds * (Float32(1.0) - t * t)
+                elif const_expr(self.has_score_mod):
+                    ds = ds * tt[r, j]
                 dp[r, j] = ds

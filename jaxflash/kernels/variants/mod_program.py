@@ -499,3 +499,13 @@ def parse_inputs(text: str) -> tuple:
         dt, shape = rest.split("[")
         out.append((name, dt, tuple(int(x) for x in shape.rstrip("]").split(",") if x)))
     return tuple(out)
+
+
+def kernel_programs(score_text: str, mask_text: str) -> tuple:
+    """(score Program or None, mask Program or None, aux input names): what a kernel's
+    config holds, parsed for its emitter."""
+    sp = parse(score_text) if score_text else None
+    mp = parse(mask_text) if mask_text else None
+    first = sp or mp
+    names = tuple(n for n, _, _ in first.inputs if n.startswith("x")) if first else ()
+    return sp, mp, names
