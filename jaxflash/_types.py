@@ -27,6 +27,9 @@ class AttentionArrays(NamedTuple):
     q_seqlen / kv_seqlen: ``[B]`` int32.
     alibi_slopes: ``[N]`` float32.
     q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 (both or neither).
+    mod_aux: the flat leaves of the mods' aux tuple (``statics.mods`` rebuilds the tuple);
+        floating leaves get gradients.
+    block_mask: a `jaxflash.mods.BlockMask` (its arrays are int32; block sizes static), or None.
     """
 
     bias: Optional[jax.Array] = None
@@ -36,6 +39,8 @@ class AttentionArrays(NamedTuple):
     alibi_slopes: Optional[jax.Array] = None
     q_segment_ids: Optional[jax.Array] = None
     kv_segment_ids: Optional[jax.Array] = None
+    mod_aux: tuple = ()
+    block_mask: Optional[object] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +54,8 @@ class AttentionStatics:
     softcap: Optional[float] = None
     # Bitwise-reproducible gradients (backends without atomics are deterministic anyway).
     deterministic: bool = False
+    # score_mod / mask_mod: a `jaxflash.mods.ModSpec` (hashable by the mods' code), or None.
+    mods: Optional[object] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,13 @@ class Problem:
     has_alibi: bool = False
     has_segments: bool = False
     platform: str = "cpu"
+    # (tm, tn) of the call's block mask, or None.
+    block_sparse: Optional[tuple[int, int]] = None
+
+    @property
+    def mods(self):
+        """The call's `jaxflash.mods.ModSpec`, or None."""
+        return self.statics.mods
 
     @property
     def group_size(self) -> int:
@@ -95,6 +109,13 @@ class Problem:
             f.append("segment_ids")
         if self.has_q_seqlen or self.has_kv_seqlen:
             f.append("seq_lengths")
+        mods = self.statics.mods
+        if mods is not None and mods.score_mod is not None:
+            f.append("score_mod")
+        if mods is not None and mods.mask_mod is not None:
+            f.append("mask_mod")
+        if self.block_sparse is not None:
+            f.append("block_mask")
         return tuple(f)
 
     @classmethod
@@ -112,4 +133,5 @@ class Problem:
             has_alibi=arrays.alibi_slopes is not None,
             has_segments=arrays.q_segment_ids is not None,
             platform=platform,
+            block_sparse=None if arrays.block_mask is None else tuple(arrays.block_mask.block),
         )

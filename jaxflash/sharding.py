@@ -75,7 +75,7 @@ _register_batching()
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v):
+    if not _wanted(q, k, v) or _has_mods(statics, arrays):
         return backend.forward(q, k, v, arrays, statics, plan)
     op = _op("fwd", _Layout.of(q, k, v, arrays))
     return op(backend, q, k, v, arrays, statics, plan)
@@ -83,10 +83,16 @@ def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v):
+    if not _wanted(q, k, v) or _has_mods(statics, arrays):
         return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
     op = _op("bwd", _Layout.of(q, k, v, arrays))
     return op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+
+
+def _has_mods(statics, arrays) -> bool:
+    """Calls with mods run unpartitioned: a mod reads global batch / head indices and its aux
+    may be indexed by them, which a per-shard call would renumber (not yet handled)."""
+    return getattr(statics, "mods", None) is not None or arrays.block_mask is not None
 
 
 def _wanted(*xs) -> bool:

@@ -10,12 +10,19 @@ from __future__ import annotations
 from jaxflash.backends.base import Backend
 
 
+_MOD_FEATURES = ("score_mod", "mask_mod", "block_mask")
+
+
 class CuteBackend(Backend):
     name = "cute"
 
     def plan(self, problem):
         if problem.platform not in ("cuda", "gpu"):
             raise NotImplementedError(f"CuTe kernels run on CUDA only (platform {problem.platform})")
+        if problem.mods is not None or problem.block_sparse is not None:
+            raise NotImplementedError(
+                f"{' / '.join(f for f in problem.features() if f in _MOD_FEATURES)}: the CuTe "
+                f"kernels do not translate mods yet")
         from jaxflash.kernels import plan
         return plan.plan(problem)
 

@@ -4,6 +4,10 @@ ids, seq lengths, GQA/MQA (K/V read per group, never repeated), dense bias/mask 
 head dims broadcast by the index_map), any T and S (ragged tails masked in-kernel), head dims up
 to 256 (padded to a power of two inside the kernels by masked loads), Hv != H.
 
+Custom attention (`jaxflash.mods`): the mods' jaxprs are replayed on each tile
+(`mods_tile`), aux arrays passed whole; a block mask's lists choose the tiles (full ones skip
+the mask_mod); the aux gradient is computed in XLA (`jaxflash.mods.aux_grad`).
+
 Memory beyond the inputs is O(T + S) per head in both passes: out, lse, delta [B,N,T] and the
 per-row ALiBi partials [B,N,T]. The one T x S sized output is dbias, in the bias's own shape.
 
@@ -14,9 +18,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxflash.mods import aux_grad as _aux_grad
 from jaxflash.pallas_fallback import bwd as _bwd
 from jaxflash.pallas_fallback import config as _config
 from jaxflash.pallas_fallback import fwd as _fwd
+from jaxflash.pallas_fallback import mods_tile
 from jaxflash.pallas_fallback.tiles import Spec
 
 _GPU_PLATFORMS = ("cuda", "gpu")
@@ -31,6 +37,8 @@ def check(problem):
             f"the Pallas kernels lower through Triton (NVIDIA GPUs) or run in interpret mode "
             f"(CPU); platform {p.platform!r} is not supported (they use masked loads for "
             f"ragged tails, which Mosaic/TPU and ROCm are not verified with)")
+    if p.mods is not None:
+        mods_tile.check(p.mods)
     for name, d in (("head_dim", p.head_dim), ("head_dim_v", p.head_dim_v)):
         if d > _config.MAX_HEAD_DIM:
             raise NotImplementedError(f"{name} {d} > {_config.MAX_HEAD_DIM}: the tiles would "
@@ -51,6 +59,7 @@ def _spec(q, k, v, arrays, statics) -> Spec:
     if window is not None:  # beyond T + S a window bound changes nothing; keep int32 math safe
         window = (min(window[0], T + S), min(window[1], T + S))
     bias, mask = arrays.bias, arrays.mask
+    bm = arrays.block_mask
     return Spec(
         T=T, S=S, H=H, Hv=Hv, Hp=_config.padded_head_dim(H),
         Hvp=_config.padded_head_dim(Hv), G=N // K, scale=float(statics.scale),
@@ -61,7 +70,10 @@ def _spec(q, k, v, arrays, statics) -> Spec:
         bias_b=bias is not None and bias.shape[0] != 1,
         bias_n=bias is not None and bias.shape[1] != 1,
         mask_b=mask is not None and mask.shape[0] != 1,
-        mask_n=mask is not None and mask.shape[1] != 1)
+        mask_n=mask is not None and mask.shape[1] != 1,
+        mods=statics.mods, n_aux=len(arrays.mod_aux), sparse=bm is not None,
+        bm_b=bm is not None and bm.batch_heads[0] != 1,
+        bm_n=bm is not None and bm.batch_heads[1] != 1)
 
 
 def _operands(arrays, spec: Spec) -> dict:
@@ -82,6 +94,15 @@ def _operands(arrays, spec: Spec) -> dict:
         ops["kv_len"] = jnp.clip(arrays.kv_seqlen, 0, spec.S).astype(jnp.int32)
     if arrays.alibi_slopes is not None:
         ops["alibi"] = arrays.alibi_slopes.astype(jnp.float32)
+    for i, x in enumerate(arrays.mod_aux):
+        ops[f"aux{i}"] = x.reshape(1) if x.ndim == 0 else x
+    bm = arrays.block_mask
+    if bm is not None:
+        for pre, (fc, fi, pc, pi) in (("bm_", (bm.full_count, bm.full_idx, bm.partial_count,
+                                               bm.partial_idx)),
+                                      ("bmt_", (bm.full_count_t, bm.full_idx_t,
+                                                bm.partial_count_t, bm.partial_idx_t))):
+            ops.update({pre + "fc": fc, pre + "fi": fi, pre + "pc": pc, pre + "pi": pi})
     return ops
 
 
@@ -98,11 +119,16 @@ def _compiler_params(pc, interpret):
 
 def _choose(q, arrays, spec, interpret):
     """The tuned tiles, shrunk to the GPU's shared memory given the dense operands streamed
-    per tile (bias in its dtype, mask as int8)."""
+    per tile (bias in its dtype, mask as int8). A block mask fixes the tiles of the forward,
+    dQ and dK / dV kernels to its own blocks (its lists index them)."""
     dense = (0 if arrays.bias is None else jnp.dtype(arrays.bias.dtype).itemsize) + (
         0 if arrays.mask is None else 1)
-    return _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret,
-                          dense_bytes=dense)
+    cfg = _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret,
+                         dense_bytes=dense)
+    if arrays.block_mask is not None:
+        tm, tn = arrays.block_mask.block
+        cfg = _config.with_blocks(cfg, tm, tn)
+    return cfg
 
 
 def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
@@ -131,4 +157,8 @@ def backward(q, k, v, arrays, statics, out, lse, dout, *, interpret=False, confi
         dbias = _bwd.dbias(q, k, v, dout, lse, delta, ops, spec, cfg.dbias,
                            compiler_params=_compiler_params(cfg.dbias, interpret), **kw)
     dalibi = None if dal_rows is None else jnp.sum(dal_rows, axis=(0, 2))
-    return dq, dk, dv, dbias, dalibi
+    if statics.mods is None:
+        return dq, dk, dv, dbias, dalibi
+    # The aux gradient is XLA's, blockwise over query rows (see jaxflash.mods.aux_grad).
+    daux = _aux_grad.aux_grads(q, k, v, arrays, statics, lse, dout, delta)
+    return dq, dk, dv, dbias, dalibi, daux

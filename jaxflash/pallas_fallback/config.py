@@ -171,3 +171,11 @@ def choose(head_dim: int, head_dim_v: int, dtype: str, *, interpret: bool,
     hp, hvp = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     return Config(*(fit(f.name, getattr(cfg, f.name), hp, hvp, itemsize, dense_bytes, limit)
                     for f in dataclasses.fields(cfg)))
+
+
+def with_blocks(cfg: Config, tm: int, tn: int) -> Config:
+    """`cfg` with the forward, dQ and dK / dV tiles set to a block mask's ``tm x tn`` (its lists
+    index query blocks of tm rows and key blocks of tn keys); launch parameters kept."""
+    def put(c):
+        return dataclasses.replace(c, block_q=tm, block_k=tn)
+    return dataclasses.replace(cfg, fwd=put(cfg.fwd), dq=put(cfg.dq), dkdv=put(cfg.dkdv))
