@@ -137,3 +137,41 @@ def backward_table(mask_text: str, aux, B: int, N: int, K: int, T: int, S: int, 
         ne = ne.reshape(Bb, K, G, *ne.shape[2:]).any(2)
         full = full.reshape(Bb, K, G, *full.shape[2:]).all(2)
     return ranges(ne, full)
+
+
+def _kinds(count_full, idx_full, count_part, idx_part, n: int):
+    """[..., rows] counts and [..., rows, m] index lists -> [..., rows, n] int8 kinds (0 empty,
+    1 partial, 2 full); list padding scatters 0."""
+    pos = jnp.arange(idx_full.shape[-1], dtype=jnp.int32)
+    lead = tuple(jnp.indices(idx_full.shape)[:-1])
+    kinds = jnp.zeros(idx_full.shape[:-1] + (n,), jnp.int8)
+    for count, idx, code in ((count_part, idx_part, 1), (count_full, idx_full, 2)):
+        val = jnp.where(pos < count[..., None], code, 0).astype(jnp.int8)
+        kinds = kinds.at[lead + (idx,)].max(val)
+    return kinds
+
+
+def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: bool, N: int,
+                          K: int, n_cols: int):
+    """A kernel table from a `jaxflash.mods.BlockMask` built once by the caller (no mask
+    evaluation here), or None when its blocks do not line up with the kernel's tiles: its
+    row blocks must equal the kernel's and its column blocks be a multiple (each then
+    splits into equal kernel blocks of the same kind)."""
+    tm, tn = bm.block
+    rows_b, cols_b = (tn, tm) if rows_are_keys else (tm, tn)
+    if rows_b != tile_rows or cols_b % tile_cols:
+        return None
+    if rows_are_keys:
+        kinds = _kinds(bm.full_count_t, bm.full_idx_t, bm.partial_count_t, bm.partial_idx_t,
+                       bm.full_idx.shape[-2])
+    else:
+        kinds = _kinds(bm.full_count, bm.full_idx, bm.partial_count, bm.partial_idx,
+                       bm.full_idx.shape[-1])
+    kinds = jnp.repeat(kinds, cols_b // tile_cols, axis=-1)[..., :n_cols]
+    ne, full = kinds > 0, kinds == 2
+    Hb = ne.shape[1]
+    if rows_are_keys and Hb > 1 and N != K:
+        G = N // K
+        ne = ne.reshape(ne.shape[0], K, G, *ne.shape[2:]).any(2)
+        full = full.reshape(full.shape[0], K, G, *full.shape[2:]).all(2)
+    return ranges(ne, full)

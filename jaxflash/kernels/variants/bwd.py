@@ -32,7 +32,7 @@ KEY_SPLIT_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
 FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids", "score_mod",
-            "mask_mod")
+            "mask_mod", "block_mask")
 # Per consumer warp partial sums of d(alibi slope) (see `sm90.bwd`): [B, N, n blocks, 8].
 ALIBI_PARTS = 8
 # Runtime scalars, in tensor order (same names and meaning as the forward's).

@@ -233,8 +233,10 @@ class FwdConfig:
 
     @property
     def lpt(self) -> bool:
-        """Whether tiles go longest-first (their cost varies with m under a right bound)."""
-        return self.tile_order == "auto" and (self.is_causal or self.has_window)
+        """Whether tiles go longest-first (their cost varies with m under a right bound, or
+        may under a mask_mod)."""
+        return self.tile_order == "auto" and (self.is_causal or self.has_window
+                                              or bool(self.mask_mod))
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -288,7 +290,7 @@ def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str
         return False, f"value head dim {hdv} != head dim {hd} not supported"
     unsupported = [f for f in problem.get("features", ())
                    if f not in ("causal", "window", "softcap", "seq_lengths", "alibi",
-                                "segment_ids", "score_mod", "mask_mod")]
+                                "segment_ids", "score_mod", "mask_mod", "block_mask")]
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper forward kernel yet"
     return True, ""

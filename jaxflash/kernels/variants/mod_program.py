@@ -31,6 +31,7 @@ is checked against, equation by equation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Optional
 
@@ -122,6 +123,7 @@ class _Builder:
         self.cse: dict = {}
         self.shapes: dict[str, tuple] = {}
         self.ranges: dict[str, tuple] = {}
+        self.dtypes: dict[str, str] = {}
         self.count = 0
 
     def range_of(self, a):
@@ -130,7 +132,18 @@ class _Builder:
         return (int(a[0]), int(a[0])) if a[1] == "i32" else _I32
 
     def _fold(self, prim: str, args: tuple, dtype: str):
-        """A literal or an argument when the intervals decide the result, else None."""
+        """A literal or an argument when the intervals (or an identity: x + 0, x * 1, a
+        conversion to the same dtype) decide the result, else None."""
+        if prim == "convert_element_type" and isinstance(args[0], str) and \
+                self.dtypes.get(args[0]) == dtype:
+            return args[0]
+        if prim in ("add", "sub", "mul") and len(args) == 2:
+            unit = 1 if prim == "mul" else 0
+            lit = [not isinstance(a, str) and a[0] == unit for a in args]
+            if lit[1]:
+                return args[0]
+            if lit[0] and prim != "sub":
+                return args[1]
         if prim == "select_n" and not isinstance(args[0], str):
             return args[1 + int(args[0][0])]
         if prim == "select_n" and all(a == args[1] for a in args[2:]):
@@ -185,6 +198,7 @@ class _Builder:
         self.count += 1
         self.eqns.append(Eqn(name, dtype, prim, args, param))
         self.cse[key] = name
+        self.dtypes[name] = dtype
         if dtype == "i32":
             self.ranges[name] = self._range(prim, args)
         return name
@@ -277,6 +291,7 @@ def program_from_jaxpr(closed, kind: str) -> Program:
         inputs.append((name, dt, shape))
         env[v] = name
         b.shapes[name] = shape
+        b.dtypes[name] = dt
         if name in MASK_INPUTS:  # batch, head and positions are never negative
             b.ranges[name] = (0, _I32[1])
     _walk(jaxpr, closed.consts, env, b)
@@ -509,3 +524,28 @@ def kernel_programs(score_text: str, mask_text: str) -> tuple:
     first = sp or mp
     names = tuple(n for n, _, _ in first.inputs if n.startswith("x")) if first else ()
     return sp, mp, names
+
+
+def spec_texts(spec) -> dict:
+    """A call's `jaxflash.mods.ModSpec` as kernel program texts: "score" (value), "score_grad"
+    (value and d/d score) and "mask" ("" where absent); {} without mods. NotImplementedError
+    names what a kernel cannot compute (dispatch then falls back)."""
+    if spec is None:
+        return {}
+    return _spec_texts(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_texts(spec) -> dict:
+    from jaxflash.mods import spec as mods
+    for shape, dtype in spec.aux_avals:
+        if str(dtype) not in ("float32", "int32"):
+            raise NotImplementedError(f"an aux array of dtype {dtype} (shape {shape}): the "
+                                      "CuTe kernels read float32 / int32 aux arrays")
+    out = {"score": "", "score_grad": "", "mask": ""}
+    if spec.has_score:
+        out["score"] = to_text(program_from_jaxpr(mods.score_jaxpr(spec), "score"))
+        out["score_grad"] = to_text(program_from_jaxpr(mods.score_deriv_jaxpr(spec), "score"))
+    if spec.has_mask:
+        out["mask"] = to_text(program_from_jaxpr(mods.mask_jaxpr(spec), "mask"))
+    return out
