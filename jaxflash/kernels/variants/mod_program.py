@@ -41,7 +41,9 @@ DTYPES = {"float32": "f32", "int32": "i32", "bool": "bool"}
 # Element-wise primitives a kernel emits, by arity class.
 UNARY = ("neg", "abs", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p",
          "expm1", "tanh", "logistic", "sqrt", "rsqrt", "not", "square", "integer_pow")
-BINARY = ("add", "sub", "mul", "div", "rem", "max", "min", "pow", "and", "or", "xor")
+BINARY = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
+# Spellings of supported primitives (jvp jaxprs sum tangents with add_any).
+_ALIASES = {"add_any": "add"}
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 OTHER = ("select_n", "clamp", "convert_element_type", "ds")
 SUPPORTED = UNARY + BINARY + COMPARE + OTHER
@@ -218,6 +220,7 @@ def _walk(jaxpr, consts, env, b: _Builder):
         env[v] = _lit(c, _dt(v.aval, "a captured constant"))
     for eqn in jaxpr.eqns:
         prim = eqn.primitive.name
+        prim = _ALIASES.get(prim, prim)
         args = [read(a) for a in eqn.invars]
         if prim in _INLINE:
             inner = eqn.params[_INLINE[prim]]
@@ -249,6 +252,9 @@ def _walk(jaxpr, consts, env, b: _Builder):
             env[eqn.outvars[0]] = b.emit("ds", (arr,) + tuple(idx),
                                          _dt(eqn.outvars[0].aval, "an aux element"))
             continue
+        if prim == "pow":
+            raise NotImplementedError("primitive 'pow' (x ** y with a float exponent) cannot be "
+                                      "translated; use exp(y * log(x))")
         if prim not in SUPPORTED:
             raise NotImplementedError(
                 f"primitive '{prim}' cannot be translated into a CuTe kernel (a mod may use "
@@ -267,9 +273,6 @@ def _walk(jaxpr, consts, env, b: _Builder):
             param = int(eqn.params["y"])
         elif prim == "convert_element_type":
             param = _dt(out.aval, "a conversion target")
-        elif prim == "pow":
-            raise NotImplementedError("primitive 'pow' (x ** y with a float exponent) cannot be "
-                                      "translated; use exp(y * log(x))")
         env[out] = b.emit(prim, tuple(args), _dt(out.aval, f"the result of {prim}"), param)
 
 
