@@ -26,7 +26,6 @@ from cutlass import Boolean, Float32, Int32
 
 from jaxflash.kernels.common.layouts import acc_as_rows_cols
 
-_TYPES = {"f32": Float32, "i32": Int32, "bool": Boolean}
 LOG2_E = math.log2(math.e)
 POSITIONS = ("s", "b", "h", "q", "k")
 
@@ -39,8 +38,12 @@ def dependencies(prog) -> dict:
     return deps
 
 
+def _type(name: str):
+    return {"f32": Float32, "i32": Int32, "bool": Boolean}[name]
+
+
 def _lit(a):
-    return _TYPES[a[1]](a[0])
+    return _type(a[1])(a[0])
 
 
 def _dtype_of(a, types):
@@ -107,7 +110,7 @@ def _emit(e, args, dts, aux, shapes):
         if dts[0] == "bool":
             one, zero = (Float32(1.0), Float32(0.0)) if e.param == "f32" else (Int32(1), Int32(0))
             return _select(x, one, zero)
-        return _TYPES[e.param](x)
+        return _type(e.param)(x)
     if p == "select_n":
         if dts[0] == "bool":
             return _select(x, args[2], args[1])
