@@ -112,13 +112,17 @@ def test_emitted_score_mods_match_jax(numpy_dsl, name, fn, make_aux):
     rng = np.random.default_rng(5)
     aux = make_aux(rng)
     el = _elements(rng, 128)
-    prog = mp.score_program(fn, aux, with_grad=True)
+    # what the backward kernel emits: the value-and-derivative program with its constant
+    # factors moved out (the kernel scales the raw scores by in_scale, the exp2 by out_scale)
+    text = mp.to_text(mp.score_program(fn, aux, with_grad=True))
+    prog, _, _, (a, c) = mp.kernel_programs(text, "")
     args = [jnp.asarray(el[n]) for n in "sbhqk"]
     want = np.asarray(jax.jit(jax.vmap(lambda *a: fn(*a, *aux)))(*args))
     dwant = np.asarray(jax.jit(jax.vmap(jax.grad(lambda *a: fn(*a, *aux))))(*args))
     auxn = [np.asarray(a) for a in aux]
+    el = {**el, "s": el["s"] * np.float32(a)}
     got = np.array([_emitted(prog, el, auxn, i) for i in range(128)], np.float32)
-    np.testing.assert_allclose(got[:, 0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[:, 0] * np.float32(c), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[:, 1], dwant, rtol=1e-4, atol=1e-4)
 
 
@@ -134,6 +138,14 @@ def test_emitted_mask_mods_match_jax(numpy_dsl, name, fn, make_aux):
     auxn = [np.asarray(a) for a in aux]
     got = np.array([bool(_emitted(prog, el, auxn, i)[0]) for i in range(128)])
     assert (got == want).all()
+
+
+def test_softcap_factors_fold_into_the_softmax_scales():
+    """Softcap as a mod leaves only the tanh in the element loop (the built-in's cost): its
+    1 / cap goes into the raw-score factor, its cap into the exp2 factor."""
+    prog, _, _, (a, c) = mp.kernel_programs(mp.to_text(mp.score_program(
+        lambda s, b, h, q, k: 20.0 * jnp.tanh(s / 20.0))), "")
+    assert [e.prim for e in prog.eqns] == ["tanh"] and (a, c) == (1 / 20.0, 20.0)
 
 
 def test_aux_reads_are_clamped(numpy_dsl):

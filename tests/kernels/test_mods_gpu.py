@@ -83,29 +83,33 @@ def _check(B, T, S, N, K, H, kw, dtype="bfloat16"):
     k = jnp.asarray(rng.standard_normal((B, S, K, H), np.float32).astype(dtype))
     v = jnp.asarray(rng.standard_normal((B, S, K, H), np.float32).astype(dtype))
     w = jnp.asarray(rng.standard_normal((B, T, N, H), np.float32))
-    aux = kw.pop("aux", ())
-    faux = [i for i, x in enumerate(aux) if jnp.issubdtype(x.dtype, jnp.floating)]
+    aux = tuple(kw.pop("aux", ()))
+    is_f = [bool(jnp.issubdtype(x.dtype, jnp.floating)) for x in aux]
 
-    def loss(impl, q, k, v, aux):
+    def loss(impl, q, k, v, faux, iaux):
+        fi, ii = iter(faux), iter(iaux)
+        full = tuple(next(fi) if f else next(ii) for f in is_f)
         up = (lambda x: x.astype(jnp.float32)) if impl == "xla" else (lambda x: x)
-        out = jaxflash.flash_attention(up(q), up(k), up(v), aux=aux, implementation=impl, **kw)
+        out = jaxflash.flash_attention(up(q), up(k), up(v), aux=full, implementation=impl, **kw)
         return jnp.sum(out.astype(jnp.float32) * w), out.astype(jnp.float32)
 
     @jax.jit
-    def run(q, k, v, aux):
+    def run(q, k, v, faux, iaux):
         res = []
         for impl in ("cute", "xla"):
-            (_, out), g = jax.value_and_grad(lambda *a: loss(impl, *a), argnums=(0, 1, 2, 3),
-                                             has_aux=True)(q, k, v, aux)
+            (_, out), g = jax.value_and_grad(lambda *a: loss(impl, *a, iaux),
+                                             argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, faux)
             res.append((out, g))
         return res
 
-    (out, g), (ref, gref) = run(q, k, v, aux)
+    faux = tuple(x for x, f in zip(aux, is_f) if f)
+    iaux = tuple(x for x, f in zip(aux, is_f) if not f)
+    (out, g), (ref, gref) = run(q, k, v, faux, iaux)
     assert_close(out, ref, FWD_TOL[dtype], "out")
     for name, a, b in zip("qkv", g[:3], gref[:3]):
         assert_close(a, b, GRAD_TOL[dtype], f"d{name}")
-    for i in faux:
-        assert_close(g[3][i], gref[3][i], GRAD_TOL[dtype], f"daux[{i}]")
+    for i, (a, b) in enumerate(zip(g[3], gref[3])):
+        assert_close(a, b, GRAD_TOL[dtype], f"daux[{i}]")
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: c[0])

@@ -384,8 +384,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             pre_scale = softmax_scale / softcap
             scale_log2 = softcap * LOG2_E
         if const_expr(self.has_score_mod):  # the program takes the scaled logit
-            pre_scale = softmax_scale
-            scale_log2 = Float32(LOG2_E)
+            pre_scale, scale_log2 = self.mod_scales(softmax_scale)
         window_left = Int32(0)
         window_right = Int32(0)
         if const_expr(self.cfg.has_window):

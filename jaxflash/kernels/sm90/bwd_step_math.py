@@ -9,6 +9,8 @@ exponential: P = dS = 0 there, never NaN (queries with no visible key arrive wit
 """
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -18,6 +20,8 @@ from jaxflash.kernels.common.mask import TileCoords, alibi_distance_dot
 from jaxflash.kernels.common.mod_emit import apply_mask_mod, apply_score_mod
 from jaxflash.kernels.variants.mod_program import kernel_programs
 
+LOG2_E = math.log2(math.e)
+
 
 class BwdStepMath:
     """Mixin of `FlashBwdSm90`: needs ``cfg``, ``dtype``, ``tile_m`` and ``tile_n``."""
@@ -25,6 +29,13 @@ class BwdStepMath:
     @property
     def has_score_mod(self) -> bool:
         return bool(self.cfg.score_mod)
+
+    def mod_scales(self, softmax_scale):
+        """As the forward's `FwdScores.mod_scales` (the score program here is the value and
+        derivative one; its own constant factors)."""
+        _sp, _mp, _names, (a, c) = kernel_programs(self.cfg.score_mod, "")
+        pre = softmax_scale if a == 1.0 else softmax_scale * Float32(a)
+        return pre, Float32(LOG2_E * c)
 
     @cute.jit
     def mod_m_range(self, mModBlk, batch: Int32, kv_head: Int32, n_block: Int32,
@@ -53,7 +64,7 @@ class BwdStepMath:
                    batch: Int32, head: Int32, mods, scale: Float32, full):
         """The mods on one S^T block: score_mod (the returned fragment holds its derivative,
         None without one), then mask_mod unless the block is in the full range."""
-        sp, mp, names = kernel_programs(self.cfg.score_mod, self.cfg.mask_mod)
+        sp, mp, names, _ = kernel_programs(self.cfg.score_mod, self.cfg.mask_mod)
         aux = dict(zip(names, mods[1]))
         rG = None
         if const_expr(sp is not None):

@@ -314,8 +314,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
             scale_log2 = softcap * LOG2_E
             alibi_unit = softcap
         if const_expr(self.has_score_mod):  # the program takes the scaled logit
-            pre_scale = softmax_scale
-            scale_log2 = Float32(LOG2_E)
+            pre_scale, scale_log2 = self.mod_scales(softmax_scale)
         alibi_inv = Float32(1.0) / alibi_unit
         window_left = Int32(0)
         window_right = Int32(0)

@@ -9,13 +9,17 @@ the built-in bounds. Without mods nothing here emits code the built-ins did not.
 """
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from jaxflash.kernels.common.mask import apply_alibi, apply_mask, apply_segment_mask
 from jaxflash.kernels.common.mod_emit import apply_mask_mod, apply_score_mod
-from jaxflash.kernels.variants.mod_program import parse
+from jaxflash.kernels.variants.mod_program import kernel_programs
+
+LOG2_E = math.log2(math.e)
 
 
 class FwdScores:
@@ -31,13 +35,13 @@ class FwdScores:
     def has_mods(self) -> bool:
         return self.has_score_mod or self.has_mask_mod
 
-    def mod_programs(self):
-        """(score program, mask program, aux names) of the config (None where absent)."""
-        sp = parse(self.cfg.score_mod) if self.cfg.score_mod else None
-        mp = parse(self.cfg.mask_mod) if self.cfg.mask_mod else None
-        names = tuple(n for n, _, _ in (sp or mp).inputs if n.startswith("x")) if (
-            sp or mp) else ()
-        return sp, mp, names
+    def mod_scales(self, softmax_scale):
+        """(the factor on the raw scores, the exp2 factor) with a score_mod: the program
+        takes the scaled logit (times its constant in_scale) and gives the logit (over its
+        out_scale), so the softmax runs in natural-log units times out_scale."""
+        _sp, _mp, _names, (a, c) = kernel_programs(self.cfg.score_mod, "")
+        pre = softmax_scale if a == 1.0 else softmax_scale * Float32(a)
+        return pre, Float32(LOG2_E * c)
 
     @cute.jit
     def mod_row(self, mModBlk, batch: Int32, head: Int32, m_block: Int32):
@@ -77,9 +81,9 @@ class FwdScores:
                 acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
         if const_expr(self.cfg.has_alibi):
             apply_alibi(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, mods.alibi)
-        sp, mp, names = self.mod_programs()
+        sp, mp, names, _ = kernel_programs(self.cfg.score_mod, self.cfg.mask_mod)
         if const_expr(sp is not None):
-            # pre_scale is the softmax scale here: the program sees the scaled logit
+            # pre_scale: the softmax scale (times the program's in_scale, `mod_scales`)
             apply_score_mod(sp, dict(zip(names, mods.aux)), acc_S, tScS, m_block * self.tile_m,
                             n_block * self.tile_n, mods.batch, mods.head, pre_scale)
         if const_expr(mask_mod and mp is not None):

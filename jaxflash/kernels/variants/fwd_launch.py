@@ -6,9 +6,10 @@ v [B, S, K, Hv], optional q_seqlen / kv_seqlen [B] int32, optional alibi slopes 
 segment inputs q_segment_ids [B, T], kv_segment_ids [B, S] int32 and their block summaries
 q_blocks [B, ceil(T/tile_m), 4], kv_blocks [B, ceil(S/tile_n), 2] int32 (`segments.py`);
 then with a mod (`FwdConfig.score_mod` / ``mask_mod``) its block table and aux arrays
-(`mod_inputs`); outputs o [B, T, N, Hv] (q's dtype) and lse [B, N, T] float32. Only the head dims are fixed by the variant: batch, lengths and head
-counts are read from the buffers at run time (dim 0 must stay dynamic for `jax.vmap`). Scalars:
-float32 (softmax_scale, softcap) always (softcap ignored without ``has_softcap``); int32
+(`mod_inputs`); outputs o [B, T, N, Hv] (q's dtype) and lse [B, N, T] float32. Only the head
+dims (and aux shapes) are fixed by the variant: batch, lengths and head counts are read from
+the buffers at run time (dim 0 must stay dynamic for `jax.vmap`). Scalars: float32
+(softmax_scale, softcap) always (softcap ignored without ``has_softcap``); int32
 (window_left, window_right) when the config has a window.
 """
 from __future__ import annotations

@@ -520,13 +520,19 @@ def parse_inputs(text: str) -> tuple:
 
 
 def kernel_programs(score_text: str, mask_text: str) -> tuple:
-    """(score Program or None, mask Program or None, aux input names): what a kernel's
-    config holds, parsed for its emitter."""
+    """(score Program or None, mask Program or None, aux input names, (in_scale, out_scale)):
+    what a kernel's config holds, parsed for its emitter; the score program with its constant
+    factors moved out (`factor_scales`: the kernel multiplies the raw scores by the softmax
+    scale times in_scale, and the exp2 by log2(e) times out_scale)."""
     sp = parse(score_text) if score_text else None
     mp = parse(mask_text) if mask_text else None
     first = sp or mp
     names = tuple(n for n, _, _ in first.inputs if n.startswith("x")) if first else ()
-    return sp, mp, names
+    scales = (1.0, 1.0)
+    if sp is not None:
+        sp, a, c = factor_scales(sp)
+        scales = (a, c)
+    return sp, mp, names, scales
 
 
 def spec_texts(spec) -> dict:
@@ -552,3 +558,37 @@ def _spec_texts(spec) -> dict:
     if spec.has_mask:
         out["mask"] = to_text(program_from_jaxpr(mods.mask_jaxpr(spec), "mask"))
     return out
+
+
+def factor_scales(p: Program) -> tuple:
+    """(program, in_scale, out_scale): constant factors moved out of a score program where it
+    multiplies or divides the score by a literal before anything else reads it (a softcap's
+    ``score / c``: the kernel folds it into the softmax scale it multiplies the raw scores by
+    anyway) or its value output is a literal times a value (the softcap's ``c * tanh``: the
+    kernel folds it into the exp2 factor). Then program(s) == out_scale * program'(s *
+    in_scale) for the value, other outputs unchanged: softcap as a mod costs what the
+    built-in does."""
+    in_scale, out_scale = 1.0, 1.0
+    eqns = list(p.eqns)
+    uses = [e for e in eqns if "s" in e.args]
+    ren = {}
+    if len(uses) == 1 and uses[0].prim in ("mul", "div") and uses[0].dtype == "f32" \
+            and "s" not in p.outs:
+        e = uses[0]
+        other = e.args[1] if e.args[0] == "s" else e.args[0]
+        if not isinstance(other, str) and (e.prim == "mul" or e.args[0] == "s") and other[0]:
+            in_scale = other[0] if e.prim == "mul" else 1.0 / other[0]
+            ren[e.out] = "s"
+            eqns.remove(e)
+    outs = list(p.outs)
+    last = {e.out: e for e in eqns}.get(outs[0]) if isinstance(outs[0], str) else None
+    if last is not None and last.prim == "mul" and outs[0] not in outs[1:] and not any(
+            last.out in e.args for e in eqns):
+        lits = [a for a in last.args if not isinstance(a, str)]
+        if len(lits) == 1 and lits[0][0]:
+            out_scale = lits[0][0]
+            outs[0] = next(a for a in last.args if isinstance(a, str))
+            eqns.remove(last)
+    fix = lambda a: ren.get(a, a) if isinstance(a, str) else a
+    eqns = tuple(dataclasses.replace(e, args=tuple(fix(a) for a in e.args)) for e in eqns)
+    return Program(p.inputs, eqns, tuple(fix(a) for a in outs)), in_scale, out_scale
