@@ -203,17 +203,17 @@ def _walk(ev: ModEvaluator, acc, coords, row_start, col_start, b, h, transposed:
 
 def apply_score_mod(prog, aux: dict, acc, coords, row_start: Int32, col_start: Int32,
                     b: Int32, h: Int32, scale: Float32, transposed: bool = False, grad=None):
-    """acc[i, j] <- score_mod(acc[i, j] * scale, b, h, q, k) in place; with `grad` (a fragment
-    like acc; the program then has two outputs, value and derivative) also
-    grad[i, j] <- d score_mod / d score there."""
+    """acc[i, j] <- score_mod(acc[i, j] * scale, b, h, q, k) in place. With `grad` (the
+    program then has two outputs, value and derivative by the score), grad(r, j, d) is
+    called with each element's derivative (r, j: its place in the (rows, cols) view), so the
+    caller can fold it into what it holds there instead of keeping another fragment live."""
     ev = ModEvaluator(prog, aux)
-    g = acc_as_rows_cols(grad) if grad is not None else None
 
     def body(env, s, r, j):
         env = ev.fill({**env, "s": s[r, j] * scale}, set(POSITIONS))
         s[r, j] = ev.out(env, 0)
-        if g is not None:
-            g[r, j] = ev.out(env, 1)
+        if grad is not None:
+            grad(r, j, ev.out(env, 1))
 
     _walk(ev, acc, coords, row_start, col_start, b, h, transposed, body)
 

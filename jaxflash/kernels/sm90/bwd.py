@@ -546,8 +546,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 if const_expr(self.cfg.has_softcap):
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
-                rG = self.mod_scores(acc_S, coords, n_block, m_block, batch, head, mods,
-                                     pre_scale, full)
+                self.mod_scores(acc_S, acc_dP, coords, sDelta, stage, n_block, m_block, batch,
+                                head, mods, pre_scale, full)
                 # Only blocks on a boundary (key tail, diagonal, window edge) pay for the mask.
                 if const_expr(self.cfg.has_alibi):
                     apply_alibi(acc_S, coords, n_block * self.tile_n, m_block * self.tile_m,
@@ -565,7 +565,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 if const_expr(self.cfg.early_dv):
                     # P^T while the tensor cores still compute dP^T, then dV += P^T dO issued
                     # before dS^T is formed (dS^T's arithmetic runs behind the dV GEMM).
-                    rT = rG
+                    rT = None
                     if const_expr(self.cfg.has_softcap):
                         rT = cute.make_rmem_tensor_like(acc_S, Float32)  # tanh, for dS^T
                         rT.store(acc_S.load())
@@ -580,7 +580,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 else:
                     warpgroup.wait_group(0)
                     rP, rdS = self.probs_and_grads_lowp(acc_S, acc_dP, coords, sLSE, sDelta,
-                                                        stage, scale_log2, rG)
+                                                        stage, scale_log2)
                     # dV += P^T dO and dK += dS^T Q from registers, while dS^T goes to smem.
                     layouts.wgmma(tiled_mma_dv, acc_dV, layouts.acc_as_operand_a(rP),
                                   tdVrdOt[None, None, None, stage], zero_init=False, wait=-1)

@@ -99,7 +99,7 @@ class BwdConfig:
       coupled: a stage is refilled once both CTAs' consumers have released it.
     score_mod: the score mod's program with two outputs, its value and its derivative by the
       score (`mod_program.score_program(with_grad=True)`): P^T comes from the value, dS^T is
-      multiplied by the derivative (kept per element like softcap's tanh). mask_mod: as in
+      multiplied by the derivative (folded into dP^T as it is formed). mask_mod: as in
       `FwdConfig`, with the table's rows = key blocks (`mod_blocks.backward_table`); with
       ``deterministic`` the range is not narrowed (the dQ order counts every key block), only
       the full blocks skip the mask. Key-split kernel (hd <= 128) only.
@@ -217,9 +217,9 @@ class BwdConfig:
         if self.split != "keys" or self.q_multicast:
             return False, (f"mods in the key-split backward only (head_dim {self.head_dim} "
                            "<= 128, no q_multicast)")
-        if self.score_mod and (self.tile_m != 64 or (self.early_dv and self.head_dim > 96)):
-            return False, ("a score_mod keeps its derivative per element (as softcap its "
-                           "tanh): tile_m 64, and early_dv only up to head_dim 96")
+        if self.score_mod and (self.tile_m != 64 or self.early_dv):
+            return False, ("a score_mod folds its derivative into dP^T once that GEMM is done "
+                           "(registers as softcap's): tile_m 64, no early_dv")
         if self.score_mod and self.mask_mod and mod_aux(self.score_mod) != mod_aux(
                 self.mask_mod):
             return False, "score_mod and mask_mod must take the same aux arrays"
