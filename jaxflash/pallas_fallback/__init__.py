@@ -72,6 +72,7 @@ def _spec(q, k, v, arrays, statics) -> Spec:
         mask_b=mask is not None and mask.shape[0] != 1,
         mask_n=mask is not None and mask.shape[1] != 1,
         mods=statics.mods, n_aux=len(arrays.mod_aux),
+        mod_offsets=arrays.mod_offsets is not None,
         sparse=None if bm is None else tuple(bm.block),
         bm_b=bm is not None and bm.batch_heads[0] != 1,
         bm_n=bm is not None and bm.batch_heads[1] != 1)
@@ -95,6 +96,8 @@ def _operands(arrays, spec: Spec) -> dict:
         ops["kv_len"] = jnp.clip(arrays.kv_seqlen, 0, spec.S).astype(jnp.int32)
     if arrays.alibi_slopes is not None:
         ops["alibi"] = arrays.alibi_slopes.astype(jnp.float32)
+    if arrays.mod_offsets is not None:
+        ops["mod_off"] = arrays.mod_offsets.astype(jnp.int32)
     for i, x in enumerate(arrays.mod_aux):
         ops[f"aux{i}"] = x.reshape(1) if x.ndim == 0 else x
     bm = arrays.block_mask
