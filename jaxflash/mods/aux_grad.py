@@ -44,7 +44,7 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
     pad_t = lambda x, axis: jnp.pad(x, [(0, Tp - T if a == axis else 0) for a in range(x.ndim)])
     qp, dop = pad_t(q, 1), pad_t(dout, 1)
     lsep = pad_t(lse, 2)
-    deltap = pad_t(delta, 2)
+    del delta  # recomputed per chunk, exactly (see below)
     bias = None if arrays.bias is None else pad_t(arrays.bias, 2)
     dmask = None if arrays.mask is None else pad_t(arrays.mask, 2)
     qseg = None if arrays.q_segment_ids is None else pad_t(arrays.q_segment_ids, 1)
@@ -52,6 +52,7 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
     vf = v.astype(jnp.float32)
     prec = jax.lax.Precision.HIGHEST
     k_idx = jnp.arange(S, dtype=jnp.int32)
+    bi, hi = dense.batch_heads(arrays, B, N)
     faux = tuple(x for x, f in zip(aux, is_f) if f)
 
     def full(fa):
@@ -83,11 +84,10 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
         if dmask is not None:
             keep = keep & sl(dmask, 2)
         if mods.has_mask:
-            keep = keep & dense.mask(mods, aux, dense.indices(B), dense.indices(N), q_idx, k_idx)
+            keep = keep & dense.mask(mods, aux, bi, hi, q_idx, k_idx)
 
         def modded(fa):
-            return dense.scores(mods, s, full(fa), dense.indices(B), dense.indices(N), q_idx,
-                                k_idx)
+            return dense.scores(mods, s, full(fa), bi, hi, q_idx, k_idx)
 
         sm, vjp = jax.vjp(modded, faux)
         lc = sl(lsep, 2)[..., None]
@@ -95,7 +95,11 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
                       0.0)
         doc = sl(dop, 1).astype(jnp.float32).reshape(B, rows, K, G, -1)
         dp = jnp.einsum("btkgh,bskh->bkgts", doc, vf, precision=prec).reshape(B, N, rows, S)
-        ds = jnp.where(keep, p * (dp - sl(deltap, 2)[..., None]), 0.0)
+        # delta = rowsum(P * dP) over the whole row, which this chunk holds: exact, where the
+        # kernels' rowsum(dO * O) reads the rounded output (its error is amplified by the
+        # cancellation in dP - delta, and a sum over all pairs would collect it).
+        delta_c = jnp.sum(p * dp, axis=-1, keepdims=True)
+        ds = jnp.where(keep, p * (dp - delta_c), 0.0)
         (g,) = vjp(ds)
         return tuple(a + b.astype(jnp.float32) for a, b in zip(acc, g)), None
 

@@ -71,7 +71,9 @@ def _spec(q, k, v, arrays, statics) -> Spec:
         bias_n=bias is not None and bias.shape[1] != 1,
         mask_b=mask is not None and mask.shape[0] != 1,
         mask_n=mask is not None and mask.shape[1] != 1,
-        mods=statics.mods, n_aux=len(arrays.mod_aux), sparse=bm is not None,
+        mods=statics.mods, n_aux=len(arrays.mod_aux),
+        mod_offsets=arrays.mod_offsets is not None,
+        sparse=None if bm is None else tuple(bm.block),
         bm_b=bm is not None and bm.batch_heads[0] != 1,
         bm_n=bm is not None and bm.batch_heads[1] != 1)
 
@@ -94,6 +96,8 @@ def _operands(arrays, spec: Spec) -> dict:
         ops["kv_len"] = jnp.clip(arrays.kv_seqlen, 0, spec.S).astype(jnp.int32)
     if arrays.alibi_slopes is not None:
         ops["alibi"] = arrays.alibi_slopes.astype(jnp.float32)
+    if arrays.mod_offsets is not None:
+        ops["mod_off"] = arrays.mod_offsets.astype(jnp.int32)
     for i, x in enumerate(arrays.mod_aux):
         ops[f"aux{i}"] = x.reshape(1) if x.ndim == 0 else x
     bm = arrays.block_mask
@@ -119,15 +123,16 @@ def _compiler_params(pc, interpret):
 
 def _choose(q, arrays, spec, interpret):
     """The tuned tiles, shrunk to the GPU's shared memory given the dense operands streamed
-    per tile (bias in its dtype, mask as int8). A block mask fixes the tiles of the forward,
-    dQ and dK / dV kernels to its own blocks (its lists index them)."""
+    per tile (bias in its dtype, mask as int8). Under a block mask the forward, dQ and dK / dV
+    tiles are at most its blocks (powers of two both, so each mask tile is whole kernel
+    blocks: the lists index mask tiles, the kernels walk their blocks)."""
     dense = (0 if arrays.bias is None else jnp.dtype(arrays.bias.dtype).itemsize) + (
         0 if arrays.mask is None else 1)
     cfg = _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret,
                          dense_bytes=dense)
     if arrays.block_mask is not None:
         tm, tn = arrays.block_mask.block
-        cfg = _config.with_blocks(cfg, tm, tn)
+        cfg = _config.within_blocks(cfg, tm, tn)
     return cfg
 
 

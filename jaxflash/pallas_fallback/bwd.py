@@ -113,7 +113,9 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
             return dk, dv
 
         if spec.sparse:
-            return tiles.run_sparse(r, "bmt_", *tiles.sparse_bh(spec, b, n), j, body, carry)
+            tm, tn = spec.sparse
+            return tiles.run_sparse(r, "bmt_", *tiles.sparse_bh(spec, b, n), tiles.block_row(j, tn // bk),
+                                    body, carry, sub=tm // bq)
         lo, a, bb, hi = tiles.q_block_range(k_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
         return tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
                                any_full=spec.T >= bq)
@@ -161,7 +163,7 @@ def dkdv(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret
         names.append("alibi")
         args.append(ops["alibi"])
         specs.append(pl.BlockSpec((G,), lambda j, b, h: (h,)))
-    extra = mods_tile.whole_inputs(ops, ("aux", "bmt_"))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bmt_"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [pl.BlockSpec((None, bk, None, spec.Hp), lambda j, b, h: (b, j, h, 0)),
@@ -213,7 +215,9 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
 
     carry = (jnp.zeros((bq, spec.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
     if spec.sparse:
-        dq, dal = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), i, body, carry)
+        tm, tn = spec.sparse
+        dq, dal = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+                                   body, carry, sub=tn // bk)
     else:
         lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
                                              kv_len=qt.kv_len)
@@ -258,7 +262,7 @@ def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
-    extra = mods_tile.whole_inputs(ops, ("aux", "bm_"))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bm_"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_names = ["dq"]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -379,7 +383,7 @@ def dbias(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpre
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, bb, nb: (0,)))
-    extra = mods_tile.whole_inputs(ops, ("aux",))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     kernel = functools.partial(_dbias_kernel, spec=spec, cfg=cfg,
                                names=tuple(names + ["dbias"]), RB=RB, RN=RN)

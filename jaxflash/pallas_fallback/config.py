@@ -173,9 +173,9 @@ def choose(head_dim: int, head_dim_v: int, dtype: str, *, interpret: bool,
                     for f in dataclasses.fields(cfg)))
 
 
-def with_blocks(cfg: Config, tm: int, tn: int) -> Config:
-    """`cfg` with the forward, dQ and dK / dV tiles set to a block mask's ``tm x tn`` (its lists
-    index query blocks of tm rows and key blocks of tn keys); launch parameters kept."""
-    def put(c):
-        return dataclasses.replace(c, block_q=tm, block_k=tn)
-    return dataclasses.replace(cfg, fwd=put(cfg.fwd), dq=put(cfg.dq), dkdv=put(cfg.dkdv))
+def within_blocks(cfg: Config, tm: int, tn: int) -> Config:
+    """`cfg` with the forward, dQ and dK / dV tiles capped at a block mask's ``tm x tn``
+    (both powers of two, so the kernel's blocks divide the mask's); launch parameters kept."""
+    def cap(c):
+        return dataclasses.replace(c, block_q=min(c.block_q, tm), block_k=min(c.block_k, tn))
+    return dataclasses.replace(cfg, fwd=cap(cfg.fwd), dq=cap(cfg.dq), dkdv=cap(cfg.dkdv))

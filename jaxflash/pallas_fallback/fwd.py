@@ -46,7 +46,9 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
              jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     if spec.sparse:
-        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), i, body, carry)
+        tm, tn = spec.sparse
+        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+                                     body, carry, sub=tn // bk)
     else:
         lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
                                              kv_len=qt.kv_len)
@@ -95,7 +97,7 @@ def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
-    extra = mods_tile.whole_inputs(ops, ("aux", "bm_"))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bm_"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_shape = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)]

@@ -59,7 +59,8 @@ class Spec:
     mask_n: bool = False
     mods: Optional[object] = None      # `jaxflash.mods.ModSpec`: score_mod / mask_mod
     n_aux: int = 0                     # aux leaves, passed as whole inputs aux0, aux1, ...
-    sparse: bool = False               # a block mask chooses the tiles
+    mod_offsets: bool = False          # a shard's (batch, head) offsets, input mod_off
+    sparse: Optional[tuple[int, int]] = None   # a block mask's (tm, tn): its lists choose tiles
     bm_b: bool = False                 # the block mask has a real batch / head dim
     bm_n: bool = False
 
@@ -282,16 +283,29 @@ def q_block_range(k_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
     return lo, a, b, hi
 
 
-def run_sparse(r, prefix: str, bb, hh, row, body, carry):
+def run_sparse(r, prefix: str, bb, hh, row, body, carry, sub: int = 1):
     """With a block mask: the full tiles of `row` (no mask_mod), then its partial ones, from
-    the mask's lists ``{prefix}fc / fi / pc / pi`` at (batch row `bb`, head `hh`). Every tile
-    keeps the built-in masks and the tails (``masked=True``); empty tiles are never visited."""
-    nf = r[prefix + "fc"][bb, hh, row]
-    npart = r[prefix + "pc"][bb, hh, row]
-    carry = lax.fori_loop(0, nf, lambda t, c: body(r[prefix + "fi"][bb, hh, row, t], c, True,
-                                                   False), carry)
-    return lax.fori_loop(0, npart, lambda t, c: body(r[prefix + "pi"][bb, hh, row, t], c, True,
-                                                     True), carry)
+    the mask's lists ``{prefix}fc / fi / pc / pi`` at (batch row `bb`, head `hh`). The kernel's
+    blocks may be smaller than the mask's (powers of two, so they divide them): each listed
+    tile is `sub` kernel blocks, walked in one flat loop. Every block keeps the built-in masks
+    and the tails (``masked=True``); empty tiles are never visited."""
+    def walk(kind, mod_mask, carry):
+        n = r[prefix + kind + "c"][bb, hh, row]
+
+        def step(u, c):
+            t = lax.div(u, jnp.int32(sub)) if sub > 1 else u
+            blk = r[prefix + kind + "i"][bb, hh, row, t]
+            if sub > 1:
+                blk = blk * sub + lax.rem(u, jnp.int32(sub))
+            return body(blk, c, True, mod_mask)
+        return lax.fori_loop(0, n * sub, step, carry)
+
+    return walk("p", True, walk("f", False, carry))
+
+
+def block_row(i, ratio: int):
+    """The block mask's row of kernel block `i` when `ratio` kernel blocks make one mask tile."""
+    return i if ratio == 1 else lax.div(i, jnp.int32(ratio))
 
 
 def sparse_bh(spec: Spec, b, n):
@@ -352,8 +366,10 @@ def mod_tile(r, spec: Spec, b, n):
     for i, (shape, _) in enumerate(spec.mods.aux_avals):
         ref = r[f"aux{i}"]
         aux.append(ref[0] if shape == () else ref)
-    return mods_tile.ModTile(spec.mods, jnp.asarray(b, jnp.int32), jnp.asarray(n, jnp.int32),
-                             tuple(aux))
+    b, n = jnp.asarray(b, jnp.int32), jnp.asarray(n, jnp.int32)
+    if spec.mod_offsets:  # the mods see global indices on a shard
+        b, n = b + r["mod_off"][0], n + r["mod_off"][1]
+    return mods_tile.ModTile(spec.mods, b, n, tuple(aux))
 
 
 class KeyBlock(NamedTuple):
