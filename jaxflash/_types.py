@@ -35,6 +35,8 @@ class AttentionArrays(NamedTuple):
     mod_aux: the flat leaves of the mods' aux tuple (``statics.mods`` rebuilds the tuple);
         floating leaves get gradients.
     block_mask: a `jaxflash.mods.BlockMask` (its arrays are int32; block sizes static), or None.
+    mod_offsets: ``[2]`` int32, the global (batch, query head) index of this shard's first row
+        and head, which the mods see (set per shard by `jaxflash.sharding`; None = 0, 0).
     """
 
     bias: Optional[jax.Array] = None
@@ -49,6 +51,7 @@ class AttentionArrays(NamedTuple):
     v_scale: Optional[jax.Array] = None
     mod_aux: tuple = ()
     block_mask: Optional[object] = None
+    mod_offsets: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)

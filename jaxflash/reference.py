@@ -46,7 +46,7 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
     mods = statics.mods
     if mods is not None and mods.has_score:
         s = dense.scores(mods, jnp.broadcast_to(s, (B, N, T, S)), arrays.mod_aux,
-                         dense.indices(B), dense.indices(N), q_idx[:, 0], k_idx[0])
+                         *dense.batch_heads(arrays, B, N), q_idx[:, 0], k_idx[0])
 
     bcast = lambda x: None if x is None else x[:, None, None, None]  # [B] -> [B,1,1,1]
     q_seg = kv_seg = None
@@ -57,7 +57,7 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
                         q_seqlen=bcast(arrays.q_seqlen), kv_seqlen=bcast(arrays.kv_seqlen),
                         q_seg=q_seg, kv_seg=kv_seg)
     if mods is not None and mods.has_mask:
-        mm = dense.mask(mods, arrays.mod_aux, dense.indices(B), dense.indices(N), q_idx[:, 0],
+        mm = dense.mask(mods, arrays.mod_aux, *dense.batch_heads(arrays, B, N), q_idx[:, 0],
                         k_idx[0])
         keep = mm if keep is None else jnp.logical_and(keep, mm)
     p, lse = masked_softmax(s, keep, arrays.mask)

@@ -50,5 +50,9 @@ class XlaBackend(Backend):
         dq, dk, dv, dbias, dalibi, dfaux = vjp(((d32 * w_t).astype(out_b.dtype), dlse))
         if statics.mods is None:
             return dq, dk, dv, dbias, dalibi
+        # Gradients of aux leaves exist for floating leaves read by a score_mod (a mask has none).
         it = iter(dfaux)
-        return dq, dk, dv, dbias, dalibi, tuple(next(it) if fl else None for fl in is_f)
+        daux = tuple(next(it) if fl else None for fl in is_f)
+        if not statics.mods.has_score:
+            daux = tuple(None for _ in daux)
+        return dq, dk, dv, dbias, dalibi, daux

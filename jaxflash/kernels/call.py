@@ -17,6 +17,7 @@ from jaxflash.kernels.variants.bwd_launch import (dq_acc_shape, dq_from_flat, nu
                                                   num_q_blocks, padded_len)
 from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_inputs
 from jaxflash.kernels.variants.fwd_launch import fwd_inputs, fwd_scalars
+from jaxflash.kernels import mod_blocks
 
 
 def forward(launch, q, k, v, arrays, statics):
@@ -25,6 +26,7 @@ def forward(launch, q, k, v, arrays, statics):
     inputs = fwd_inputs(launch.config, q, k, v, q_seqlen=arrays.q_seqlen,
                         kv_seqlen=arrays.kv_seqlen, alibi_slopes=arrays.alibi_slopes,
                         q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids)
+    inputs += mod_inputs(launch.config, arrays, q, k, backward=False)
     fs, is_ = fwd_scalars(statics)
     out_shapes = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
                   jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
@@ -53,6 +55,31 @@ def forward_fp8(launch, q8, k8, v8, arrays, statics):
                   jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     out, lse = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
     return out, lse
+
+
+def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
+    """A mod variant's extra inputs: the mask_mod's block range table (from the call's
+    `BlockMask` where its blocks line up with the kernel's tiles, else computed here from the
+    same program) and the aux leaves."""
+    B, T, N, _ = q.shape
+    _, S, K, _ = k.shape
+    aux = tuple(arrays.mod_aux)
+    ins = []
+    if cfg.mask_mod:
+        rows, cols = (cfg.tile_n, cfg.tile_m) if backward else (cfg.tile_m, cfg.tile_n)
+        table = None
+        if arrays.block_mask is not None:
+            n_cols = -(-(T if backward else S) // cols)
+            table = mod_blocks.table_from_block_mask(arrays.block_mask, rows, cols, backward, N,
+                                                     K, n_cols)
+        if table is None and backward:
+            table = mod_blocks.backward_table(cfg.mask_mod, aux, B, N, K, T, S, cfg.tile_m,
+                                              cfg.tile_n)
+        elif table is None:
+            table = mod_blocks.forward_table(cfg.mask_mod, aux, B, N, T, S, cfg.tile_m,
+                                             cfg.tile_n)
+        ins.append(table.astype(jnp.int32))
+    return ins + [jnp.asarray(x, dt) for x, (dt, _) in zip(aux, cfg.aux)]
 
 
 def bwd_prepare(lse, dout, out, q_seqlen, Tp: int):
@@ -89,6 +116,10 @@ def backward(launch, q, k, v, arrays, statics, out, lse, dout):
     past the grid's y/z limit run as several launches over slices."""
     B, _, N, _ = q.shape
     K = k.shape[2]
+    if max(B, K) > GRID_YZ_MAX and statics.mods is not None:
+        # A mod reads the batch / head index: slices would renumber them.
+        raise NotImplementedError(f"score / mask mods with batch {B} or kv heads {K} past the "
+                                  f"launch grid's {GRID_YZ_MAX}: split the call")
     if B > GRID_YZ_MAX:
         parts = [backward(launch, *_batch_slice(b, b + GRID_YZ_MAX, q, k, v, arrays, out, lse,
                                                 dout, statics))
@@ -153,6 +184,7 @@ def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
         ks = jnp.asarray(arrays.kv_segment_ids, jnp.int32)
         kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
         inputs += [qs, ks, kv_blocks, q_blocks]
+    inputs += mod_inputs(cfg, arrays, q, k, backward=True)
     fs, is_ = fwd_scalars(statics)
     out_shapes = [jax.ShapeDtypeStruct(dq_acc_shape(B, T, N, H, cfg), jnp.float32),
                   jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -169,4 +201,8 @@ def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
     if cfg.has_alibi:
         # The logit holds -slope * |i - j|: d(slope) = -sum dS_ij |i - j| over b, i, j.
         dslopes = -outs[3].sum(axis=(0, 2, 3))
+    if statics.mods is not None:  # the aux leaves' cotangents, blockwise in XLA
+        from jaxflash.mods import aux_grad
+        daux = aux_grad.aux_grads(q, k, v, arrays, statics, lse, dout, delta[..., :T])
+        return dq, dk, dv, None, dslopes, daux
     return dq, dk, dv, None, dslopes

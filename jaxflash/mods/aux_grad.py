@@ -52,6 +52,7 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
     vf = v.astype(jnp.float32)
     prec = jax.lax.Precision.HIGHEST
     k_idx = jnp.arange(S, dtype=jnp.int32)
+    bi, hi = dense.batch_heads(arrays, B, N)
     faux = tuple(x for x, f in zip(aux, is_f) if f)
 
     def full(fa):
@@ -83,11 +84,10 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
         if dmask is not None:
             keep = keep & sl(dmask, 2)
         if mods.has_mask:
-            keep = keep & dense.mask(mods, aux, dense.indices(B), dense.indices(N), q_idx, k_idx)
+            keep = keep & dense.mask(mods, aux, bi, hi, q_idx, k_idx)
 
         def modded(fa):
-            return dense.scores(mods, s, full(fa), dense.indices(B), dense.indices(N), q_idx,
-                                k_idx)
+            return dense.scores(mods, s, full(fa), bi, hi, q_idx, k_idx)
 
         sm, vjp = jax.vjp(modded, faux)
         lc = sl(lsep, 2)[..., None]

@@ -35,3 +35,11 @@ def mask(spec: ModSpec, aux_leaves, b_idx, h_idx, q_idx, kv_idx):
 
 def indices(n: int, start=0):
     return jnp.asarray(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+
+
+def batch_heads(arrays, B: int, N: int):
+    """The batch and head index vectors the mods see: global ones (a shard's offsets added)."""
+    off = arrays.mod_offsets
+    if off is None:
+        return indices(B), indices(N)
+    return indices(B, off[0]), indices(N, off[1])

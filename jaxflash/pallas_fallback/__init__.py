@@ -137,6 +137,7 @@ def _spec(q, k, v, arrays, statics) -> Spec:
         mask_b=mask is not None and mask.shape[0] != 1,
         mask_n=mask is not None and mask.shape[1] != 1,
         mods=statics.mods, n_aux=len(arrays.mod_aux),
+        mod_offsets=arrays.mod_offsets is not None,
         sparse=None if bm is None else tuple(bm.block),
         bm_b=bm is not None and bm.batch_heads[0] != 1,
         bm_n=bm is not None and bm.batch_heads[1] != 1)
@@ -160,6 +161,8 @@ def _operands(arrays, spec: Spec) -> dict:
         ops["kv_len"] = jnp.clip(arrays.kv_seqlen, 0, spec.S).astype(jnp.int32)
     if arrays.alibi_slopes is not None:
         ops["alibi"] = arrays.alibi_slopes.astype(jnp.float32)
+    if arrays.mod_offsets is not None:
+        ops["mod_off"] = arrays.mod_offsets.astype(jnp.int32)
     for i, x in enumerate(arrays.mod_aux):
         ops[f"aux{i}"] = x.reshape(1) if x.ndim == 0 else x
     bm = arrays.block_mask
@@ -201,6 +204,10 @@ def _choose(q, arrays, spec, interpret):
 def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
     """(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32). `config` overrides the tuned table."""
     pieces = _pieces(q, k, v, arrays)
+    if len(pieces) > 1 and statics.mods is not None:
+        # A mod reads the batch / head index: slices would renumber them.
+        raise NotImplementedError("score / mask mods on a call too large for one launch "
+                                  "(past int32 indexing or the 65535 grid limit)")
     if len(pieces) > 1:
         parts = [_forward(*_piece_inputs(q, k, v, arrays, p)[:4], statics, interpret, config)
                  for p in pieces]
@@ -219,6 +226,10 @@ def _forward(q, k, v, arrays, statics, interpret, config):
 def backward(q, k, v, arrays, statics, out, lse, dout, *, interpret=False, config=None):
     """(dq, dk, dv, dbias or None, dalibi [N] or None)."""
     pieces = _pieces(q, k, v, arrays)
+    if len(pieces) > 1 and statics.mods is not None:
+        # A mod reads the batch / head index: slices would renumber them.
+        raise NotImplementedError("score / mask mods on a call too large for one launch "
+                                  "(past int32 indexing or the 65535 grid limit)")
     if len(pieces) == 1:
         return _backward(q, k, v, arrays, statics, out, lse, dout, interpret, config)
     parts = []

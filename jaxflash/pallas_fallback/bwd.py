@@ -163,7 +163,7 @@ def dkdv(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret
         names.append("alibi")
         args.append(ops["alibi"])
         specs.append(pl.BlockSpec((G,), lambda j, b, h: (h,)))
-    extra = mods_tile.whole_inputs(ops, ("aux", "bmt_"))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bmt_"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [pl.BlockSpec((None, bk, None, spec.Hp), lambda j, b, h: (b, j, h, 0)),
@@ -262,7 +262,7 @@ def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
-    extra = mods_tile.whole_inputs(ops, ("aux", "bm_"))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bm_"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_names = ["dq"]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -383,7 +383,7 @@ def dbias(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpre
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, bb, nb: (0,)))
-    extra = mods_tile.whole_inputs(ops, ("aux",))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     kernel = functools.partial(_dbias_kernel, spec=spec, cfg=cfg,
                                names=tuple(names + ["dbias"]), RB=RB, RN=RN)

@@ -98,7 +98,7 @@ def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
-    extra = mods_tile.whole_inputs(ops, ("aux", "bm_"))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bm_"))
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_shape = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)]

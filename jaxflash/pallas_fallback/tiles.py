@@ -59,6 +59,7 @@ class Spec:
     mask_n: bool = False
     mods: Optional[object] = None      # `jaxflash.mods.ModSpec`: score_mod / mask_mod
     n_aux: int = 0                     # aux leaves, passed as whole inputs aux0, aux1, ...
+    mod_offsets: bool = False          # a shard's (batch, head) offsets, input mod_off
     sparse: Optional[tuple[int, int]] = None   # a block mask's (tm, tn): its lists choose tiles
     bm_b: bool = False                 # the block mask has a real batch / head dim
     bm_n: bool = False
@@ -365,8 +366,10 @@ def mod_tile(r, spec: Spec, b, n):
     for i, (shape, _) in enumerate(spec.mods.aux_avals):
         ref = r[f"aux{i}"]
         aux.append(ref[0] if shape == () else ref)
-    return mods_tile.ModTile(spec.mods, jnp.asarray(b, jnp.int32), jnp.asarray(n, jnp.int32),
-                             tuple(aux))
+    b, n = jnp.asarray(b, jnp.int32), jnp.asarray(n, jnp.int32)
+    if spec.mod_offsets:  # the mods see global indices on a shard
+        b, n = b + r["mod_off"][0], n + r["mod_off"][1]
+    return mods_tile.ModTile(spec.mods, b, n, tuple(aux))
 
 
 class KeyBlock(NamedTuple):
