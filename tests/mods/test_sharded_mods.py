@@ -42,6 +42,7 @@ def test_batch_x_heads_sharded_mods_equal_unsharded():
     whole = grad(q, k, v, table)
     for name, a, b in zip(["loss", "dq", "dk", "dv", "dtable"], [sharded[0], *sharded[1]],
                           [whole[0], *whole[1]]):
-        assert_close(np.atleast_1d(a), np.atleast_1d(b), 2e-6, name)
+        # float32 sums in another order differ by ~1e-6; a wrong (b, h) offset by O(1)
+        assert_close(np.atleast_1d(a), np.atleast_1d(b), 2e-5, name)
     text = grad.lower(put(q), put(k), put(v), table).compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text
