@@ -11,8 +11,11 @@ The bf16 forward (`sm90.fwd.FlashFwdSm90`) with FP8 operands; what changes and w
 - P = exp2(...) is scaled by 2^8 (`OnlineSoftmax(p_shift_log2=8)`: P in [0, 256], inside
   e4m3's 448, small probabilities stay normal) and converted to e4m3 in registers; the row sum
   carries the same factor (cancels in O), the LSE takes it out.
-- Descales per (batch, head): q_descale * k_descale folds into the softmax's exp2 scale (or the
-  softcap's pre-scale), v_descale into the final 1 / rowsum. O leaves in ``out_dtype``.
+- Scales per (batch, head), or per 128-row block (the contract's layout, `Fp8FwdConfig`'s
+  q/k/v_blocks): q's (one per tile) and k's (when not per block) fold into the softmax's exp2
+  scale (or the softcap's pre-scale); k blocks multiply each block's scores; v's scale goes into
+  the final 1 / rowsum, and with v blocks the ratio of consecutive blocks' scales into the O
+  rescale of every block (O accumulates in the current block's units). O leaves in ``out_dtype``.
 - O (16-bit) is staged for its TMA store in the loaded-V buffers (free once the last block is
   transposed), extended over the V^T buffers after a consumer barrier when it is larger.
 - One tile per CTA (no persistent loop); masks, lengths, GQA, softcap and segment ids are the
@@ -57,8 +60,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     """Hopper FP8 forward for one `Fp8FwdConfig` variant.
 
     Host entry: mQ [B, T, N, H], mK [B, S, K, H], mV [B, S, K, Hv] e4m3 (row-major), optional
-    mQSeqlen / mKVSeqlen [B] int32 and segment inputs (as `FlashFwdSm90`), mQD [B, N], mKD
-    [B, K], mVD [B, K] float32 descales, mO [B, T, N, Hv] (out_dtype), mLSE [B, N, T] float32,
+    mQSeqlen / mKVSeqlen [B] int32 and segment inputs (as `FlashFwdSm90`), mQD [B, N, nq], mKD
+    [B, K, nk], mVD [B, K, nv] float32 scales, mO [B, T, N, Hv] (out_dtype), mLSE [B, N, T] float32,
     float scalars (softmax_scale, softcap), int scalars (window) when windowed, stream.
     """
 
@@ -356,16 +359,33 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
                                                             mKVSeqlen, mQBlk, blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
-        qk_descale = mQD[batch, head] * mKD[batch, kv_head]
+        # q's scale is one per tile either way; k's folds in here unless it varies by key
+        # block (then `scores` multiplies each block's S by its own).
+        q_idx = Int32(0)
+        if const_expr(self.cfg.q_blocks):
+            q_idx = m_block
+        qk_descale = mQD[batch, head, q_idx]
+        if const_expr(not self.cfg.k_blocks):
+            qk_descale = qk_descale * mKD[batch, kv_head, 0]
         if const_expr(self.cfg.has_softcap):
             pre_scale = pre_scale * qk_descale  # tanh(x * descale * scale / softcap)
         else:
             scale_log2 = scale_log2 * qk_descale
         ctx = self.consumer_setup(sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, tidx, scale_log2)
-        ctx.v_descale = mVD[batch, kv_head]
+        # O ends in the units of the last (leftmost) key block's v scale (`softmax_step`)
+        v_last = Int32(0)
+        if const_expr(self.cfg.v_blocks):
+            v_last = cutlass.min(n_min, mVD.shape[2] - 1)
+        ctx.v_descale = mVD[batch, kv_head, v_last]
         ctx._dynamic = _ConsumerCtx._dynamic + ("v_descale",)
         mods = _ScoreMods()
         dyn = []
+        if const_expr(self.cfg.k_blocks):
+            mods.kd = mKD[batch, kv_head, None]
+            dyn.append("kd")
+        if const_expr(self.cfg.v_blocks):
+            mods.vd = mVD[batch, kv_head, None]
+            dyn.append("vd")
         if const_expr(self.cfg.has_segments):
             mods.rows = SegmentRows.load(ctx.tScS, ctx.num_rows, m_block * self.tile_m,
                                          mQSeg[batch, None], T, mQBlk[batch, m_block, 0],
@@ -401,6 +421,36 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         c.softmax = OnlineSoftmax(scale_log2, c.num_rows, p_shift_log2=P_SHIFT_LOG2)
         c.tOcO = TileCoords.make(tiled_mma_pv, tidx, (self.tile_m, self.hdv))
         return c
+
+    @cute.jit
+    def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
+               pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
+               mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
+               mask_left: cutlass.Constexpr):
+        """Block scales first (k: this block's scale on its scores; v: the ratio by which O
+        changes units before this block's PV, read by `softmax_step`), then the bf16
+        kernel's transforms and masks."""
+        if const_expr(self.cfg.k_blocks):
+            kd = mods.kd[n_block]
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = acc_S[i] * kd
+        if const_expr(self.cfg.v_blocks):
+            # O holds block n_block + 1's P V in that block's v units; block n_block's PV
+            # comes next (right to left). Unused on a tile's first block (O is still 0).
+            prev = cutlass.min(n_block + 1, cute.size(mods.vd) - 1)
+            self._v_ratio = mods.vd[prev] / mods.vd[n_block]
+        FlashFwdSm90.scores(self, acc_S, tScS, m_block, n_block, seqlen_k, pre_scale,
+                            window_left, window_right, mods, seg_cmp, mask_seqlen, mask_right,
+                            mask_left)
+
+    def softmax_step(self, softmax, acc_S):
+        """The bf16 kernel's step; with v blocks its O rescale also changes O's units to the
+        coming block's v scale (set by `scores` for the same block, just before)."""
+        row_scale, moved = FlashFwdSm90.softmax_step(self, softmax, acc_S)
+        if self.cfg.v_blocks:
+            for r in range(softmax.num_rows):
+                row_scale[r] = row_scale[r] * self._v_ratio
+        return row_scale, moved
 
     @cute.jit
     def store_o_whole(self, mO, sO, tma_O, pipe_q, q_state, warp_idx: Int32, blocks,

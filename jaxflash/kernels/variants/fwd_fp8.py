@@ -25,8 +25,8 @@ FP8_HEAD_DIMS = (64, 128, 256)
 # shared memory of the bf16 tiles, and the 64 x tile_n score accumulator plus the e4m3 P (a
 # quarter of it) fit beside the 64 x 256 output accumulator at 240 registers.
 _FP8_TILES = {64: (128, 128), 128: (128, 128), 256: (128, 128)}
-# Runtime tensors of a launch after the optional length / segment inputs: the descales
-# (float32; the dequantization factors q_scale etc. multiplied back in), per (batch, head).
+# Runtime tensors of a launch after the optional length / segment inputs: the dequantization
+# scales (float32), [B, heads, nb]: one block (nb = 1) or one per tile of rows (`*_blocks`).
 DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -35,15 +35,23 @@ class Fp8FwdConfig(FwdConfig):
     """One compiled variant of `FlashFwdSm90Fp8`.
 
     dtype: q, k, v element type ("float8_e4m3fn"). out_dtype: O's ("bfloat16" / "float16");
-    lse is float32. The descales are runtime inputs q_descale [B, N], k_descale [B, K],
-    v_descale [B, K] float32 (per-tensor and per-head scales are broadcast to them in XLA):
-    scores = q_descale * k_descale * (Q8 K8^T), O = v_descale * (P8 V8) / rowsum.
+    lse is float32. The scales are runtime inputs q_descale [B, N, nq], k_descale [B, K, nk],
+    v_descale [B, K, nv] float32 (`jaxflash._types.AttentionArrays`' canonical layout):
+    scores = q_scale * k_scale * (Q8 K8^T), O = sum_j P8_j (v_scale_j V8_j) / rowsum.
+    q_blocks / k_blocks / v_blocks: that scale has one block per tile of rows (tile_m for q,
+    tile_n for k and v: the contract's 128-row blocks) instead of one (nb = 1) for the whole
+    sequence. k blocks multiply each key block's scores (one FMUL a score); v blocks fold
+    v_scale[j+1] / v_scale[j] into the per-row O rescale (so O accumulates in the current
+    block's units and P keeps the contract's rounding); q blocks cost nothing (one per tile).
     Other fields: `FwdConfig` (ALiBi, persistence, the tile pipe and 64/192/256-row tiles
-    are refused).
+    are refused; lazy_rescale not with v blocks).
     """
 
     dtype: str = "float8_e4m3fn"
     out_dtype: str = "bfloat16"
+    q_blocks: bool = False
+    k_blocks: bool = False
+    v_blocks: bool = False
 
     def __post_init__(self):
         tm, tn = _FP8_TILES.get(self.head_dim, (128, 128))
@@ -74,6 +82,9 @@ class Fp8FwdConfig(FwdConfig):
                            "per CTA)")
         if self.has_alibi:
             return False, "FP8: no ALiBi"
+        if self.v_blocks and self.lazy_rescale:
+            return False, ("FP8: lazy_rescale with v_blocks (every block rescales O by the "
+                           "ratio of consecutive v scales)")
         if self.num_stages != 2:
             return False, f"FP8: num_stages {self.num_stages} (only 2)"
         if self.num_stages * self.tile_n < self.tile_m:
@@ -104,7 +115,10 @@ class Fp8FwdConfig(FwdConfig):
         base = super().key  # fwd_sm90_<dtype>_h..
         short = {"float8_e4m3fn": "e4m3"}[self.dtype]
         out = {"bfloat16": "bf16", "float16": "f16"}[self.out_dtype]
-        return base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
+        blocks = "".join(n for n, on in (("q", self.q_blocks), ("k", self.k_blocks),
+                                            ("v", self.v_blocks)) if on)
+        base = base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
+        return base + (f"_sb{blocks}" if blocks else "")
 
 
 def can_implement(config: Fp8FwdConfig | None = None, **problem) -> tuple[bool, str]:
