@@ -5,6 +5,7 @@ kernel), all in one process, interleaved per grid point (`timing.time_interleave
 
     python -m benchmarks.fp8_bench build --out .device/kernels     # here: compile the variants
     python -m benchmarks.fp8_bench run [--quick] [--out DIR]         # on the GPU
+    python -m benchmarks.fp8_bench run --tiles                       # key tiles compared
 
 Grid (FlashAttention-3's): B * S = 16384, N * D = 2048, D in 64 / 128 / 256, S in 1k / 4k / 16k,
 dense and causal. TFLOP/s = 4 B N S^2 D / time (halved when causal). ``build`` also compiles the
@@ -24,6 +25,26 @@ import sys
 
 GRID = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
 QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, True)]
+# `run --tiles`: key tiles beside the default 128 (per-tensor scales only: block scales need
+# the contract's 128-key tiles), FlashAttention-3's FP8 choices being wider (hd 128: 224).
+TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True)]
+TILE_NS = {64: (128, 192, 256), 128: (128, 192, 224)}
+
+
+def tile_launch(d, s, c, tile_n):
+    """The FP8 launch dispatch picks for grid point (d, s, c) with per-tensor scales, with
+    `tile_n` keys a block instead."""
+    import dataclasses
+
+    from jaxflash._types import AttentionStatics, Fp8Spec, Problem
+    from jaxflash.kernels.policy.choose import fp8_forward_config
+    from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_launch
+    B, S, N, D = shapes(d, s)
+    spec = Fp8Spec(q_block=S, k_block=S, v_block=S, granularity=("tensor",) * 3)
+    st = AttentionStatics(scale=D ** -0.5, is_causal=c, fp8=spec)
+    p = Problem(batch=B, q_len=S, kv_len=S, num_heads=N, num_kv_heads=N, head_dim=D,
+                head_dim_v=D, dtype="float8_e4m3fn", statics=st, platform="cuda")
+    return fwd_fp8_launch(dataclasses.replace(fp8_forward_config(p), tile_n=tile_n)), st
 
 
 def shapes(d, s):
@@ -90,6 +111,10 @@ def build(out: str) -> int:
         add(jaxflash.explain(sds((B, T, N, D), jnp.bfloat16), sds((B, S, K, D), jnp.bfloat16),
                              sds((B, S, K, D), jnp.bfloat16), precision="fp8",
                              implementation="cute", **kw))
+    for d, s_, c in TILE_POINTS:
+        for tn in TILE_NS[d]:
+            launch, _ = tile_launch(d, s_, c, tn)
+            launches.setdefault(launch.name, launch)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
@@ -157,6 +182,49 @@ def run(points, out_dir: str) -> int:
     return 0
 
 
+def run_tiles(out_dir: str) -> int:
+    """TFLOP/s of the FP8 kernel per key tile (`TILE_NS`) on `TILE_POINTS`, interleaved."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import envinfo
+    from benchmarks.timing import time_interleaved
+    from jaxflash._types import AttentionArrays
+    from jaxflash.kernels import call
+    rows = []
+    for d, s, c in TILE_POINTS:
+        B, S, N, D = shapes(d, s)
+        _, (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
+        fns = {}
+        for tn in TILE_NS[d]:
+            launch, st = tile_launch(d, s, c, tn)
+            fns[f"t{tn}"] = jax.jit(
+                lambda q8, k8, v8, qs, ks, vs, launch=launch, st=st: call.forward_fp8(
+                    launch, q8, k8, v8, AttentionArrays(
+                        q_scale=jnp.broadcast_to(qs, (B, N, 1)),
+                        k_scale=jnp.broadcast_to(ks, (B, N, 1)),
+                        v_scale=jnp.broadcast_to(vs, (B, N, 1))), st)[0])
+        args = (q8, k8, v8, qs, ks, vs)
+        ok = {}
+        for name, f in fns.items():
+            try:
+                jax.block_until_ready(f(*args))
+                ok[name] = f
+            except Exception as e:  # noqa: BLE001
+                print(f"d{d} s{s} c{int(c)} {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+        t = time_interleaved(ok, args, reps=5, min_rep_s=0.02) if ok else {}
+        fl = 4.0 * B * N * S * S * D / (2 if c else 1)
+        row = dict(D=d, S=s, causal=c, **{k: (fl / t[k].median_s / 1e12 if k in t else None)
+                                          for k in fns})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    date = datetime.date.today().isoformat()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"fp8-fwd-tiles-h200-{date}.json"), "w") as f:
+        json.dump({"env": envinfo.collect(), "rows": rows}, f, indent=1)
+    return 0
+
+
 def _gm(xs):
     xs = [x for x in xs if x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
@@ -199,11 +267,15 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=("build", "run"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="D 128 / 256, S 4k / 16k only")
+    ap.add_argument("--tiles", action="store_true",
+                    help="instead: the FP8 kernel's key tiles compared (TILE_POINTS x TILE_NS)")
     a = ap.parse_args(argv)
     if a.mode == "build":
         return build(a.out or ".device/kernels")
-    return run(QUICK if a.quick else GRID,
-               a.out or os.environ.get("OUT") or "benchmarks/results")
+    out = a.out or os.environ.get("OUT") or "benchmarks/results"
+    if a.tiles:
+        return run_tiles(out)
+    return run(QUICK if a.quick else GRID, out)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,9 @@ class Fp8FwdConfig(FwdConfig):
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             return False, (f"tile_n {self.tile_n} must be a multiple of 32 in [32, 256] (the "
                            "FP8 PV GEMM's k-block is 32 keys)")
+        if (self.tile_n // 32) * (self.head_dim_v // 16) % 4:
+            return False, (f"tile_n {self.tile_n} x head dim {self.head_dim_v}: the V transpose "
+                           "splits (tile_n / 32) x (hdv / 16) block groups over 4 warps")
         if self.persistent or self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
             return False, ("FP8: no persistent loop, tile pipe, per-warpgroup epilogue or "
                            "paired tile order (the transposing producer is written for one tile "
