@@ -345,6 +345,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             # the generic-proxy writes must be visible to the wgmma (async proxy) reading them
             cute.arch.fence_view_async_shared()
             pipe_vt.producer_commit(vt_state)
+            # one lane a warp releases the staging stage: all of the warp's reads come first
+            cute.arch.sync_warp()
             pipe_vr.consumer_release(vr_read)
             vr_read.advance()
             vt_state.advance()
