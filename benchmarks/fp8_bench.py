@@ -25,15 +25,21 @@ import sys
 
 GRID = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
 QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, True)]
-# `run --tiles`: key tiles beside the default 128 (per-tensor scales only: block scales need
-# the contract's 128-key tiles), FlashAttention-3's FP8 choices being wider (hd 128: 224).
-TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (4096, 16384) for c in (False, True)]
-TILE_NS = {64: (128, 192, 256), 128: (128, 192, 224)}
+# `run --tiles`: FP8 variants beside the pick (per-tensor scales: block scales need the
+# contract's 128-key tiles): wider key tiles (FlashAttention-3's FP8 choice at hd 128 is 224)
+# and the persistent tile loop (the bf16 kernel's gain at S = 1k).
+TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
+TILE_VARIANTS = {
+    64: {"t128": {}, "t192": dict(tile_n=192), "t256": dict(tile_n=256),
+         "persistent": dict(persistent=True)},
+    128: {"t128": {}, "t192": dict(tile_n=192), "t224": dict(tile_n=224),
+          "persistent": dict(persistent=True)},
+}
 
 
-def tile_launch(d, s, c, tile_n):
-    """The FP8 launch dispatch picks for grid point (d, s, c) with per-tensor scales, with
-    `tile_n` keys a block instead."""
+def tile_launch(d, s, c, **change):
+    """The FP8 launch dispatch picks for grid point (d, s, c) with per-tensor scales, with the
+    config fields in `change` replaced."""
     import dataclasses
 
     from jaxflash._types import AttentionStatics, Fp8Spec, Problem
@@ -44,7 +50,7 @@ def tile_launch(d, s, c, tile_n):
     st = AttentionStatics(scale=D ** -0.5, is_causal=c, fp8=spec)
     p = Problem(batch=B, q_len=S, kv_len=S, num_heads=N, num_kv_heads=N, head_dim=D,
                 head_dim_v=D, dtype="float8_e4m3fn", statics=st, platform="cuda")
-    return fwd_fp8_launch(dataclasses.replace(fp8_forward_config(p), tile_n=tile_n)), st
+    return fwd_fp8_launch(dataclasses.replace(fp8_forward_config(p), **change)), st
 
 
 def shapes(d, s):
@@ -112,8 +118,8 @@ def build(out: str) -> int:
                              sds((B, S, K, D), jnp.bfloat16), precision="fp8",
                              implementation="cute", **kw))
     for d, s_, c in TILE_POINTS:
-        for tn in TILE_NS[d]:
-            launch, _ = tile_launch(d, s_, c, tn)
+        for change in TILE_VARIANTS[d].values():
+            launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
@@ -183,7 +189,7 @@ def run(points, out_dir: str) -> int:
 
 
 def run_tiles(out_dir: str) -> int:
-    """TFLOP/s of the FP8 kernel per key tile (`TILE_NS`) on `TILE_POINTS`, interleaved."""
+    """TFLOP/s of the FP8 kernel's variants (`TILE_VARIANTS`) on `TILE_POINTS`, interleaved."""
     import jax
     import jax.numpy as jnp
 
@@ -196,9 +202,9 @@ def run_tiles(out_dir: str) -> int:
         B, S, N, D = shapes(d, s)
         _, (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
         fns = {}
-        for tn in TILE_NS[d]:
-            launch, st = tile_launch(d, s, c, tn)
-            fns[f"t{tn}"] = jax.jit(
+        for name, change in TILE_VARIANTS[d].items():
+            launch, st = tile_launch(d, s, c, **change)
+            fns[name] = jax.jit(
                 lambda q8, k8, v8, qs, ks, vs, launch=launch, st=st: call.forward_fp8(
                     launch, q8, k8, v8, AttentionArrays(
                         q_scale=jnp.broadcast_to(qs, (B, N, 1)),
@@ -268,7 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="D 128 / 256, S 4k / 16k only")
     ap.add_argument("--tiles", action="store_true",
-                    help="instead: the FP8 kernel's key tiles compared (TILE_POINTS x TILE_NS)")
+                    help="instead: FP8 variants compared (TILE_POINTS x TILE_VARIANTS)")
     a = ap.parse_args(argv)
     if a.mode == "build":
         return build(a.out or ".device/kernels")

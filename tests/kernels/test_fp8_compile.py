@@ -37,6 +37,9 @@ MATRIX = [
     Fp8FwdConfig(head_dim=128, is_causal=True, mask_select=True, q_blocks=True, k_blocks=True,
                  v_blocks=True),
     Fp8FwdConfig(head_dim=256, q_blocks=True, k_blocks=True, v_blocks=True),
+    # the persistent tile loop (O in its own buffer), with block scales
+    Fp8FwdConfig(head_dim=128, persistent=True, is_causal=True, mask_select=True,
+                 q_blocks=True, k_blocks=True, v_blocks=True),
     # FlashAttention-3's wider FP8 key tile at hd 128 (benchmarks/fp8_bench.py --tiles)
     Fp8FwdConfig(head_dim=128, tile_n=224, is_causal=True, mask_select=True),
 ]

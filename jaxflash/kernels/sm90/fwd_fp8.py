@@ -18,7 +18,8 @@ The bf16 forward (`sm90.fwd.FlashFwdSm90`) with FP8 operands; what changes and w
   rescale of every block (O accumulates in the current block's units). O leaves in ``out_dtype``.
 - O (16-bit) is staged for its TMA store in the loaded-V buffers (free once the last block is
   transposed), extended over the V^T buffers after a consumer barrier when it is larger.
-- One tile per CTA (no persistent loop); masks, lengths, GQA, softcap and segment ids are the
+- One tile per CTA, or (``persistent``, up to hd 128: O then has its own buffer) one CTA per SM
+  looping over tiles, the producer warpgroup walking the same sequence; masks, lengths, GQA, softcap and segment ids are the
   bf16 kernel's own code (`mask.py`, `segments.py`, the consumer mainloop).
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.mask import BlockRange, SegmentRows, TileCoords
 from jaxflash.kernels.common.pipes import TmaPipelines
-from jaxflash.kernels.common.scheduler import TileScheduler
+from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.common.softmax import OnlineSoftmax
 from jaxflash.kernels.sm90 import v_transpose
 from jaxflash.kernels.sm90.fwd import _BAR_WG_SCHED, FlashFwdSm90, _ConsumerCtx, _ScoreMods
@@ -87,9 +88,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.fresh_s = False
         self.mask_by_select = config.mask_select
         self.pingpong = self.num_mma_wg == 2 and self.hd <= 128
-        self.persistent = False
+        self.persistent = config.persistent
         self.tile_pipe = False
-        self.separate_o = False
+        self.separate_o = config.separate_o
         self.wg_epilogue = False
         self.lazy_rescale = config.lazy_rescale
 
@@ -182,18 +183,23 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             sVr: cute.struct.Align[cute.struct.MemRange[self.dtype, vraw_bytes], 1024]
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)],
                                    1024]
+            sO: cute.struct.Align[cute.struct.MemRange[
+                self.dtype, o_bytes if self.separate_o else 0], 1024]
 
         T = mQ.shape[0]
         num_m_blocks = (T + self.tile_m - 1) // self.tile_m
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         scheduler = TileScheduler(lpt=self.cfg.lpt, section_bytes=L2_SECTION_MB * 1024 * 1024)
+        grid = num_tiles
+        if const_expr(self.persistent):
+            grid = cutlass.min(num_tiles, NUM_SMS)
 
         self.kernel_fp8(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen, mQSeg, mKVSeg, mQBlk,
             mKVBlk, mQD, mKD, mVD, tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
             sQ_layout, sK_layout, sV_layout, sVt_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             scheduler, num_m_blocks, SharedStorage,
-        ).launch(grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+        ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     @cute.kernel
@@ -237,8 +243,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVr = storage.sVr.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        sO = storage.sVr.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
-                                    dtype=self.o_dtype)
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                       dtype=self.o_dtype)
+        else:
+            sO = storage.sVr.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                        dtype=self.o_dtype)
 
         softmax_scale = mFScalars[0]
         pre_scale = Float32(1.0)
@@ -262,19 +272,32 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
         pipeline.pipeline_init_wait()
 
+        grid, _, _ = cute.arch.grid_dim()
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            m_block, head, batch = self.tile_coords(bid, scheduler, num_m_blocks, mQ, mK)
-            n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
-                                                      mKVSeqlen, mQBlk, blocks)
-            kv_head = head // (mQ.shape[2] // mK.shape[2])
             raw_words = storage.sVr.get_tensor(cute.make_layout(cute.cosize(sV_layout) // 4),
                                                dtype=Int32)
             vt_words = storage.sVt.get_tensor(cute.make_layout(cute.cosize(sVt_layout) // 4),
                                               dtype=Int32)
-            self.produce_fp8(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
-                             pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout,
-                             m_block, head, kv_head, batch, n_min, n_max, blocks, warp_idx, tidx)
+            P = pipeline.PipelineUserType
+            states = (pipeline.make_pipeline_state(P.Producer, 1),  # Q (warp 0)
+                      pipeline.make_pipeline_state(P.Producer, self.num_stages),  # K (warp 0)
+                      pipeline.make_pipeline_state(P.Producer, self.num_stages),  # V staged
+                      pipeline.make_pipeline_state(P.Consumer, self.num_stages),  # V read
+                      pipeline.make_pipeline_state(P.Producer, self.num_stages))  # V^T
+            pargs = (mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, sQ, sK, sVr, tma_Q, tma_K, tma_V,
+                     pipe_q, pipe_k, pipe_vr, pipe_vt, raw_words, vt_words, sV_layout,
+                     sVt_layout, blocks, warp_idx, tidx)
+            if const_expr(self.persistent):
+                r = Int32(0)
+                tile = scheduler.tile_of_round(r, bid, grid)
+                while tile < num_tiles:
+                    states = self.produce_fp8_tile(tile, scheduler, num_m_blocks, pargs, states)
+                    r += 1
+                    tile = scheduler.tile_of_round(r, bid, grid)
+            else:
+                self.produce_fp8_tile(bid, scheduler, num_m_blocks, pargs, states)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -286,31 +309,58 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                                              number_of_threads=2 * 128)
             cargs = (mO, mLSE, sQ, sK, sVt, sO, tma_O, pipe_q, pipe_k, pipe_vt)
             segs = (mQD, mKD, mVD, mQSeg, mKVSeg, mQBlk, mKVBlk)
-            self.consume_tile(bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
-                              cargs, segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv,
-                              tidx - 128, warp_idx, pre_scale, scale_log2, window_left,
-                              window_right, T)
+            if const_expr(self.persistent):
+                r = Int32(0)
+                tile = scheduler.tile_of_round(r, bid, grid)
+                while tile < num_tiles:
+                    q_state, kv_state = self.consume_tile(
+                        tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
+                        cargs, segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+                        warp_idx, pre_scale, scale_log2, window_left, window_right, T)
+                    r += 1
+                    tile = scheduler.tile_of_round(r, bid, grid)
+                # the last store reads sO before the CTA's shared memory goes away
+                if warp_idx == 4:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                self.consume_tile(bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen,
+                                  blocks, cargs, segs, q_state, kv_state, tiled_mma_qk,
+                                  tiled_mma_pv, tidx - 128, warp_idx, pre_scale, scale_log2,
+                                  window_left, window_right, T)
+
+    @cute.jit
+    def produce_fp8_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
+                         pargs, states):
+        """One tile's loads and V transposes by the producer warpgroup; returns the advanced
+        pipeline states (Q, K, V staged, V read, V^T)."""
+        (mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+         pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout, blocks, warp_idx,
+         tidx) = pargs
+        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
+        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen, mKVSeqlen,
+                                                  mQBlk, blocks)
+        kv_head = head // (mQ.shape[2] // mK.shape[2])
+        return self.produce_fp8(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+                                pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout,
+                                m_block, head, kv_head, batch, n_min, n_max, blocks, warp_idx,
+                                tidx, states)
 
     @cute.jit
     def produce_fp8(self, mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_vr,
                     pipe_vt, raw_words, vt_words, sV_layout, sVt_layout, m_block: Int32,
                     head: Int32, kv_head: Int32, batch: Int32, n_min: Int32, n_max: Int32,
-                    blocks: BlockRange, warp_idx: Int32, tidx: Int32):
+                    blocks: BlockRange, warp_idx: Int32, tidx: Int32, states):
         """The producer warpgroup's tile: warp 0 issues the TMA loads (K[last], Q, V[last],
         then K and V of the next block one ahead), and all four warps transpose each loaded V
-        block into the consumers' V^T stage, in the consumers' order (right to left)."""
+        block into the consumers' V^T stage, in the consumers' order (right to left).
+        Returns the advanced states."""
         gQ = blocks.row_box(mQ[None, None, head, batch], m_block, self.hd)
         gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
         gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv), (None, 0))
         tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
         tKsK, tKgK = layouts.tma_tiles(tma_K, sK, gK)
         tVsV, tVgV = layouts.tma_tiles(tma_V, sVr, gV)
-        P = pipeline.PipelineUserType
-        q_state = pipeline.make_pipeline_state(P.Producer, 1)
-        k_state = pipeline.make_pipeline_state(P.Producer, self.num_stages)
-        vr_state = pipeline.make_pipeline_state(P.Producer, self.num_stages)
-        vr_read = pipeline.make_pipeline_state(P.Consumer, self.num_stages)
-        vt_state = pipeline.make_pipeline_state(P.Producer, self.num_stages)
+        q_state, k_state, vr_state, vr_read, vt_state = states
         count = n_max - n_min
         if warp_idx == 0:
             if count > 0:
@@ -320,6 +370,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                 k_state.advance()
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
             if count > 0:
                 pipe_vr.producer_acquire(vr_state)
                 cute.copy(tma_V, tVgV[None, n_max - 1], tVsV[None, vr_state.index],
@@ -350,6 +401,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             pipe_vr.consumer_release(vr_read)
             vr_read.advance()
             vt_state.advance()
+        return q_state, k_state, vr_state, vr_read, vt_state
 
     @cute.jit
     def consume_at(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mQSeqlen,
@@ -460,7 +512,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         """O staged in the loaded-V buffers, or (when smaller than O) in them and the V^T
         buffers after them: the other warpgroup may still be reading V^T in its last PV GEMM,
         so both warpgroups meet first."""
-        if const_expr(not self.cfg.o_in_vraw):
+        if const_expr(not self.cfg.o_in_vraw and not self.separate_o):
             cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         FlashFwdSm90.store_o_whole(self, mO, sO, tma_O, pipe_q, q_state, warp_idx, blocks,
                                    m_block, head, batch, st_atom, thr_st, rO)

@@ -5,7 +5,7 @@ inputs: both GEMMs are FP8 wgmma (k = 32), V is transposed in shared memory by t
 warpgroup (FP8 wgmma reads only K-major operands, and V's keys are its rows), P goes to e4m3 in
 registers, and O leaves in a 16-bit type with the inputs' descales applied. A subclass of
 `FwdConfig` so every mask / schedule field keeps its meaning; `check` refuses the schedules the
-FP8 kernel does not implement (persistent loops, tile pipe, tiles other than 128 rows, ALiBi).
+FP8 kernel does not implement (tile pipe, tiles other than 128 rows, ALiBi).
 
 Shared memory: Q + stages * (K + V as loaded + V transposed), one byte an element; O (16-bit)
 reuses the loaded-V buffers (free once the last block is transposed, and as large as O at 2
@@ -43,8 +43,10 @@ class Fp8FwdConfig(FwdConfig):
     sequence. k blocks multiply each key block's scores (one FMUL a score); v blocks fold
     v_scale[j+1] / v_scale[j] into the per-row O rescale (so O accumulates in the current
     block's units and P keeps the contract's rounding); q blocks cost nothing (one per tile).
-    Other fields: `FwdConfig` (ALiBi, persistence, the tile pipe and 64/192/256-row tiles
-    are refused; lazy_rescale not with v blocks).
+    persistent: one CTA per SM loops over tiles (O in its own buffer, so only where it fits:
+    up to hd 128): the producer warpgroup walks the same tile sequence.
+    Other fields: `FwdConfig` (ALiBi, the tile pipe and 64/192/256-row tiles are refused;
+    lazy_rescale not with v blocks).
     """
 
     dtype: str = "float8_e4m3fn"
@@ -79,10 +81,8 @@ class Fp8FwdConfig(FwdConfig):
         if (self.tile_n // 32) * (self.head_dim_v // 16) % 4:
             return False, (f"tile_n {self.tile_n} x head dim {self.head_dim_v}: the V transpose "
                            "splits (tile_n / 32) x (hdv / 16) block groups over 4 warps")
-        if self.persistent or self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
-            return False, ("FP8: no persistent loop, tile pipe, per-warpgroup epilogue or "
-                           "paired tile order (the transposing producer is written for one tile "
-                           "per CTA)")
+        if self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
+            return False, ("FP8: no tile pipe, per-warpgroup epilogue or paired tile order")
         if self.has_alibi:
             return False, "FP8: no ALiBi"
         if self.v_blocks and self.lazy_rescale:
@@ -100,18 +100,22 @@ class Fp8FwdConfig(FwdConfig):
 
     @property
     def o_in_vraw(self) -> bool:
-        """O (16-bit) fits in the loaded-V buffers, which are free at the epilogue."""
-        return self.num_stages * self.tile_n >= 2 * self.tile_m
+        """O (16-bit) staged in the loaded-V buffers (free at the epilogue, and large enough)
+        rather than over them and the V^T buffers; with persistence O has its own buffer."""
+        return not self.persistent and self.num_stages * self.tile_n >= 2 * self.tile_m
 
     def smem_bytes(self, separate_o=None) -> int:
         q = self.tile_m * self.head_dim
         k = self.num_stages * self.tile_n * self.head_dim
         v = self.num_stages * self.tile_n * self.head_dim_v
-        return q + k + 2 * v + 1024  # + barriers and alignment (O reuses the V buffers)
+        # O reuses the V buffers, except in the persistent loop (the next tile's V loads
+        # while this tile's O is stored)
+        o = self.tile_m * self.head_dim_v * 2 if self.persistent else 0
+        return q + k + 2 * v + o + 1024  # + barriers and alignment
 
     @property
     def separate_o(self) -> bool:
-        return False
+        return self.persistent
 
     @property
     def key(self) -> str:
