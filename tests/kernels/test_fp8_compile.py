@@ -40,6 +40,8 @@ MATRIX = [
     # the persistent tile loop (O in its own buffer), with block scales
     Fp8FwdConfig(head_dim=128, persistent=True, is_causal=True, mask_select=True,
                  q_blocks=True, k_blocks=True, v_blocks=True),
+    # three consumer warpgroups (192 rows) at hd 64: O over both V buffers
+    Fp8FwdConfig(head_dim=64, tile_m=192, is_causal=True),
     # FlashAttention-3's wider FP8 key tile at hd 128 (benchmarks/fp8_bench.py --tiles)
     Fp8FwdConfig(head_dim=128, tile_n=224, is_causal=True, mask_select=True),
 ]

@@ -82,11 +82,13 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         # The bf16 kernel's split: the transposing producer fits in 24 registers as long as
         # its block loop is not unrolled (`v_transpose`); at hd 256 the consumers need every
         # register (the 64 x 256 fp32 O alone is 128; at 232 ptxas serialized the wgmma).
-        self.producer_regs, self.mma_regs = 24, 240
+        # Three consumer warpgroups (192 rows, hd 64): 32 / 160.
+        self.producer_regs, self.mma_regs = {2: (24, 240), 3: (32, 160)}[self.num_mma_wg]
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
-        self.fresh_s = False
-        self.mask_by_select = config.mask_select
+        # as the bf16 kernel at 192 rows: a fresh S fragment per block, masks by select
+        self.fresh_s = self.num_mma_wg >= 3
+        self.mask_by_select = self.num_mma_wg == 3 or config.mask_select
         self.pingpong = self.num_mma_wg == 2 and self.hd <= 128
         self.persistent = config.persistent
         self.tile_pipe = False

@@ -43,7 +43,8 @@ class Fp8FwdConfig(FwdConfig):
     sequence. k blocks multiply each key block's scores (one FMUL a score); v blocks fold
     v_scale[j+1] / v_scale[j] into the per-row O rescale (so O accumulates in the current
     block's units and P keeps the contract's rounding); q blocks cost nothing (one per tile).
-    persistent: one CTA per SM loops over tiles (O in its own buffer, so only where it fits:
+    tile_m: 128, or 192 at head dim 64 (three consumer warpgroups at 160 registers, as the bf16
+    kernel's hd 64 picks). persistent: one CTA per SM loops over tiles (O in its own buffer, so only where it fits:
     up to hd 128): the producer warpgroup walks the same tile sequence.
     Other fields: `FwdConfig` (ALiBi, the tile pipe and 64/192/256-row tiles are refused;
     lazy_rescale not with v blocks).
@@ -72,9 +73,10 @@ class Fp8FwdConfig(FwdConfig):
             return False, f"head_dim {self.head_dim} not in {FP8_HEAD_DIMS} for FP8"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m != 128 or self.ctas_per_sm != 1:
-            return False, (f"FP8: tile_m {self.tile_m} (ctas_per_sm {self.ctas_per_sm}); only "
-                           "128-row tiles, one CTA per SM")
+        if self.ctas_per_sm != 1 or not (self.tile_m == 128 or (self.tile_m == 192
+                                                                 and self.head_dim == 64)):
+            return False, (f"FP8: tile_m {self.tile_m} (ctas_per_sm {self.ctas_per_sm}); "
+                           "128-row tiles (192 at head dim 64), one CTA per SM")
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             return False, (f"tile_n {self.tile_n} must be a multiple of 32 in [32, 256] (the "
                            "FP8 PV GEMM's k-block is 32 keys)")
@@ -90,9 +92,12 @@ class Fp8FwdConfig(FwdConfig):
                            "ratio of consecutive v scales)")
         if self.num_stages != 2:
             return False, f"FP8: num_stages {self.num_stages} (only 2)"
-        if self.num_stages * self.tile_n < self.tile_m:
+        if self.num_stages * self.tile_n < self.tile_m and not self.persistent:
             return False, (f"FP8: tile_n {self.tile_n} too small for O to fit in the V buffers "
                            f"(stages x tile_n >= tile_m)")
+        if self.tile_m == 192 and self.mask_select:
+            return False, ("mask_select is always on at tile_m 192 (drop the flag: the key "
+                           "would name a second copy of one binary)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(tile {self.tile_m}x{self.tile_n}, head dim {self.head_dim})")
