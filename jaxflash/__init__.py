@@ -4,13 +4,15 @@
 ALiBi, segment ids, GQA with any value head dim) and faster backends; `explain` says which
 backend a call would use and why.
 """
+from jaxflash import mods
 from jaxflash.api import explain, flash_attention
+from jaxflash.mods import BlockMask, create_block_mask
 from jaxflash.dispatch import target_platform
 from jaxflash.ring import ring_attention
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "explain", "ring_attention", "target_platform", "flax_layers",
-           "__version__"]
+           "mods", "create_block_mask", "BlockMask", "__version__"]
 
 
 def __getattr__(name):

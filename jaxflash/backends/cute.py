@@ -4,7 +4,9 @@ Planning (which variant, whether its binary can be had, which backward) lives in
 `jaxflash.kernels.plan`; this adapter refuses non-CUDA platforms, runs the plan's launches
 (`jaxflash.kernels.call`) and, where the plan has no CuTe backward, runs our Pallas backward on
 the CuTe forward's (out, lse) (same math). FP8 calls: the FP8 forward kernel, and the FP8
-contract's emulated backward on its (out, lse).
+contract's emulated backward on its (out, lse). Score / mask mods are translated into the
+kernels (`jaxflash.kernels.variants.mod_program`); what cannot be is refused by the plan with
+the primitive's name.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ class CuteBackend(Backend):
     def plan(self, problem):
         if problem.platform not in ("cuda", "gpu"):
             raise NotImplementedError(f"CuTe kernels run on CUDA only (platform {problem.platform})")
+        if problem.block_sparse is not None and problem.mods is None:
+            raise NotImplementedError("a block_mask without a mask_mod")
         from jaxflash.kernels import plan
         return plan.plan(problem)
 
