@@ -339,8 +339,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
          pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout, blocks, warp_idx,
          tidx) = pargs
         m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
-        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen, mKVSeqlen,
-                                                  mQBlk, blocks)
+        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, head, batch, mQ, mK, mQSeqlen,
+                                                  mKVSeqlen, (mQBlk, None), blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         return self.produce_fp8(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
                                 pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout,
@@ -412,8 +412,9 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                    scale_log2: Float32, window_left: Int32, window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sVt, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
         mQD, mKD, mVD, mQSeg, mKVSeg, mQBlk, mKVBlk = segs
-        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
-                                                            mKVSeqlen, mQBlk, blocks)
+        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, head, batch, mQ, mK,
+                                                            mQSeqlen, mKVSeqlen, (mQBlk, None),
+                                                            blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         # q's scale is one per tile either way; k's folds in here unless it varies by key
         # block (then `scores` multiplies each block's S by its own).
@@ -482,7 +483,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
                pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
                mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
-               mask_left: cutlass.Constexpr):
+               mask_left: cutlass.Constexpr, mask_mod: cutlass.Constexpr = False):
         """Block scales first (k: this block's scale on its scores; v: the ratio by which O
         changes units before this block's PV, read by `softmax_step`), then the bf16
         kernel's transforms and masks."""
@@ -497,7 +498,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             self._v_ratio = mods.vd[prev] / mods.vd[n_block]
         FlashFwdSm90.scores(self, acc_S, tScS, m_block, n_block, seqlen_k, pre_scale,
                             window_left, window_right, mods, seg_cmp, mask_seqlen, mask_right,
-                            mask_left)
+                            mask_left, mask_mod)
 
     def softmax_step(self, softmax, acc_S):
         """The bf16 kernel's step; with v blocks its O rescale also changes O's units to the

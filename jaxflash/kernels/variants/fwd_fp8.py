@@ -85,8 +85,8 @@ class Fp8FwdConfig(FwdConfig):
                            "splits (tile_n / 32) x (hdv / 16) block groups over 4 warps")
         if self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
             return False, ("FP8: no tile pipe, per-warpgroup epilogue or paired tile order")
-        if self.has_alibi:
-            return False, "FP8: no ALiBi"
+        if self.has_alibi or self.score_mod or self.mask_mod:
+            return False, "FP8: no ALiBi, score_mod or mask_mod"
         if self.v_blocks and self.lazy_rescale:
             return False, ("FP8: lazy_rescale with v_blocks (every block rescales O by the "
                            "ratio of consecutive v scales)")
