@@ -13,6 +13,8 @@ from jaxflash.kernels.variants.bwd import TILE_M128_HEAD_DIMS, BwdConfig
 from jaxflash.kernels.variants.bwd import can_implement as bwd_can_implement
 from jaxflash.kernels.variants.fwd import FwdConfig
 from jaxflash.kernels.variants.fwd import can_implement as fwd_can_implement
+from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
+from jaxflash.kernels.variants.sm100_fwd import can_implement as sm100_can_implement
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches, the 4k ones did not.
@@ -43,6 +45,25 @@ def forward_config(problem) -> FwdConfig:
     tuned = not (problem.has_alibi or problem.has_segments or problem.has_q_seqlen)
     return FwdConfig(**features, **schedule_for(problem.head_dim, problem.kv_len, st.is_causal,
                                                 plain=tuned, softcap=st.softcap is not None))
+
+
+def sm100_forward_config(problem) -> Sm100FwdConfig:
+    """The sm_100a forward variant for a problem (ValueError if none can). Nothing is measured
+    on Blackwell yet: the per-head-dim defaults of `Sm100FwdConfig` (FlashAttention-4's
+    rescale threshold 8, a quarter of the exp2 pairs on the FMA pipes)."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
+    ok, why = sm100_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                                  head_dim_v=problem.head_dim_v, features=problem.features())
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    return Sm100FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                          head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                          has_window=st.window is not None, has_softcap=st.softcap is not None,
+                          has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                          has_alibi=problem.has_alibi, has_segments=problem.has_segments)
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
