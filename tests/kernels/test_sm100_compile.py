@@ -1,0 +1,120 @@
+"""The Blackwell forward (`FlashFwdSm100`) compiles for sm_100a without a GPU, and its PTX holds
+what the design says: tcgen05 MMAs (kind::f16) with S / P / O in tensor memory, the expected
+number of MMAs per key block, tensor-memory alloc / ld / st / commit, TMA loads, the warpgroups'
+`setmaxnreg` budgets, the polynomial exp2 beside MUFU; ptxas reports no stack and no spills; the
+same source and options give the same cubin bytes.
+
+Nothing here has run on a Blackwell GPU: these are compile-time facts only.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import re
+import time
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")  # before the DSL is imported anywhere
+
+from jaxflash.kernels.variants.sm100_fwd import REGS, Sm100FwdConfig  # noqa: E402
+
+cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
+
+# D 64 / 128 / 256 x dense / causal / window / softcap, bf16 and fp16; every compile has 8 query
+# heads on 2 K/V heads (GQA is a runtime ratio, one binary serves every ratio); plus lengths,
+# ALiBi and segment ids once.
+MATRIX = [
+    Sm100FwdConfig(head_dim=64),
+    Sm100FwdConfig(head_dim=64, is_causal=True, dtype="float16"),
+    Sm100FwdConfig(head_dim=128),
+    Sm100FwdConfig(head_dim=128, is_causal=True),
+    Sm100FwdConfig(head_dim=128, has_window=True),
+    Sm100FwdConfig(head_dim=128, has_softcap=True, dtype="float16"),
+    Sm100FwdConfig(head_dim=256),
+    Sm100FwdConfig(head_dim=256, is_causal=True, has_softcap=True),
+    Sm100FwdConfig(head_dim=128, is_causal=True, has_q_seqlen=True, has_kv_seqlen=True,
+                   has_alibi=True, has_segments=True),
+]
+COMPILE_LIMIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Compile each variant once for the module: {key: (ptx text, cubin path, seconds)}."""
+    from devtools.sm100_compile import compile_fwd_sm100
+    out = {}
+
+    def get(cfg):
+        if cfg.key not in out:
+            d = tmp_path_factory.mktemp(cfg.key[:60])
+            t0 = time.time()
+            compile_fwd_sm100(cfg, num_heads=8, num_kv_heads=2, dump_dir=str(d))
+            dt = time.time() - t0
+            ptx = open(glob.glob(str(d / "*.ptx"))[0]).read()
+            cubins = glob.glob(str(d / "*.cubin"))
+            out[cfg.key] = (ptx, cubins[0] if cubins else None, dt)
+        return out[cfg.key]
+    return get
+
+
+@pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
+def test_compiles_with_the_blackwell_instructions(cfg, compiled):
+    ptx, _, seconds = compiled(cfg)
+    assert ".target sm_100a" in ptx
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx)
+    # per key block: QK^T in head_dim / 16 MMAs (K = 16 per instruction), PV in tile_n / 16;
+    # each is issued from two places (the first block before the loop; the last PV after it)
+    per_block = cfg.head_dim // 16 + cfg.tile_n // 16
+    assert len(mmas) == 2 * per_block, (len(mmas), per_block)
+    assert "cta_group::2" not in ptx
+    for instr in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.st",
+                  "tcgen05.commit", "tcgen05.wait::ld", "tcgen05.wait::st",
+                  "cp.async.bulk.tensor"):
+        assert instr in ptx, instr
+    # the PV MMA reads P from tensor memory: its A operand is a TMEM address, in brackets
+    pv = [l for l in ptx.splitlines() if "tcgen05.mma.cta_group::1.kind::f16" in l]
+    assert any(re.search(r"kind::f16\s+\[[^\]]+\],\s*\[[^\]]+\]", l) for l in pv), pv[:2]
+    softmax, correction, other = REGS
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{softmax};", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{correction};", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{other};", ptx)
+    # exp2: most pairs on MUFU, every ex2_poly_every-th on the FMA pipes (the round-down add
+    # that splits off the integer part is the polynomial's signature)
+    ex2 = len(re.findall(r"ex2\.approx", ptx))
+    rm = len(re.findall(r"add\.rm(\.ftz)?\.f32x2", ptx))
+    pairs = cfg.tile_n // 2
+    poly_pairs = pairs // cfg.ex2_poly_every
+    assert rm >= poly_pairs and ex2 >= 2 * (pairs - poly_pairs), (rm, ex2)
+    assert "fma.rn.f32x2" in ptx or "fma.rn.ftz.f32x2" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if cfg.has_softcap:
+        assert "tanh.approx" in ptx
+    assert seconds < COMPILE_LIMIT_S, f"{cfg.key} took {seconds:.0f} s"
+
+
+@pytest.mark.parametrize("cfg", MATRIX[:1] + MATRIX[2:4] + MATRIX[6:7], ids=lambda c: c.key)
+def test_no_stack_no_spills(cfg, compiled, tmp_path):
+    from tests.common import ptxas_report
+    ptx, _, _ = compiled(cfg)
+    report = ptxas_report(ptx, tmp_path, arch="sm_100a")
+    if report is None:
+        pytest.skip("no usable ptxas for sm_100a")
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    stack = [int(n) for n in re.findall(r"(\d+) bytes stack frame", report)]
+    assert spills and max(spills) == 0 and max(stack) == 0, report
+
+
+def test_same_source_same_cubin(tmp_path):
+    from devtools.sm100_compile import compile_fwd_sm100
+    cfg = Sm100FwdConfig(head_dim=64)
+    digests = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        compile_fwd_sm100(cfg, num_heads=8, num_kv_heads=2, dump_dir=str(d))
+        cubin = glob.glob(str(d / "*.cubin"))
+        assert cubin, "no cubin dumped"
+        digests.append(hashlib.sha256(open(cubin[0], "rb").read()).hexdigest())
+    assert digests[0] == digests[1]
