@@ -73,9 +73,11 @@ def test_compiles_with_the_blackwell_instructions(cfg, compiled):
                   "tcgen05.commit", "tcgen05.wait::ld", "tcgen05.wait::st",
                   "cp.async.bulk.tensor"):
         assert instr in ptx, instr
-    # the PV MMA reads P from tensor memory: its A operand is a TMEM address, in brackets
-    pv = [l for l in ptx.splitlines() if "tcgen05.mma.cta_group::1.kind::f16" in l]
-    assert any(re.search(r"kind::f16\s+\[[^\]]+\],\s*\[[^\]]+\]", l) for l in pv), pv[:2]
+    # the PV MMA reads P from tensor memory: its A operand is a TMEM address in brackets
+    # (the QK MMA's are two shared-memory descriptors)
+    lines = [l for l in ptx.splitlines() if "tcgen05.mma.cta_group::1.kind::f16" in l]
+    a_tmem = [l for l in lines if re.search(r"kind::f16[.:\w]*\s+\[[^\]]+\],\s*\[", l)]
+    assert len(a_tmem) == 2 * (cfg.tile_n // 16), (len(a_tmem), lines[:2])
     softmax, correction, other = REGS
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{softmax};", ptx)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{correction};", ptx)

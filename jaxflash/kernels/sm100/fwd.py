@@ -152,7 +152,7 @@ class FlashFwdSm100:
         mV = layouts.select_modes(mV, [3, 1, 2, 0])
         mLSE = layouts.select_modes(mLSE, [2, 1, 0])  # (T, N, B)
 
-        K_, MN = tcgen05.OperandMajorMode.K, tcgen05.OperandMajorMode.MN
+        K_, MN = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         one = tcgen05.CtaGroup.ONE
         qk_tiler = (TILE_M, self.tile_n, self.hd)
         pv_tiler = (TILE_M, self.hdv, self.tile_n)
