@@ -120,3 +120,50 @@ def test_same_source_same_cubin(tmp_path):
         assert cubin, "no cubin dumped"
         digests.append(hashlib.sha256(open(cubin[0], "rb").read()).hexdigest())
     assert digests[0] == digests[1]
+
+
+def _cuda_tool(name):
+    """nvdisasm / cuobjdump: $NVDISASM / $CUOBJDUMP, PATH, or the pip wheels
+    (nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump); None if absent."""
+    import shutil
+    found = os.environ.get(name.upper()) or shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            for cand in glob.glob(os.path.join(root, "*", "bin", name)):
+                return cand
+    except ImportError:
+        pass
+    return None
+
+
+@pytest.mark.parametrize("cfg", [MATRIX[2], MATRIX[3]], ids=lambda c: c.key)
+def test_sass_and_resources(cfg, compiled):
+    """SASS (nvdisasm): one UTCHMMA per PTX MMA, MUFU.EX2 beside the polynomial's FADD2.RM /
+    FFMA2, tensor-memory loads / stores (LDTM / STTM), TMA loads (UTMALDG); cuobjdump: no stack,
+    no local memory, 168 registers at launch (384 threads)."""
+    import collections
+    import subprocess
+    nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
+    if nvdisasm is None or cuobjdump is None:
+        pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
+                    "nvidia-cuda-cuobjdump)")
+    ptx, cubin, _ = compiled(cfg)
+    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(re.findall(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    n_mma = len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx))
+    assert ops["UTCHMMA"] == n_mma, {k: v for k, v in ops.items() if "MMA" in k}
+    pairs = cfg.tile_n // 2
+    poly = pairs // cfg.ex2_poly_every
+    assert ops["FADD2.RM"] >= poly and ops["FFMA2"] >= 3 * poly + pairs
+    assert ops["MUFU.EX2"] >= 2 * (pairs - poly)
+    for op in ("LDTM", "STTM"):
+        assert sum(v for k, v in ops.items() if k.startswith(op)) > 0, op
+    assert any(k.startswith("UTMALDG") for k in ops)
+    res = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True,
+                         text=True, check=True).stdout
+    assert re.search(r"STACK:0\b", res) and re.search(r"LOCAL:0\b", res), res
+    assert re.search(r"REG:168\b", res), res
