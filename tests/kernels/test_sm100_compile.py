@@ -71,6 +71,7 @@ def test_compiles_with_the_blackwell_instructions(cfg, compiled):
     assert "cta_group::2" not in ptx
     for instr in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.st",
                   "tcgen05.commit", "tcgen05.wait::ld", "tcgen05.wait::st",
+                  "tcgen05.fence::before_thread_sync", "tcgen05.fence::after_thread_sync",
                   "cp.async.bulk.tensor"):
         assert instr in ptx, instr
     # the PV MMA reads P from tensor memory: its A operand is a TMEM address in brackets

@@ -37,6 +37,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_helpers
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jaxflash.kernels.common import layouts
@@ -63,6 +65,17 @@ _O_READY = 6   # O rescaled for block j (128 correction threads)
 _O_DONE = 7    # PV_j complete (tcgen05.commit)
 _FINAL = 8     # row sum / reference max of the tile in shared memory (128 softmax threads)
 _NUM_MBAR = 9
+
+
+@dsl_user_op
+def _tmem_fence(after: bool, *, loc=None, ip=None):
+    """tcgen05.fence::after_thread_sync (after an mbarrier wait, before tcgen05 work that
+    depends on what the arriving threads did) or ::before_thread_sync (after tcgen05 work,
+    before the arrive that publishes it): orders the asynchronous tensor-memory operations
+    with the thread synchronization."""
+    kind = (nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC if after
+            else nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+    nvvm.tcgen05_fence(kind, loc=loc, ip=ip)
 
 
 def _fresh(tiled_mma):
@@ -311,8 +324,10 @@ class FlashFwdSm100:
             elif warp_idx == _LOAD_WARP:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, qk_thr, pv_thr, pipes,
                           m_block, head, batch, n_max, count)
+        _tmem_fence(after=False)
         cute.arch.barrier()
         if warp_idx == _MMA_WARP:
+            _tmem_fence(after=True)
             cute.arch.dealloc_tmem(tmem, self.tmem_cols)
 
     @cute.jit
@@ -407,6 +422,7 @@ class FlashFwdSm100:
         buf = j % 2
         cute.arch.mbarrier_wait(mbar + _P_FULL + buf, (j // 2) % 2)
         cute.arch.mbarrier_wait(mbar + _O_READY, j % 2)
+        _tmem_fence(after=True)
         pv.consumer_wait(v_state)
         # P_buf's first 16-bit element: two per TMEM column
         p_elem = 2 * (self.p_off[0] + buf * (self.p_off[1] - self.p_off[0]))
@@ -538,6 +554,7 @@ class FlashFwdSm100:
             seg_cmp = mods.rows.block_needs_compare(mods.kv_blk[n_block, 0],
                                                     mods.kv_blk[n_block, 1])
         cute.arch.mbarrier_wait(mbar + _S_FULL + buf, (j // 2) % 2)
+        _tmem_fence(after=True)
         rS = cute.make_rmem_tensor(s_shape, Float32)
         cute.copy(tiled_ld, cute.make_tensor(tSt.iterator + shift, tSt.layout), rS)
         cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
@@ -588,6 +605,7 @@ class FlashFwdSm100:
         rP16.store(rS.load().to(self.dtype))
         cute.copy(tiled_st, rP, cute.make_tensor(tStP_t.iterator + shift, tStP_t.layout))
         cute.arch.fence_view_async_tmem_store()
+        _tmem_fence(after=False)
         cute.arch.mbarrier_arrive(mbar + _P_FULL + buf)
         acc = [Float32(0.0)] * 4
         for i in cutlass.range_constexpr(0, cute.size(rS), 8):
@@ -623,10 +641,13 @@ class FlashFwdSm100:
             buf = j % 2
             cute.arch.mbarrier_wait(mbar + _STATS + buf, (j // 2) % 2)
             scale = sScale[ct, buf]
+            # warp-uniform: touch O only if a row of the warp moved its reference; only then
+            # wait for PV_{j-1}, so unmoved blocks let the MMA warp queue PV_j at once. (A
+            # parity wait may skip phases: PV_j cannot complete before this warp's O_READY.)
             if j > 0:
-                cute.arch.mbarrier_wait(mbar + _O_DONE, (j - 1) % 2)
-                # warp-uniform: skip the row loads / stores unless a row of the warp moved
                 if cute.arch.vote_any_sync(scale != Float32(1.0)):
+                    cute.arch.mbarrier_wait(mbar + _O_DONE, (j - 1) % 2)
+                    _tmem_fence(after=True)
                     for c in cutlass.range_constexpr(self.hdv // chunk):
                         r = cute.make_rmem_tensor(r_shape, Float32)
                         cute.copy(ld, cute.make_tensor(tO_ld.iterator + c * chunk, tO_ld.layout),
@@ -638,6 +659,7 @@ class FlashFwdSm100:
                         cute.copy(st, r, cute.make_tensor(tO_st.iterator + c * chunk,
                                                           tO_st.layout))
                     cute.arch.fence_view_async_tmem_store()
+                    _tmem_fence(after=False)
             cute.arch.mbarrier_arrive(mbar + _O_READY)
 
         # epilogue: O / rowsum in the output dtype, LSE in natural log
@@ -651,6 +673,7 @@ class FlashFwdSm100:
             lse = (m_ref * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
         if count > 0:
             cute.arch.mbarrier_wait(mbar + _O_DONE, (count - 1) % 2)
+            _tmem_fence(after=True)
         row = m_block * TILE_M + ct
         if row < seqlen_q:
             mLSE[row, head, batch] = lse
