@@ -168,3 +168,38 @@ def test_sass_and_resources(cfg, compiled):
                          text=True, check=True).stdout
     assert re.search(r"STACK:0\b", res) and re.search(r"LOCAL:0\b", res), res
     assert re.search(r"REG:168\b", res), res
+
+
+def test_lowers_and_exports_through_the_bridge(tmp_path, monkeypatch):
+    """With the switch on and sm_100a targeted, `implementation="cute"` lowers the Blackwell
+    forward through the XLA FFI bridge (the bridge's own argument order and layouts: GQA,
+    lengths, window as runtime values), the module holds the custom call and no T x S tensor,
+    and `jax.export` round-trips it."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from jaxflash import ffi
+    from jaxflash.ffi import cache
+    from jaxflash.kernels.policy import verified
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(cache.ENV_KERNEL_DIR, raising=False)
+    B, T, S, N, K, H = 2, 640, 896, 8, 2, 128
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+    f = lambda q, k, v: jaxflash.flash_attention(q, k, v, implementation="cute",
+                                                 is_causal=True, local_window_size=(256, 0))
+    with jaxflash.target_platform("cuda"):
+        plan = jaxflash.explain(q, kv, kv, implementation="cute", is_causal=True,
+                                local_window_size=(256, 0))
+        assert plan.detail.fwd.kernel.endswith(":FlashFwdSm100"), plan
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(q, kv, kv)
+    txt = exp.mlir_module()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 1
+    assert f"{T}x{S}" not in txt and f"{S}x{T}" not in txt  # no T x S tensor
+    back = jax.export.deserialize(exp.serialize())
+    assert ffi.TARGET in back.mlir_module()
+    assert back.out_avals[0].shape == (B, T, N, H)

@@ -74,7 +74,7 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
     pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
     monkeypatch.setenv(verified.ENV, "1")
     gpu("10.0")
-    for kw in (dict(is_causal=True), dict(window=(64, 0)), dict(softcap=20.0), dict(H=64),
+    for kw in (dict(is_causal=True), dict(local_window_size=(64, 0)), dict(softcap=20.0), dict(H=64),
                dict(H=256)):
         h = kw.pop("H", 128)
         plan = _explain("cute", H=h, **kw)
