@@ -16,7 +16,9 @@ becomes exactly +0. Results below 2**-126 (x in (-127, -126)) come out as subnor
 not 2**x; they are below anything a probability row can hold next to its max of 1.
 
 `model_exp2` is this sequence in NumPy, bit for bit (float32 steps, fused multiply-adds rounded
-once); the kernel (`jaxflash.kernels.sm100.exp2`) imports the constants from here.
+once, subnormals kept: the kernel's packed ops carry no .ftz, which its compile test checks);
+the kernel (`jaxflash.kernels.sm100.exp2`) imports the constants from here. Not modelled: a NaN
+input (the kernel's max.f32 returns the clamp, hence 0; the model propagates NaN).
 """
 from __future__ import annotations
 
