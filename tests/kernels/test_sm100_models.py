@@ -187,3 +187,13 @@ def test_config_refuses_a_bad_plan(monkeypatch):
                             real(n, d), softmax_order=(("store", 0, 32),)))
     with pytest.raises(ValueError, match="not read yet"):
         Sm100FwdConfig(head_dim=128)
+
+
+def test_register_budgets_fit_the_sm():
+    """setmaxnreg budgets: the softmax's raise is covered by what the other two warpgroups
+    give back, and the launch allocation fits the register file (384 threads)."""
+    from jaxflash.kernels.variants.sm100_fwd import LAUNCH_REGS, REGS
+    assert LAUNCH_REGS * 384 <= 65536 and LAUNCH_REGS % 8 == 0
+    assert sum(REGS) <= 3 * LAUNCH_REGS
+    assert all(r % 8 == 0 and 24 <= r <= 256 for r in REGS)
+    assert 128 * sum(REGS) <= 65536
