@@ -16,6 +16,8 @@ from jaxflash.kernels.variants.fwd import can_implement as fwd_can_implement
 from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
 from jaxflash.kernels.variants.fwd_fp8 import can_implement as fp8_can_implement
 from jaxflash.kernels.variants.mod_program import spec_texts
+from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
+from jaxflash.kernels.variants.sm100_fwd import can_implement as sm100_can_implement
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches, the 4k ones did not.
@@ -103,6 +105,25 @@ def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> d
     if sched.get("tile_m", 128) != 128:
         sched = {"mask_select": True} if causal else {}
     return sched
+
+
+def sm100_forward_config(problem) -> Sm100FwdConfig:
+    """The sm_100a forward variant for a problem (ValueError if none can). Nothing is measured
+    on Blackwell yet: the per-head-dim defaults of `Sm100FwdConfig` (FlashAttention-4's
+    rescale threshold 8, a quarter of the exp2 pairs on the FMA pipes)."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
+    ok, why = sm100_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                                  head_dim_v=problem.head_dim_v, features=problem.features())
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    return Sm100FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                          head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                          has_window=st.window is not None, has_softcap=st.softcap is not None,
+                          has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                          has_alibi=problem.has_alibi, has_segments=problem.has_segments)
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
