@@ -4,14 +4,16 @@
 ALiBi, segment ids, GQA with any value head dim) and faster backends; `explain` says which
 backend a call would use and why. `quantize` makes FP8 tensors and their scales.
 """
+from jaxflash import mods
 from jaxflash import quantize
 from jaxflash.api import explain, flash_attention
+from jaxflash.mods import BlockMask, create_block_mask
 from jaxflash.dispatch import target_platform
 from jaxflash.ring import ring_attention
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "explain", "ring_attention", "target_platform", "flax_layers",
-           "quantize", "__version__"]
+           "mods", "quantize", "create_block_mask", "BlockMask", "__version__"]
 
 
 def __getattr__(name):

@@ -32,6 +32,11 @@ class AttentionArrays(NamedTuple):
     ``[B, K, ceil(S / v_block)]`` (blocks of `Fp8Spec`); operand value = code * scale of its
     (batch, head, row // block). Per-tensor and per-head scales arrive broadcast to this
     layout with one block (block = the whole sequence).
+    mod_aux: the flat leaves of the mods' aux tuple (``statics.mods`` rebuilds the tuple);
+        floating leaves get gradients.
+    block_mask: a `jaxflash.mods.BlockMask` (its arrays are int32; block sizes static), or None.
+    mod_offsets: ``[2]`` int32, the global (batch, query head) index of this shard's first row
+        and head, which the mods see (set per shard by `jaxflash.sharding`; None = 0, 0).
     """
 
     bias: Optional[jax.Array] = None
@@ -44,6 +49,9 @@ class AttentionArrays(NamedTuple):
     q_scale: Optional[jax.Array] = None
     k_scale: Optional[jax.Array] = None
     v_scale: Optional[jax.Array] = None
+    mod_aux: tuple = ()
+    block_mask: Optional[object] = None
+    mod_offsets: Optional[jax.Array] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +97,8 @@ class AttentionStatics:
     deterministic: bool = False
     # Set for FP8 calls (q, k, v FP8 with scales in `AttentionArrays`); None otherwise.
     fp8: Optional[Fp8Spec] = None
+    # score_mod / mask_mod: a `jaxflash.mods.ModSpec` (hashable by the mods' code), or None.
+    mods: Optional[object] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +121,13 @@ class Problem:
     has_alibi: bool = False
     has_segments: bool = False
     platform: str = "cpu"
+    # (tm, tn) of the call's block mask, or None.
+    block_sparse: Optional[tuple[int, int]] = None
+
+    @property
+    def mods(self):
+        """The call's `jaxflash.mods.ModSpec`, or None."""
+        return self.statics.mods
 
     @property
     def group_size(self) -> int:
@@ -137,6 +154,13 @@ class Problem:
             f.append("seq_lengths")
         if self.statics.fp8 is not None:
             f.append("fp8")
+        mods = self.statics.mods
+        if mods is not None and mods.score_mod is not None:
+            f.append("score_mod")
+        if mods is not None and mods.mask_mod is not None:
+            f.append("mask_mod")
+        if self.block_sparse is not None:
+            f.append("block_mask")
         return tuple(f)
 
     @classmethod
@@ -154,4 +178,5 @@ class Problem:
             has_alibi=arrays.alibi_slopes is not None,
             has_segments=arrays.q_segment_ids is not None,
             platform=platform,
+            block_sparse=None if arrays.block_mask is None else tuple(arrays.block_mask.block),
         )

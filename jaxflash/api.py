@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import autodiff, dispatch, precision as prec, quantize
+from jaxflash import mods as _mods
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -22,7 +23,8 @@ def _shape(x):
 
 def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, softcap, alibi_slopes, q_segment_ids,
-             kv_segment_ids, implementation, deterministic, allow_empty=False, allow_fp8=False):
+             kv_segment_ids, implementation, deterministic, allow_empty=False, allow_fp8=False,
+             score_mod=None, mask_mod=None, aux=(), block_mask=None):
     """Validate a call; return (q, k, v, arrays, statics, batch_shape) in canonical form.
     ``allow_empty``: accept zero-sized batch dims, T = 0 and S = 0 (`flash_attention` and
     `explain` handle them before any backend; other callers get the ValueError).
@@ -160,14 +162,34 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
                                  f" = {want}; got {x.shape}")
         qseg_c, kvseg_c = qsg.reshape(B, T), kvsg.reshape(B, S)
 
+    mods, aux_c = _mods.make_spec(score_mod, mask_mod, aux)
+    _check_block_mask(block_mask, mods, B, N, T, S, shapes)
     arrays = AttentionArrays(bias=bias_c, mask=mask_c, q_seqlen=qlen_c, kv_seqlen=kvlen_c,
-                             alibi_slopes=alibi_c, q_segment_ids=qseg_c, kv_segment_ids=kvseg_c)
+                             alibi_slopes=alibi_c, q_segment_ids=qseg_c, kv_segment_ids=kvseg_c,
+                             mod_aux=aux_c, block_mask=block_mask)
     statics = AttentionStatics(scale=float(scale), is_causal=bool(is_causal), window=window,
-                               softcap=softcap, deterministic=bool(deterministic))
+                               softcap=softcap, deterministic=bool(deterministic), mods=mods)
     q = q.reshape((B,) + qs[-3:])
     k = k.reshape((B,) + ks[-3:])
     v = v.reshape((B,) + vs[-3:])
     return q, k, v, arrays, statics, batch_shape
+
+
+def _check_block_mask(block_mask, mods, B, N, T, S, shapes):
+    if block_mask is None:
+        return
+    if not isinstance(block_mask, _mods.BlockMask):
+        raise ValueError(f"block_mask must be a jaxflash.mods.BlockMask (from "
+                         f"create_block_mask); got {type(block_mask).__name__}")
+    if mods is None or mods.mask_mod is None:
+        raise ValueError("block_mask needs the mask_mod it was built from (mask_mod=...)")
+    if tuple(block_mask.seq_lens) != (T, S):
+        raise ValueError(f"block_mask was built for (T, S) = {tuple(block_mask.seq_lens)}; "
+                         f"this call has ({T}, {S}) ({shapes})")
+    Bm, Hm = block_mask.batch_heads
+    if Bm not in (1, B) or Hm not in (1, N):
+        raise ValueError(f"block_mask was built for (B, H) = ({Bm}, {Hm}); this call needs "
+                         f"B in (1, {B}) and H in (1, {N}) (batch dims flattened; {shapes})")
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
@@ -178,7 +200,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     deterministic: bool = False, precision: Optional[str] = None,
                     q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
                     hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
-                    scale_granularity: str = "block", dout_dtype=None, emulate: bool = False):
+                    scale_granularity: str = "block", dout_dtype=None, emulate: bool = False,
+                    score_mod=None, mask_mod=None, aux=(), block_mask=None):
     """Scaled dot-product attention with the layout and meaning of `jax.nn.dot_product_attention`.
 
     query ``[B..., T, N, H]``, key ``[B..., S, K, H]``, value ``[B..., S, K, Hv]`` with N a
@@ -208,10 +231,17 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     the row's output NaN and its LSE +inf. A NaN/Inf at ``value[..., j, :, h]`` reaches
     column h of the rows that see key j. Known deviations (tracked as xfails in
     tests/extremes/test_bad_values.py): a NaN/Inf in value also reaches rows for which key j
-    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; the Pallas kernels
-    give LSE NaN, not +inf, for a +inf logit; and gradients may carry a masked NaN key/query
-    into dq/dk of its own problem. Other batch elements are never affected (but the
+    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; and gradients may
+    carry a masked NaN key/query into dq/dk of its own problem. Other batch elements are never affected (but the
     gradient of an operand they share, a broadcast bias or alibi_slopes, sums over them).
+
+    Custom attention (`jaxflash.mods`): ``score_mod(score, b, h, q_idx, kv_idx, *aux)`` maps
+    each logit (after scale, softcap, ALiBi and bias) to a new one and ``mask_mod(b, h, q_idx,
+    kv_idx, *aux)`` says whether the pair may attend (and-ed with every other mask); both are
+    plain JAX on scalars (``b`` indexes the flattened batch dims, ``h`` the query head), read
+    the arrays of ``aux`` (a tuple; its floating arrays get gradients, and their values never
+    enter the compiled code). ``block_mask`` (`jaxflash.mods.create_block_mask` of the same
+    mask_mod and aux) lets the kernels skip empty tiles and the mask on full ones.
 
     ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
     gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
@@ -255,7 +285,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         local_window_size=local_window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         implementation=implementation, deterministic=deterministic, allow_empty=True,
-        allow_fp8=req is not None and req.spec.source == "fp8")
+        allow_fp8=req is not None and req.spec.source == "fp8", score_mod=score_mod,
+        mask_mod=mask_mod, aux=aux, block_mask=block_mask)
     if req is not None:
         statics = dataclasses.replace(statics, fp8=req.spec)
         if req.spec.source == "fp8":
@@ -350,21 +381,26 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, all
                  "alibi_slopes", "q_segment_ids", "kv_segment_ids"):
         kwargs.setdefault(name, None)
     kwargs.setdefault("deterministic", False)
+    for name in ("score_mod", "mask_mod", "block_mask"):
+        kwargs.setdefault(name, None)
+    kwargs.setdefault("aux", ())
     out = {}
 
-    def f(q, k, v, b, m, ql, kl, al, qs, ks):
+    def f(q, k, v, b, m, ql, kl, al, qs, ks, aux, bm):
         r = _prepare(q, k, v, b, m, query_seq_lengths=ql, key_value_seq_lengths=kl,
                      alibi_slopes=al, q_segment_ids=qs, kv_segment_ids=ks,
                      implementation=implementation, allow_empty=True, allow_fp8=allow_fp8,
+                     aux=aux, block_mask=bm,
                      **{n: kwargs[n] for n in ("scale", "is_causal", "local_window_size",
-                                               "softcap", "deterministic")})
+                                               "softcap", "deterministic", "score_mod",
+                                               "mask_mod")})
         out["statics"] = r[4]
         return r[:4]
 
     q, k, v, arrays = jax.eval_shape(
         f, query, key, value, bias, mask, kwargs["query_seq_lengths"],
         kwargs["key_value_seq_lengths"], kwargs["alibi_slopes"], kwargs["q_segment_ids"],
-        kwargs["kv_segment_ids"])
+        kwargs["kv_segment_ids"], _mods.normalize_aux(kwargs["aux"]), kwargs["block_mask"])
     return q, k, v, arrays, out["statics"], None
 
 

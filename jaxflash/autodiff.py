@@ -33,11 +33,15 @@ def _fwd(backend, q, k, v, arrays, statics, plan):
 def _bwd(backend, statics, plan, res, cts):
     q, k, v, arrays, out, lse = res
     dout, _ = cts  # the LSE's cotangent is dropped: see the module docstring
-    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q, k, v, arrays, statics, plan,
-                                                  out, lse, dout)
+    grads = sharding.backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+    dq, dk, dv, dbias, dalibi = grads[:5]
+    # With mods the backend adds the aux leaves' cotangents (None where a leaf has none).
+    daux = grads[5] if len(grads) > 5 else (None,) * len(arrays.mod_aux)
     darrays = AttentionArrays(
         bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
-        alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32))
+        alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32),
+        mod_aux=tuple(None if g is None else g.astype(x.dtype)
+                      for g, x in zip(daux, arrays.mod_aux)))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), darrays
 
 

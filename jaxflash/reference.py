@@ -2,7 +2,10 @@
 
 It is ``implementation="xla"``, the oracle of every test and the baseline of the benchmarks. It
 materializes the T x S logits, so it is for correctness and small problems, not for speed.
-Computation is in float32 (or float64 when asked and x64 is on); output in q's dtype.
+Computation is in float32 (or float64 when asked and x64 is on); output in q's dtype. Mods
+(``statics.mods``) are evaluated on the whole index grid by `jaxflash.mods.dense` (vmap of the
+user's scalar functions), after the built-in logit transforms; the block mask is an
+acceleration structure only and is not read here.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import masking
+from jaxflash.mods import dense
 from jaxflash._types import AttentionArrays, AttentionStatics
 
 
@@ -39,6 +43,11 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
     s = masking.transform_logits(s, q_idx, k_idx, scale=statics.scale, softcap=statics.softcap,
                                  alibi_slope=slope, bias=bias)
 
+    mods = statics.mods
+    if mods is not None and mods.has_score:
+        s = dense.scores(mods, jnp.broadcast_to(s, (B, N, T, S)), arrays.mod_aux,
+                         *dense.batch_heads(arrays, B, N), q_idx[:, 0], k_idx[0])
+
     bcast = lambda x: None if x is None else x[:, None, None, None]  # [B] -> [B,1,1,1]
     q_seg = kv_seg = None
     if arrays.q_segment_ids is not None:
@@ -47,6 +56,10 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
     keep = masking.keep(q_idx, k_idx, is_causal=statics.is_causal, window=statics.window,
                         q_seqlen=bcast(arrays.q_seqlen), kv_seqlen=bcast(arrays.kv_seqlen),
                         q_seg=q_seg, kv_seg=kv_seg)
+    if mods is not None and mods.has_mask:
+        mm = dense.mask(mods, arrays.mod_aux, *dense.batch_heads(arrays, B, N), q_idx[:, 0],
+                        k_idx[0])
+        keep = mm if keep is None else jnp.logical_and(keep, mm)
     p, lse = masked_softmax(s, keep, arrays.mask)
     out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S), vf, precision=prec)
     out = out.reshape(B, T, N, Hv).astype(q.dtype)

@@ -22,6 +22,12 @@ a sharded dim: a size-1 batch/head dim of `bias`, `alibi_slopes` over the batch,
 when the query heads of one kv head are split over devices (sharded query heads beyond the kv
 heads, e.g. MQA): those are summed over the shards with `psum`.
 
+With mods (`jaxflash.mods`), each shard's mods must still see global batch rows and heads:
+`partition` hands the backend the shard's offsets (``arrays.mod_offsets``, from the mesh axis
+indices); aux arrays are replicated and their gradients summed over the shards; a block mask
+is split with the batch / head dims it has. (A rank-0 aux leaf has no dim to name in the rule;
+such calls run whole.)
+
 Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
 with a single device, eager calls, and calls traced under `vmap` (custom_partitioning has no
 batching rule; such calls run unpartitioned, as any jnp code would). A jaxpr that already holds
@@ -75,18 +81,23 @@ _register_batching()
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v):
+    if not _wanted(q, k, v) or _scalar_aux(arrays):
         return backend.forward(q, k, v, arrays, statics, plan)
-    op = _op("fwd", _Layout.of(q, k, v, arrays))
+    op = _op("fwd", _Layout.of(q, k, v, arrays, statics))
     return op(backend, q, k, v, arrays, statics, plan)
 
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v):
+    if not _wanted(q, k, v) or _scalar_aux(arrays):
         return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
-    op = _op("bwd", _Layout.of(q, k, v, arrays))
+    op = _op("bwd", _Layout.of(q, k, v, arrays, statics))
     return op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+
+
+def _scalar_aux(arrays) -> bool:
+    """A rank-0 aux leaf has no dim for the sharding rule to name: such calls run whole."""
+    return any(x.ndim == 0 for x in arrays.mod_aux)
 
 
 def _wanted(*xs) -> bool:
@@ -105,20 +116,32 @@ class _Layout(NamedTuple):
     alibi: bool
     segments: bool
     fp8: bool = False  # FP8 scales [B, N, nq], [B, K, nk], [B, K, nv] ride along (batch, heads)
+    # With mods: (aux leaves' ranks, which leaves get gradients, the block mask's
+    # (batch dim full, head dim full, block, seq_lens) or None); None without mods.
+    mods: Optional[tuple] = None
 
     @classmethod
-    def of(cls, q, k, v, arrays: AttentionArrays) -> "_Layout":
+    def of(cls, q, k, v, arrays: AttentionArrays, statics=None) -> "_Layout":
         B, N = q.shape[0], q.shape[2]
 
         def dense(x):
             # A dim of size 1 is "broadcast" unless the full dim is 1 too (then it is full).
             return None if x is None else (x.shape[0] == B, x.shape[1] == N)
 
+        mods = None
+        spec = getattr(statics, "mods", None)
+        if spec is not None:
+            bm = arrays.block_mask
+            bmd = None if bm is None else (dense(bm.full_count) + (tuple(bm.block),
+                                                                   tuple(bm.seq_lens)))
+            grads = tuple(spec.has_score and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+                          for x in arrays.mod_aux)
+            mods = (tuple(x.ndim for x in arrays.mod_aux), grads, bmd)
         return cls(group=N // k.shape[2], bias=dense(arrays.bias), mask=dense(arrays.mask),
                    q_seqlen=arrays.q_seqlen is not None, kv_seqlen=arrays.kv_seqlen is not None,
                    alibi=arrays.alibi_slopes is not None,
                    segments=arrays.q_segment_ids is not None,
-                   fp8=arrays.q_scale is not None)
+                   fp8=arrays.q_scale is not None, mods=mods)
 
     def rule(self, kind: str):
         """Shardy rule (einsum string, need_replication factors, factor sizes)."""
@@ -148,12 +171,29 @@ class _Layout(NamedTuple):
         if self.fp8:  # the scale-block dims stay whole, like the sequence dims they index
             ops += [f"b {nq} qsb", "b k ksb", "b k vsb"]
             repl += ["qsb", "ksb", "vsb"]
+        aux_ops = []
+        if self.mods is not None:
+            # aux leaves: replicated (every shard reads them whole); block mask: split with the
+            # batch / query heads it has, its tile dims replicated.
+            ranks, _, bmd = self.mods
+            for i, r in enumerate(ranks):
+                aux_ops.append(" ".join(f"aux{i}d{d}" for d in range(r)))
+                repl.extend(f"aux{i}d{d}" for d in range(r))
+            ops += aux_ops
+            if bmd is not None:
+                b = "b" if bmd[0] else "bmb1"
+                n = nq if bmd[1] else "bmn1"
+                repl.extend(x for x in (b, n, "bmq", "bmk") if x.startswith("bm"))
+                ops += [f"{b} {n} bmq", f"{b} {n} bmq bmk"] * 2
+                ops += [f"{b} {n} bmk", f"{b} {n} bmk bmq"] * 2
         out, lse = f"b t {nq} hv", f"b {nq} t"
         if kind == "fwd":
             res = [out, lse]
         else:
             ops += [out, lse, out]
             res = [q, kk, vv] + ([bias] if bias else []) + ([nq] if self.alibi else [])
+            if self.mods is not None:
+                res += [a for a, g in zip(aux_ops, self.mods[1]) if g]
         sizes = {}
         rule = f"{', '.join(ops)} -> {', '.join(res)}"
         # Shardy wants special factors in the order they first appear (their factor index).
@@ -252,6 +292,16 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
     q, kv = ns("b", None, "n", None), ns("b", None, "k", None)
     dense = lambda full: None if full is None else ns("b" if full[0] else None,
                                                       "n" if full[1] else None, None, None)
+    aux, bm, daux = (), None, ()
+    if layout.mods is not None:
+        from jaxflash.mods import BlockMask
+        ranks, grads, bmd = layout.mods
+        aux = tuple(ns(*([None] * r)) for r in ranks)
+        daux = tuple(a if g else None for a, g in zip(aux, grads))
+        if bmd is not None:
+            c = ns("b" if bmd[0] else None, "n" if bmd[1] else None, None)
+            i = ns("b" if bmd[0] else None, "n" if bmd[1] else None, None, None)
+            bm = BlockMask(c, i, c, i, c, i, c, i, block=bmd[2], seq_lens=bmd[3])
     arrays = AttentionArrays(
         bias=dense(layout.bias), mask=dense(layout.mask),
         q_seqlen=ns("b") if layout.q_seqlen else None,
@@ -261,17 +311,19 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
         kv_segment_ids=ns("b", None) if layout.segments else None,
         q_scale=ns("b", "n", None) if layout.fp8 else None,
         k_scale=ns("b", "k", None) if layout.fp8 else None,
-        v_scale=ns("b", "k", None) if layout.fp8 else None)
+        v_scale=ns("b", "k", None) if layout.fp8 else None,
+        mod_aux=aux, block_mask=bm)
     out, lse = q, ns("b", "n", None)
     if kind == "fwd":
         return (q, kv, kv, arrays), (out, lse)
+    grads = (q, kv, kv, arrays.bias, arrays.alibi_slopes)
     return ((q, kv, kv, arrays, out, lse, out),
-            (q, kv, kv, arrays.bias, arrays.alibi_slopes))
+            grads + ((daux,) if layout.mods is not None else ()))
 
 
 def _infer(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape):
     """GSPMD: result shardings from the operands' (Shardy uses the rule instead)."""
-    layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
+    layout = _Layout.of(*arg_shapes[:3], arg_shapes[3], statics)
     plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, call_plan.problem)
     return _shardings(kind, mesh, plan, layout)[1]
 
@@ -280,17 +332,27 @@ def _partition(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape
     """Per-shard lowering: the backend on local shapes, plus the psums of broadcast grads.
     The call's plan holds for every shard: batch and heads are split, never the sequence or
     head dims that variants depend on, and launches read batch and head counts at run time."""
-    layout = _Layout.of(*arg_shapes[:3], arg_shapes[3])
+    layout = _Layout.of(*arg_shapes[:3], arg_shapes[3], statics)
     plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, call_plan.problem)
     arg_sh, res_sh = _shardings(kind, mesh, plan, layout)
 
+    def offsets(q, arrays):
+        """The mods see global batch rows and heads: this shard's first ones."""
+        if layout.mods is None:
+            return arrays
+        idx = lambda axes, n: (jax.lax.axis_index(axes) * n if axes else 0)
+        off = jax.numpy.stack([jax.numpy.asarray(idx(plan.batch, q.shape[0]), "int32"),
+                               jax.numpy.asarray(idx(plan.q_heads, q.shape[2]), "int32")])
+        return arrays._replace(mod_offsets=off)
+
     if kind == "fwd":
         def lower(q, k, v, arrays):
-            return backend.forward(q, k, v, arrays, statics, call_plan)
+            return backend.forward(q, k, v, offsets(q, arrays), statics, call_plan)
     else:
         def lower(q, k, v, arrays, out, lse, dout):
-            dq, dk, dv, dbias, dalibi = backend.backward(
-                q, k, v, arrays, statics, call_plan, out, lse, dout)
+            grads = backend.backward(
+                q, k, v, offsets(q, arrays), statics, call_plan, out, lse, dout)
+            dq, dk, dv, dbias, dalibi = grads[:5]
             group_axes = plan.q_heads[len(plan.kv_heads):]
             if group_axes:  # a kv head's query heads are split: its dK/dV are partial sums
                 dk, dv = jax.lax.psum((dk, dv), group_axes)
@@ -302,5 +364,11 @@ def _partition(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape
                     dbias = jax.lax.psum(dbias, axes)
             if dalibi is not None and plan.batch:
                 dalibi = jax.lax.psum(dalibi, plan.batch)
-            return dq, dk, dv, dbias, dalibi
+            if layout.mods is None:
+                return dq, dk, dv, dbias, dalibi
+            # aux is read by every shard: its gradient is the sum of the shards' parts.
+            axes = plan.batch + plan.q_heads
+            daux = tuple(g if g is None or not axes else jax.lax.psum(g, axes)
+                         for g in grads[5])
+            return dq, dk, dv, dbias, dalibi, daux
     return mesh, lower, res_sh, arg_sh

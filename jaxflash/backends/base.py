@@ -29,7 +29,9 @@ class Backend(abc.ABC):
     def backward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan,
                  out, lse, dout):
         """Return ``(dq, dk, dv, dbias, dalibi)``; dbias/dalibi are None when the call has no
-        bias/alibi_slopes. dbias has ``arrays.bias``'s (possibly size-1 broadcast) shape."""
+        bias/alibi_slopes. dbias has ``arrays.bias``'s (possibly size-1 broadcast) shape.
+        With mods (``statics.mods``) a sixth element: the cotangents of ``arrays.mod_aux``
+        (a tuple: an array for each floating leaf when the call has a score_mod, else None)."""
 
     def __call__(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan):
         """Differentiable attention through this backend's forward and backward."""

@@ -171,6 +171,9 @@ class CudnnBackend(Backend):
         if p.platform not in ("cuda", "gpu"):
             raise NotImplementedError(f"cuDNN attention runs on NVIDIA GPUs only "
                                       f"(platform {p.platform})")
+        if s.mods is not None:
+            raise NotImplementedError("score_mod / mask_mod: cuDNN's fused attention takes a "
+                                      "dense bias or mask, not mod functions")
         api, why = _api()
         if api is None:
             raise NotImplementedError(why)

@@ -30,14 +30,29 @@ class XlaBackend(Backend):
         # block's share of the gradient is then the VJP of (out_b, lse_b) with cotangents
         # (w * dout, w * rowsum(dout * (out_b - out))), w = exp(lse_b - lse). For a plain call
         # (out, lse) = (out_b, lse_b): w = 1 and the LSE cotangent vanishes.
-        def f(q, k, v, bias, alibi):
-            arr = arrays._replace(bias=bias, alibi_slopes=alibi)
+        # Floating aux leaves are differentiated; the others (indices) are closed over.
+        aux = arrays.mod_aux
+        is_f = [jnp.issubdtype(x.dtype, jnp.floating) for x in aux]
+        faux = tuple(x for x, f in zip(aux, is_f) if f)
+
+        def f(q, k, v, bias, alibi, faux):
+            it = iter(faux)
+            full = tuple(next(it) if fl else x for x, fl in zip(aux, is_f))
+            arr = arrays._replace(bias=bias, alibi_slopes=alibi, mod_aux=full)
             return reference.attention(q, k, v, arr, statics)
 
-        (out_b, lse_b), vjp = jax.vjp(f, q, k, v, arrays.bias, arrays.alibi_slopes)
+        (out_b, lse_b), vjp = jax.vjp(f, q, k, v, arrays.bias, arrays.alibi_slopes, faux)
         w = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - lse), 0.0)  # [B, N, T]
         w_t = jnp.swapaxes(w, 1, 2)[..., None]  # [B, T, N, 1]
         d32 = dout.astype(jnp.float32)
         delta = jnp.sum(d32 * (out_b.astype(jnp.float32) - out.astype(jnp.float32)), axis=-1)
         dlse = w * jnp.swapaxes(delta, 1, 2)
-        return vjp(((d32 * w_t).astype(out_b.dtype), dlse))
+        dq, dk, dv, dbias, dalibi, dfaux = vjp(((d32 * w_t).astype(out_b.dtype), dlse))
+        if statics.mods is None:
+            return dq, dk, dv, dbias, dalibi
+        # Gradients of aux leaves exist for floating leaves read by a score_mod (a mask has none).
+        it = iter(dfaux)
+        daux = tuple(next(it) if fl else None for fl in is_f)
+        if not statics.mods.has_score:
+            daux = tuple(None for _ in daux)
+        return dq, dk, dv, dbias, dalibi, daux

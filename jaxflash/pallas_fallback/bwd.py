@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxflash.pallas_fallback import tiles
+from jaxflash.pallas_fallback import mods_tile, tiles
 from jaxflash.pallas_fallback.config import PassConfig
 from jaxflash.pallas_fallback.tiles import Spec
 
@@ -64,12 +64,13 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
     kv_len = r["kv_len"][b] if spec.has_kvlen else None
     k_ids = tiles.load(r["kv_seg"], k_rows) if spec.has_seg else None
     q_tail = spec.T % bq != 0
-    lo, a, bb, hi = tiles.q_block_range(k_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
 
     def head(g, carry):
         slope = r["alibi"][g] if spec.has_alibi else None
+        n = h * spec.G + g            # the query head, as the mods see it
+        mod = tiles.mod_tile(r, spec, b, n)
 
-        def body(i, c, masked):
+        def body(i, c, masked, mod_mask=True):
             dk, dv = c
             q_lo = i * bq
             q_idx = q_lo + jnp.arange(bq, dtype=jnp.int32)
@@ -96,18 +97,28 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
             s_t = tiles.logits(kq, q_idx, k_idx, spec, static_masks=masked,
                                q_tail=masked and q_tail, k_tail=False, slope=slope, bias=bias,
                                dense_mask=dm, q_ids=q_ids, k_ids=k_ids, q_len=q_len,
-                               kv_len=kv_len, transposed=True)
+                               kv_len=kv_len, transposed=True, mod=mod, mod_mask=mod_mask,
+                               with_dmod=spec.has_score_mod)
+            if spec.has_score_mod:
+                s_t, dmod_t = s_t
             p_t = _probs_t(s_t, lse)
             dv = dv + tiles.dot_nn(p_t.astype(do.dtype), do)
             dp_t = tiles.dot_nt(v, do)
             ds_t = p_t * (dp_t - delta[None, :])
+            if spec.has_score_mod:
+                ds_t = ds_t * dmod_t
             if spec.softcap is not None:
                 ds_t = ds_t * tiles.softcap_grad(kq, spec)
             dk = dk + tiles.dot_nn(ds_t.astype(q.dtype), q)
             return dk, dv
 
+        if spec.sparse:
+            tm, tn = spec.sparse
+            return tiles.run_sparse(r, "bmt_", *tiles.sparse_bh(spec, b, n), tiles.block_row(j, tn // bk),
+                                    body, carry, sub=tm // bq)
+        lo, a, bb, hi = tiles.q_block_range(k_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
         return tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
-                                   any_full=spec.T >= bq)
+                               any_full=spec.T >= bq)
 
     carry = (jnp.zeros((bk, spec.Hp), jnp.float32), jnp.zeros((bk, spec.Hvp), jnp.float32))
     dk, dv = lax.fori_loop(0, spec.G, head, carry)
@@ -152,6 +163,8 @@ def dkdv(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret
         names.append("alibi")
         args.append(ops["alibi"])
         specs.append(pl.BlockSpec((G,), lambda j, b, h: (h,)))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bmt_"))
+    names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_specs = [pl.BlockSpec((None, bk, None, spec.Hp), lambda j, b, h: (b, j, h, 0)),
                  pl.BlockSpec((None, bk, None, spec.Hvp), lambda j, b, h: (b, j, h, 0))]
@@ -181,14 +194,17 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
     lse = tiles.load(r["lse"], qt.rows)
     delta = tiles.load(r["delta"], qt.rows)
 
-    def body(j, carry, masked):
+    def body(j, carry, masked, mod_mask=True):
         dq, dal = carry
-        kb = tiles.key_block_logits(r, spec, qt, j, bk, masked)
+        kb = tiles.key_block_logits(r, spec, qt, j, bk, masked, mod_mask,
+                                    with_dmod=spec.has_score_mod)
         s, qk, k, k_idx = kb.s, kb.qk, kb.k, kb.idx
         v = tiles.load(r["v"].at[kb.ks, :], tiles.tile_mask(kb.rows, qt.hv))
         p = _probs(s, lse)
         dp = tiles.dot_nt(do, v)
         ds = p * (dp - delta[:, None])
+        if spec.has_score_mod:  # dS of the logit before the score_mod
+            ds = ds * kb.dmod
         if spec.has_alibi:
             dist = jnp.abs(qt.idx[:, None] - k_idx[None, :]).astype(jnp.float32)
             dal = dal - jnp.sum(ds * dist, axis=1)
@@ -197,11 +213,16 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
         dq = dq + tiles.dot_nn(ds.astype(k.dtype), k)
         return dq, dal
 
-    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
-                                         kv_len=qt.kv_len)
     carry = (jnp.zeros((bq, spec.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
-    dq, dal = tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
-                                any_full=spec.S >= bk)
+    if spec.sparse:
+        tm, tn = spec.sparse
+        dq, dal = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+                                   body, carry, sub=tn // bk)
+    else:
+        lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
+                                             kv_len=qt.kv_len)
+        dq, dal = tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
+                                  any_full=spec.S >= bk)
     tiles.store(r["dq"], dq * spec.scale, tiles.tile_mask(qt.rows, qt.hq))
     if spec.has_alibi:
         tiles.store(r["dalibi"], dal, qt.rows)
@@ -241,6 +262,8 @@ def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bm_"))
+    names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_names = ["dq"]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [pl.BlockSpec((None, bq, None, spec.Hp), lambda i, b, n: (b, i, n, 0))]
@@ -306,10 +329,14 @@ def _dbias_kernel(*refs, spec: Spec, cfg: PassConfig, names, RB: int, RN: int):
             s = tiles.logits(tiles.dot_nt(q, k), q_idx, k_idx, spec, static_masks=True,
                              q_tail=False, k_tail=spec.S % bk != 0, slope=slope, bias=bias,
                              dense_mask=dm, q_ids=q_ids, k_ids=k_ids, q_len=q_len,
-                             kv_len=kv_len)
+                             kv_len=kv_len, mod=tiles.mod_tile(r, spec, b, n),
+                             with_dmod=spec.has_score_mod)
+            dmod = 1.0
+            if spec.has_score_mod:
+                s, dmod = s
             p = _probs(s, lse)
             dp = tiles.dot_nt(do, v)
-            return acc + p * (dp - delta[:, None])
+            return acc + p * (dp - delta[:, None]) * dmod
 
         acc = lax.fori_loop(0, RB * RN, pair, jnp.zeros((bq, bk), jnp.float32))
         tiles.store(r["dbias"].at[:, ks], acc, tiles.tile_mask(q_rows, k_rows))
@@ -356,6 +383,8 @@ def dbias(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpre
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, bb, nb: (0,)))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off"))
+    names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     kernel = functools.partial(_dbias_kernel, spec=spec, cfg=cfg,
                                names=tuple(names + ["dbias"]), RB=RB, RN=RN)
     return pl.pallas_call(

@@ -171,3 +171,11 @@ def choose(head_dim: int, head_dim_v: int, dtype: str, *, interpret: bool,
     hp, hvp = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
     return Config(*(fit(f.name, getattr(cfg, f.name), hp, hvp, itemsize, dense_bytes, limit)
                     for f in dataclasses.fields(cfg)))
+
+
+def within_blocks(cfg: Config, tm: int, tn: int) -> Config:
+    """`cfg` with the forward, dQ and dK / dV tiles capped at a block mask's ``tm x tn``
+    (both powers of two, so the kernel's blocks divide the mask's); launch parameters kept."""
+    def cap(c):
+        return dataclasses.replace(c, block_q=min(c.block_q, tm), block_k=min(c.block_k, tn))
+    return dataclasses.replace(cfg, fwd=cap(cfg.fwd), dq=cap(cfg.dq), dkdv=cap(cfg.dkdv))

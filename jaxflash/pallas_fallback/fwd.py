@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxflash.pallas_fallback import tiles
+from jaxflash.pallas_fallback import mods_tile, tiles
 from jaxflash.pallas_fallback.config import PassConfig
 from jaxflash.pallas_fallback.tiles import Spec
 
@@ -27,14 +27,15 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
     q_lo = i * bq
     qt = tiles.query_tile(r, spec, b, n, q_lo, bq)
 
-    def body(j, carry, masked):
+    def body(j, carry, masked, mod_mask=True):
         acc, m, l = carry
-        kb = tiles.key_block_logits(r, spec, qt, j, bk, masked)
+        kb = tiles.key_block_logits(r, spec, qt, j, bk, masked, mod_mask)
         s = kb.s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row with nothing visible so far keeps m = -inf; exponentiate against 0 instead so
-        # no inf - inf appears (its p and alpha are then exactly 0).
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        # no inf - inf appears (its p and alpha are then exactly 0). A +inf logit is treated
+        # the same way, as the reference does: its row's LSE is +inf (not NaN), the row NaN.
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
@@ -42,18 +43,23 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
         acc = acc * alpha[:, None] + tiles.dot_nn(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
-                                         kv_len=qt.kv_len)
     carry = (jnp.zeros((bq, spec.Hvp), jnp.float32),
              jnp.full((bq,), -jnp.inf, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    acc, m, l = tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
+    if spec.sparse:
+        tm, tn = spec.sparse
+        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+                                     body, carry, sub=tn // bk)
+    else:
+        lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
+                                             kv_len=qt.kv_len)
+        acc, m, l = tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
                                     any_full=spec.S >= bk)
 
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     tiles.store(r["o"], acc / l_safe[:, None], tiles.tile_mask(qt.rows, qt.hv))
-    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(l_safe)) * tiles.LN2)
     tiles.store(r["lse"], lse, qt.rows)
 
@@ -92,6 +98,8 @@ def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,
             names.append(name)
             args.append(ops[name])
             specs.append(pl.BlockSpec((size,), lambda i, b, n: (0,)))
+    extra = mods_tile.whole_inputs(ops, ("aux", "mod_off", "bm_"))
+    names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     out_shape = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     out_specs = [pl.BlockSpec((None, bq, None, spec.Hvp), lambda i, b, n: (b, i, n, 0)),

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxflash import masking
+from jaxflash.pallas_fallback import mods_tile
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -56,10 +57,25 @@ class Spec:
     bias_n: bool = False   # bias has a real head dim
     mask_b: bool = False
     mask_n: bool = False
+    mods: Optional[object] = None      # `jaxflash.mods.ModSpec`: score_mod / mask_mod
+    n_aux: int = 0                     # aux leaves, passed as whole inputs aux0, aux1, ...
+    mod_offsets: bool = False          # a shard's (batch, head) offsets, input mod_off
+    sparse: Optional[tuple[int, int]] = None   # a block mask's (tm, tn): its lists choose tiles
+    bm_b: bool = False                 # the block mask has a real batch / head dim
+    bm_n: bool = False
 
     @property
     def plain_logits(self) -> bool:
-        return self.softcap is None and not self.has_alibi and not self.has_bias
+        return (self.softcap is None and not self.has_alibi and not self.has_bias
+                and not self.has_score_mod)
+
+    @property
+    def has_score_mod(self) -> bool:
+        return self.mods is not None and self.mods.has_score
+
+    @property
+    def has_mask_mod(self) -> bool:
+        return self.mods is not None and self.mods.has_mask
 
     @property
     def static_masks(self) -> bool:
@@ -133,12 +149,16 @@ def _prec(a):
 
 def logits(qk, q_idx, k_idx, spec: Spec, *, static_masks: bool, q_tail: bool, k_tail: bool,
            slope=None, bias=None, dense_mask=None, q_ids=None, k_ids=None, q_len=None,
-           kv_len=None, transposed: bool = False):
+           kv_len=None, transposed: bool = False, mod=None, mod_mask: bool = True,
+           with_dmod: bool = False):
     """qk = q.k (float32 [bq, bk]) -> logits x log2(e), masked entries -inf.
 
     `static_masks=False` skips the causal/window select for tiles known to be fully visible;
     q_tail/k_tail add ``q_idx < T`` / ``k_idx < S`` for blocks that may run past the end;
     q_len/kv_len (the call's seq lengths, clipped to [0, T] / [0, S]) cover the tails too.
+    `mod` (a `mods_tile.ModTile`): the score_mod applied after the built-in transforms, the
+    mask_mod (unless `mod_mask` is False: a tile the block mask knows is full). `with_dmod`
+    returns ``(s, dmod)``, dmod = d score_mod / d score (0 where masked; 1 without one).
     """
     # Row/column broadcasting of the per-query and per-key vectors; transposed tiles
     # ([bk, bq], used by the dK/dV kernel) put keys on rows. bias/mask come as [bq, bk].
@@ -156,11 +176,16 @@ def logits(qk, q_idx, k_idx, spec: Spec, *, static_masks: bool, q_tail: bool, k_
         q_len = spec.T
     if kv_len is None and k_tail:
         kv_len = spec.S
+    dmod = None
     if spec.plain_logits:
         s = qk * (spec.scale * LOG2E)
     else:
         s = masking.transform_logits(qk, qi, ki, scale=spec.scale,
                                      softcap=spec.softcap, alibi_slope=slope, bias=bias)
+        if spec.has_score_mod:
+            s = mods_tile.score(mod, s, qi, ki, with_deriv=with_dmod)
+            if with_dmod:
+                s, dmod = s
         s = s * LOG2E
     keep = masking.keep(
         qi, ki,
@@ -169,8 +194,14 @@ def logits(qk, q_idx, k_idx, spec: Spec, *, static_masks: bool, q_tail: bool, k_
         q_seqlen=q_len, kv_seqlen=kv_len, q_seg=qs_, kv_seg=ks_)
     if dense_mask is not None:
         keep = and_(keep, dense_mask != 0)
+    if spec.has_mask_mod and mod_mask:
+        keep = and_(keep, mods_tile.mask(mod, qi, ki, s.shape))
     if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
+        if dmod is not None:
+            dmod = jnp.where(keep, dmod, 0.0)
+    if with_dmod:
+        return s, (jnp.ones_like(s) if dmod is None else dmod)
     return s
 
 
@@ -252,6 +283,36 @@ def q_block_range(k_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
     return lo, a, b, hi
 
 
+def run_sparse(r, prefix: str, bb, hh, row, body, carry, sub: int = 1):
+    """With a block mask: the full tiles of `row` (no mask_mod), then its partial ones, from
+    the mask's lists ``{prefix}fc / fi / pc / pi`` at (batch row `bb`, head `hh`). The kernel's
+    blocks may be smaller than the mask's (powers of two, so they divide them): each listed
+    tile is `sub` kernel blocks, walked in one flat loop. Every block keeps the built-in masks
+    and the tails (``masked=True``); empty tiles are never visited."""
+    def walk(kind, mod_mask, carry):
+        n = r[prefix + kind + "c"][bb, hh, row]
+
+        def step(u, c):
+            t = lax.div(u, jnp.int32(sub)) if sub > 1 else u
+            blk = r[prefix + kind + "i"][bb, hh, row, t]
+            if sub > 1:
+                blk = blk * sub + lax.rem(u, jnp.int32(sub))
+            return body(blk, c, True, mod_mask)
+        return lax.fori_loop(0, n * sub, step, carry)
+
+    return walk("p", True, walk("f", False, carry))
+
+
+def block_row(i, ratio: int):
+    """The block mask's row of kernel block `i` when `ratio` kernel blocks make one mask tile."""
+    return i if ratio == 1 else lax.div(i, jnp.int32(ratio))
+
+
+def sparse_bh(spec: Spec, b, n):
+    """The block mask's (batch row, head) for program (b, n): 0 where it broadcasts."""
+    return (b if spec.bm_b else jnp.int32(0)), (n if spec.bm_n else jnp.int32(0))
+
+
 def run_split(lo, a, b, hi, body, carry, *, static_masks: bool, any_full: bool = True):
     """fori_loop over [lo, hi) calling ``body(j, carry, masked)``, with the fully visible part
     [a, b) unmasked. Without causal/window there is one unmasked loop and the ragged tail.
@@ -279,6 +340,7 @@ class QueryTile(NamedTuple):
     q_len: object
     kv_len: object
     q_ids: object    # [bq] segment ids, or None
+    mod: object      # `mods_tile.ModTile` of this program, or None
 
 
 def query_tile(r, spec: Spec, b, n, q_lo, bq: int) -> QueryTile:
@@ -291,7 +353,23 @@ def query_tile(r, spec: Spec, b, n, q_lo, bq: int) -> QueryTile:
         slope=r["alibi"][n] if spec.has_alibi else None,
         q_len=r["q_len"][b] if spec.has_qlen else None,
         kv_len=r["kv_len"][b] if spec.has_kvlen else None,
-        q_ids=load(r["q_seg"], rows) if spec.has_seg else None)
+        q_ids=load(r["q_seg"], rows) if spec.has_seg else None,
+        mod=mod_tile(r, spec, b, n))
+
+
+def mod_tile(r, spec: Spec, b, n):
+    """The mods' view for batch row `b`, query head `n` (None without mods). Aux leaves of
+    rank 0 travel as shape (1,) (a block needs a dim) and are read back as scalars."""
+    if spec.mods is None:
+        return None
+    aux = []
+    for i, (shape, _) in enumerate(spec.mods.aux_avals):
+        ref = r[f"aux{i}"]
+        aux.append(ref[0] if shape == () else ref)
+    b, n = jnp.asarray(b, jnp.int32), jnp.asarray(n, jnp.int32)
+    if spec.mod_offsets:  # the mods see global indices on a shard
+        b, n = b + r["mod_off"][0], n + r["mod_off"][1]
+    return mods_tile.ModTile(spec.mods, b, n, tuple(aux))
 
 
 class KeyBlock(NamedTuple):
@@ -301,9 +379,11 @@ class KeyBlock(NamedTuple):
     idx: object      # [bk] global key positions
     ks: object       # the key slice, for the caller's V load
     rows: object     # [bk] rows inside S (None on the unmasked path)
+    dmod: object = None  # [bq, bk] d score_mod / d score (with_dmod only)
 
 
-def key_block_logits(r, spec: Spec, qt: QueryTile, j, bk: int, masked: bool) -> KeyBlock:
+def key_block_logits(r, spec: Spec, qt: QueryTile, j, bk: int, masked: bool,
+                     mod_mask: bool = True, with_dmod: bool = False) -> KeyBlock:
     """Logits of query tile `qt` against key block `j` (bias, dense mask and segment ids of that
     block loaded here), shared by the forward and dQ kernels. Only the masked path can meet the
     ragged last key block (see `k_block_range`), so the unmasked path skips the bounds."""
@@ -322,5 +402,9 @@ def key_block_logits(r, spec: Spec, qt: QueryTile, j, bk: int, masked: bool) -> 
         k_ids = load(r["kv_seg"].at[ks], k_rows)
     s = logits(qk, qt.idx, k_idx, spec, static_masks=masked, q_tail=False,
                k_tail=masked and spec.S % bk != 0, slope=qt.slope, bias=bias, dense_mask=dm,
-               q_ids=qt.q_ids, k_ids=k_ids, q_len=qt.q_len, kv_len=qt.kv_len)
-    return KeyBlock(s=s, qk=qk, k=k, idx=k_idx, ks=ks, rows=k_rows)
+               q_ids=qt.q_ids, k_ids=k_ids, q_len=qt.q_len, kv_len=qt.kv_len, mod=qt.mod,
+               mod_mask=mod_mask, with_dmod=with_dmod)
+    dmod = None
+    if with_dmod:
+        s, dmod = s
+    return KeyBlock(s=s, qk=qk, k=k, idx=k_idx, ks=ks, rows=k_rows, dmod=dmod)

@@ -1,0 +1,212 @@
+"""`ModSpec`: the normalized, hashable description of a call's custom attention.
+
+A user writes ``score_mod(score, b, h, q_idx, kv_idx, *aux) -> float`` and / or
+``mask_mod(b, h, q_idx, kv_idx, *aux) -> bool`` as ordinary JAX functions of scalars (``score``
+float32, the indices int32) and passes the arrays they read as ``aux`` (a tuple of pytrees).
+Every backend sees the same `ModSpec`; the aux arrays travel separately, as runtime operands.
+
+What is static and what is not:
+
+- The mods' *code* is static: each is traced once to a jaxpr on scalar int32 / float32 inputs
+  and the aux leaves' shapes and dtypes (`score_jaxpr`, `mask_jaxpr`). `ModSpec.key` is a sha256
+  over those jaxprs' text, the values of any arrays they close over (constants compiled into
+  the code), and the aux avals. Two specs are equal exactly when their keys are, so a mod
+  re-created per call (a lambda) hits the same caches, and a changed mod changes the key.
+- The aux *values* are runtime arrays: they never enter the key, so changing them (a learnable
+  relative-position table after an optimizer step, other document boundaries) never recompiles.
+- A mod that closes over a traced value (an array from the enclosing ``jax.jit``) cannot be
+  compiled in; it is refused with the hint to pass it through ``aux``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_I32 = jax.ShapeDtypeStruct((), jnp.int32)
+_F32 = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def normalize_aux(aux) -> tuple:
+    """``aux`` as the tuple the mods receive as ``*aux``: None -> (), one array -> (array,),
+    a list -> tuple; a tuple stays (its elements may be any pytrees of arrays)."""
+    if aux is None:
+        return ()
+    if isinstance(aux, tuple):
+        return aux
+    if isinstance(aux, list):
+        return tuple(aux)
+    return (aux,)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModSpec:
+    """The mods of one call (either may be None) and the static structure of their aux.
+
+    ``aux_tree`` is the treedef of the aux tuple, ``aux_avals`` ``((shape, dtype), ...)`` of its
+    leaves in flattening order; `aux` rebuilds the tuple from the leaves. Equality and hash
+    follow ``key`` (see the module docstring)."""
+
+    score_mod: Optional[Callable]
+    mask_mod: Optional[Callable]
+    aux_tree: Any
+    aux_avals: tuple
+    key: str
+
+    def __eq__(self, other):
+        return isinstance(other, ModSpec) and self.key == other.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        names = [f"{n}={getattr(f, '__name__', type(f).__name__)}"
+                 for n, f in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod)) if f]
+        return f"ModSpec({', '.join(names)}, aux={list(self.aux_avals)}, key={self.key[:12]})"
+
+    def aux(self, leaves) -> tuple:
+        """The aux tuple (as the mods receive it) from its flat leaves."""
+        return jax.tree_util.tree_unflatten(self.aux_tree, list(leaves))
+
+    @property
+    def has_score(self) -> bool:
+        return self.score_mod is not None
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_mod is not None
+
+    def flat_score(self) -> Optional[Callable]:
+        """score_mod over flat aux leaves: ``f(score, b, h, q_idx, kv_idx, *leaves)``."""
+        if self.score_mod is None:
+            return None
+        return _flat(self.score_mod, self.aux_tree, 5)
+
+    def flat_mask(self) -> Optional[Callable]:
+        """mask_mod over flat aux leaves: ``f(b, h, q_idx, kv_idx, *leaves)``."""
+        if self.mask_mod is None:
+            return None
+        return _flat(self.mask_mod, self.aux_tree, 4)
+
+    def aux_shape_structs(self) -> list:
+        return [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in self.aux_avals]
+
+    def float_aux(self) -> tuple[bool, ...]:
+        """Per leaf: whether it is floating (so it can have a gradient)."""
+        return tuple(jnp.issubdtype(jnp.dtype(d), jnp.floating) for _, d in self.aux_avals)
+
+
+def _flat(fn, tree, nargs):
+    def f(*args):
+        return fn(*args[:nargs], *jax.tree_util.tree_unflatten(tree, list(args[nargs:])))
+    f.__name__ = getattr(fn, "__name__", "mod")
+    return f
+
+
+def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec], tuple]:
+    """``(spec, aux_leaves)`` for a call; ``(None, ())`` when neither mod is given.
+
+    Raises ValueError when a mod is not callable, returns the wrong kind of value (score_mod:
+    one floating scalar; mask_mod: one boolean scalar), cannot be traced on scalars, or closes
+    over a traced array (pass such arrays through ``aux``)."""
+    aux = normalize_aux(aux)
+    if score_mod is None and mask_mod is None:
+        if aux:
+            raise ValueError("aux was given without score_mod or mask_mod to read it")
+        return None, ()
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be callable or None; got {fn!r}")
+    leaves, tree = jax.tree_util.tree_flatten(aux)
+    avals = []
+    for x in leaves:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            x = np.asarray(x)
+        avals.append((tuple(int(d) for d in x.shape), str(jnp.dtype(x.dtype))))
+    leaves = [jnp.asarray(x) for x in leaves]
+    avals = tuple(avals)
+    h = hashlib.sha256()
+    h.update(repr(avals).encode())
+    h.update(str(tree).encode())
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        h.update(name.encode())
+        if fn is not None:
+            h.update(_jaxpr_digest(fn, tree, avals, name).encode())
+    spec = ModSpec(score_mod, mask_mod, tree, avals, h.hexdigest())
+    return spec, tuple(leaves)
+
+
+@functools.lru_cache(maxsize=512)
+def _jaxpr_digest(fn, tree, avals, name) -> str:
+    # Cached per function object: a call in a training loop traces its mods once.
+    closed = _trace(fn, tree, avals, name)
+    h = hashlib.sha256(str(closed.jaxpr).encode())
+    for c in closed.consts:
+        if isinstance(c, jax.core.Tracer):
+            raise ValueError(
+                f"{name} closes over a traced array (shape {c.shape}, {c.dtype}); a mod's "
+                f"closure is compiled into the kernel, so values that change must be passed "
+                f"through aux=(...) and read from the mod's *aux arguments")
+        a = np.asarray(c)
+        h.update(f"{a.shape}{a.dtype}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _trace(fn, tree, avals, name):
+    structs = [jax.ShapeDtypeStruct(s, jnp.dtype(d)) for s, d in avals]
+    nargs = 5 if name == "score_mod" else 4
+    scalars = ([_F32] if nargs == 5 else []) + [_I32] * 4
+    try:
+        closed, out = jax.make_jaxpr(_flat(fn, tree, nargs), return_shape=True)(*scalars,
+                                                                                 *structs)
+    except Exception as e:  # noqa: BLE001 - the user's function: say which one, keep the cause
+        raise ValueError(f"{name} could not be traced on scalar int32 indices"
+                         + (" and a float32 score" if nargs == 5 else "")
+                         + f" with aux leaves {list(avals)}: {type(e).__name__}: {e}") from e
+    want = "a floating" if nargs == 5 else "a boolean"
+    ok = (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()
+          and (jnp.issubdtype(out.dtype, jnp.floating) if nargs == 5 else out.dtype == jnp.bool_))
+    if not ok:
+        raise ValueError(f"{name} must return {want} scalar; got {out}")
+    return closed
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_jaxpr(spec: ModSpec, name: str, deriv: bool):
+    fn = spec.score_mod if name == "score_mod" else spec.mask_mod
+    if fn is None:
+        return None
+    if not deriv:
+        return _trace(fn, spec.aux_tree, spec.aux_avals, name)
+    flat = _flat(fn, spec.aux_tree, 5)
+
+    def value_and_dscore(s, *rest):
+        out, d = jax.jvp(lambda x: flat(x, *rest).astype(jnp.float32), (s,), (jnp.float32(1),))
+        return out, d
+
+    return jax.make_jaxpr(value_and_dscore)(_F32, *([_I32] * 4), *spec.aux_shape_structs())
+
+
+def score_jaxpr(spec: ModSpec):
+    """The score_mod's ClosedJaxpr on ``(score f32[], b, h, q_idx, kv_idx i32[], *aux
+    leaves)`` -> one float scalar; None without a score_mod. What kernel code generators
+    translate; `ModSpec.key` covers its text."""
+    return _cached_jaxpr(spec, "score_mod", False)
+
+
+def score_deriv_jaxpr(spec: ModSpec):
+    """Like `score_jaxpr` with two float32 outputs: the modded score and its derivative with
+    respect to ``score`` (what the backward's dS is multiplied by)."""
+    return _cached_jaxpr(spec, "score_mod", True)
+
+
+def mask_jaxpr(spec: ModSpec):
+    """The mask_mod's ClosedJaxpr on ``(b, h, q_idx, kv_idx i32[], *aux leaves)`` -> one
+    bool scalar; None without a mask_mod."""
+    return _cached_jaxpr(spec, "mask_mod", False)

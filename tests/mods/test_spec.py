@@ -1,0 +1,113 @@
+"""The mods' interface: the key follows the code and never the aux values, changing aux
+never recompiles, what cannot be served is refused with its reason, and mistakes are
+ValueErrors that say what to do."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import mods
+from tests.common import fresh_rng, randn
+
+_Q = jax.ShapeDtypeStruct((2, 24, 4, 64), jnp.bfloat16)
+_K = jax.ShapeDtypeStruct((2, 24, 2, 64), jnp.bfloat16)
+
+
+def _key(score=None, mask=None, aux=()):
+    return mods.make_spec(score, mask, aux)[0].key
+
+
+def test_key_follows_code_not_aux_values():
+    a = jnp.ones((4,), jnp.float32)
+    b = jnp.arange(4, dtype=jnp.float32)
+    # The same code built twice (two closures), other aux values: one key.
+    assert _key(mods.alibi(), aux=(a,)) == _key(mods.alibi(), aux=(b,))
+    assert mods.make_spec(mods.alibi(), None, (a,))[0] == mods.make_spec(mods.alibi(), None,
+                                                                          (b,))[0]
+    # Other code, another constant compiled in, another aux shape or dtype: another key.
+    assert _key(mods.alibi(), aux=(a,)) != _key(mods.chain(mods.alibi(), mods.softcap(5.0)),
+                                                aux=(a,))
+    assert _key(mods.softcap(5.0)) != _key(mods.softcap(6.0))
+    assert _key(mods.alibi(), aux=(a,)) != _key(mods.alibi(), aux=(jnp.ones((8,)),))
+    assert _key(mods.alibi(), aux=(a,)) != _key(mods.alibi(), aux=(a.astype(jnp.bfloat16),))
+    assert _key(mask=mods.causal()) != _key(mask=mods.sliding_window(4, 0))
+    # A mod's role is part of the key.
+    assert _key(mask=mods.causal()) != _key(score=mods.softcap(5.0), mask=mods.causal())
+
+
+def test_jaxprs_on_scalars():
+    spec, leaves = mods.make_spec(mods.t5_bias(), mods.document(1),
+                                  (jnp.zeros((32, 4)), jnp.zeros((2, 24), jnp.int32)))
+    sj, dj, mj = mods.score_jaxpr(spec), mods.score_deriv_jaxpr(spec), mods.mask_jaxpr(spec)
+    assert [v.aval.shape for v in sj.jaxpr.invars] == [(), (), (), (), (), (32, 4), (2, 24)]
+    assert [str(v.aval.dtype) for v in sj.jaxpr.invars[:5]] == ["float32"] + ["int32"] * 4
+    assert len(dj.jaxpr.outvars) == 2 and mj.jaxpr.outvars[0].aval.dtype == jnp.bool_
+    assert len(mj.jaxpr.invars) == 6
+    assert spec.aux(leaves)[1] is leaves[1]
+
+
+def test_changing_aux_never_recompiles():
+    """One compile for three aux values (the Pallas kernels' forward; the gradients are in the
+    same program when differentiated, nothing there depends on the values either)."""
+    rng = fresh_rng()
+    q = randn((1, 17, 2, 16), "float32", rng)
+    k = randn((1, 17, 2, 16), "float32", rng)
+
+    @jax.jit
+    def f(q, k, table):
+        return jaxflash.flash_attention(
+            q, k, k, implementation="pallas", score_mod=mods.t5_bias(0, num_buckets=8),
+            mask_mod=mods.causal(), aux=(table,))
+
+    outs = [f(q, k, randn((8, 2), "float32", rng)) for _ in range(3)]
+    assert f._cache_size() == 1
+    assert not np.allclose(outs[0], outs[1])   # the values did reach the kernels
+
+
+def test_explain_names_who_cannot_serve_mods():
+    with jaxflash.target_platform("cuda"):
+        plan = jaxflash.explain(_Q, _K, _K, score_mod=mods.softcap(5.0), mask_mod=mods.causal())
+    text = str(plan)
+    assert plan.backend == "pallas"
+    assert "'cute' refused: score_mod / mask_mod" in text
+    assert "'cudnn' refused: score_mod / mask_mod" in text
+    assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
+
+
+def test_pallas_refuses_what_it_cannot_translate():
+    row_sum = lambda s, b, h, qi, ki, t: s + jnp.sum(t[h, :])     # a non-scalar read
+    plan = jaxflash.explain(_Q, _K, _K, score_mod=row_sum, aux=(jnp.zeros((4, 8)),),
+                            implementation="pallas")
+    assert plan.backend is None and "reads a (1, 8) slice of an aux array" in str(plan)
+    with pytest.raises(NotImplementedError, match="slice of an aux array"):
+        jaxflash.flash_attention(jnp.zeros(_Q.shape), jnp.zeros(_K.shape), jnp.zeros(_K.shape),
+                                 score_mod=row_sum, aux=(jnp.zeros((4, 8)),),
+                                 implementation="pallas")
+    flags = lambda b, h, qi, ki, f: f[ki]
+    plan = jaxflash.explain(_Q, _K, _K, mask_mod=flags, aux=(jnp.ones((24,), bool),),
+                            implementation="pallas")
+    assert plan.backend is None and "boolean aux" in str(plan)
+    assert jaxflash.explain(_Q, _K, _K, mask_mod=flags, aux=(jnp.ones((24,), bool),)).backend \
+        == "xla"
+
+
+def test_mistakes_are_value_errors():
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="through aux"):
+        jax.jit(lambda q, t: jaxflash.flash_attention(
+            q, q, q, score_mod=lambda s, b, h, i, j: s + t[h]))(q, jnp.ones(2))
+    with pytest.raises(ValueError, match="boolean scalar"):
+        jaxflash.flash_attention(q, q, q, mask_mod=lambda b, h, i, j: i - j)
+    with pytest.raises(ValueError, match="floating scalar"):
+        jaxflash.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j: i > j)
+    with pytest.raises(ValueError, match="aux was given"):
+        jaxflash.flash_attention(q, q, q, aux=(jnp.ones(2),))
+    bm = mods.create_block_mask(mods.causal(), 1, 1, 8, 8, block=(16, 16))
+    with pytest.raises(ValueError, match="needs the mask_mod"):
+        jaxflash.flash_attention(q, q, q, block_mask=bm)
+    q9 = jnp.zeros((1, 9, 2, 16))
+    with pytest.raises(ValueError, match=r"built for \(T, S\) = \(8, 8\)"):
+        jaxflash.flash_attention(q9, q9, q9, mask_mod=mods.causal(), block_mask=bm)
+    with pytest.raises(ValueError, match="power of two"):
+        mods.create_block_mask(mods.causal(), 1, 1, 8, 8, block=(24, 16))
