@@ -15,6 +15,8 @@ class XlaBackend(Backend):
     name = "xla"
 
     def plan(self, problem):
+        if problem.statics.fp8 is not None and problem.statics.mods is not None:
+            raise NotImplementedError("the emulated FP8 path has no score_mod / mask_mod")
         return None
 
     def forward(self, q, k, v, arrays, statics, plan):
