@@ -245,7 +245,8 @@ def run(args):
 
 def _line(r):
     if r.get("status") != "ok":
-        return f"{r['case']:9s} {r['mode']:7s} {r['impl']:18s} {r['status']}: {r.get('error', '')[:160]}"
+        return (f"{r['case']:9s} {r['mode']:7s} {r['impl']:18s} {r['status']}: "
+                f"{r.get('error', '')[:160]}")
     extra = f"  tiles {r['tflops_tiles']:.0f}" if "tflops_tiles" in r else ""
     chk = "".join(f"  rel_l2 {v:.1e}" for k, v in r.items() if k.startswith("rel_l2"))
     return (f"{r['case']:9s} {r['mode']:7s} {r['impl']:18s} {r['ms']:9.3f} ms "
