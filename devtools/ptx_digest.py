@@ -5,6 +5,7 @@ binary's PTX byte-identical.
 
     CUTE_DSL_ARCH=sm_90a python -m devtools.ptx_digest --out digests.json [--compare old.json]
     CUTE_DSL_ARCH=sm_90a python -m devtools.ptx_digest --out - --build .device/kernels
+    CUTE_DSL_ARCH=sm_90a python -m devtools.ptx_digest --only 'alibi|grid-d128-s1024' --out -
 """
 from __future__ import annotations
 
@@ -118,6 +119,7 @@ def main(argv=None):
     ap.add_argument("--out", default="-")
     ap.add_argument("--compare")
     ap.add_argument("--keep", help="directory to keep the PTX in")
+    ap.add_argument("--only", help="regex: compile only the cases whose label matches")
     ap.add_argument("--build", help="instead: build these variants' artifacts into this "
                     "directory (what the grid and the feature cases dispatch to)")
     a = ap.parse_args(argv)
@@ -128,6 +130,8 @@ def main(argv=None):
         return 0
     res = {}
     for key, (label, launch) in sorted(launches().items()):
+        if a.only and not re.search(a.only, label):
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             ptx = ptx_of(launch, tmp)
         raw = hashlib.sha256(ptx.encode()).hexdigest()

@@ -115,6 +115,7 @@ class _Layout(NamedTuple):
     kv_seqlen: bool
     alibi: bool
     segments: bool
+    fp8: bool = False  # FP8 scales [B, N, nq], [B, K, nk], [B, K, nv] ride along (batch, heads)
     # With mods: (aux leaves' ranks, which leaves get gradients, the block mask's
     # (batch dim full, head dim full, block, seq_lens) or None); None without mods.
     mods: Optional[tuple] = None
@@ -139,7 +140,8 @@ class _Layout(NamedTuple):
         return cls(group=N // k.shape[2], bias=dense(arrays.bias), mask=dense(arrays.mask),
                    q_seqlen=arrays.q_seqlen is not None, kv_seqlen=arrays.kv_seqlen is not None,
                    alibi=arrays.alibi_slopes is not None,
-                   segments=arrays.q_segment_ids is not None, mods=mods)
+                   segments=arrays.q_segment_ids is not None,
+                   fp8=arrays.q_scale is not None, mods=mods)
 
     def rule(self, kind: str):
         """Shardy rule (einsum string, need_replication factors, factor sizes)."""
@@ -166,6 +168,9 @@ class _Layout(NamedTuple):
         ops += ["b"] if self.kv_seqlen else []
         ops += [nq] if self.alibi else []
         ops += ["b t", "b s"] if self.segments else []
+        if self.fp8:  # the scale-block dims stay whole, like the sequence dims they index
+            ops += [f"b {nq} qsb", "b k ksb", "b k vsb"]
+            repl += ["qsb", "ksb", "vsb"]
         aux_ops = []
         if self.mods is not None:
             # aux leaves: replicated (every shard reads them whole); block mask: split with the
@@ -304,6 +309,9 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
         alibi_slopes=ns("n") if layout.alibi else None,
         q_segment_ids=ns("b", None) if layout.segments else None,
         kv_segment_ids=ns("b", None) if layout.segments else None,
+        q_scale=ns("b", "n", None) if layout.fp8 else None,
+        k_scale=ns("b", "k", None) if layout.fp8 else None,
+        v_scale=ns("b", "k", None) if layout.fp8 else None,
         mod_aux=aux, block_mask=bm)
     out, lse = q, ns("b", "n", None)
     if kind == "fwd":

@@ -25,4 +25,7 @@ fi
 cp -r artifacts/ffi_selftest/kernels/. .device/kernels/
 # whatever the GPU tests reach through dispatch (recorded by running them once here)
 "$PY" -m tests.collect_variants --out .device/kernels -m gpu tests | tail -3
+# the extremes' programs are too large to run here: traced only
+JAXFLASH_PLATFORM=cuda "$PY" -m tests.collect_variants --out .device/kernels \
+  --lower tests.extremes.test_large_gpu:lower_cute_programs | tail -2
 du -sh .device artifacts

@@ -12,6 +12,8 @@ class PallasBackend(Backend):
     name = "pallas"
 
     def plan(self, problem):
+        if problem.statics.fp8 is not None:
+            raise NotImplementedError("the Pallas kernels have no FP8 path")
         from jaxflash import pallas_fallback
         pallas_fallback.check(problem)
         if problem.mods is None:

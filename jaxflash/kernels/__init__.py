@@ -51,6 +51,12 @@ KERNELS: dict[str, Kernel] = {
                        "jaxflash.kernels.variants.fwd_launch:fwd_launch",
                        (("main", "jaxflash.kernels.sm90.fwd:FlashFwdSm90"),),
                        ("sm_90a",)),
+    # FP8 (e4m3) forward for Hopper: the forward's mainloop with FP8 wgmma, V transposed in
+    # shared memory by the producer warpgroup, 16-bit output.
+    "sm90_fwd_fp8": Kernel("jaxflash.kernels.variants.fwd_fp8:Fp8FwdConfig",
+                           "jaxflash.kernels.variants.fwd_fp8_launch:fwd_fp8_launch",
+                           (("main", "jaxflash.kernels.sm90.fwd_fp8:FlashFwdSm90Fp8"),),
+                           ("sm_90a",)),
     # FlashAttention backward for Hopper: dQ, dK, dV; head dims 192 / 256 split the head dim
     # over the consumer warpgroups (`BwdConfig.split`).
     "sm90_bwd": Kernel("jaxflash.kernels.variants.bwd:BwdConfig",

@@ -19,6 +19,10 @@ from jaxflash.kernels.policy.verified import require_verified
 # Which registered kernel serves each direction, per architecture.
 FORWARD = {"sm_90a": "sm90_fwd"}
 BACKWARD = {"sm_90a": "sm90_bwd"}
+FORWARD_FP8 = {"sm_90a": "sm90_fwd_fp8"}
+# Until an FP8 backward kernel exists, FP8 gradients come from the contract's own backward.
+FP8_BWD_REASON = ("no CuTe FP8 backward yet: the emulated FP8 backward (XLA, "
+                  "jaxflash.fp8.emulated) runs on the kernel's (out, lse)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +33,14 @@ class CutePlan:
     fwd: Launch
     bwd: Optional[Launch]
     bwd_reason: str = ""
+    fp8: bool = False
 
     @property
     def note(self) -> str:
+        if self.fp8 and self.bwd is None:
+            cls = self.fwd.kernel.rpartition(":")[2]
+            return (f"forward: CuTe FP8 kernel {cls} ({self.fwd.config.key}); "
+                    f"backward: {self.bwd_reason}")
         if self.bwd is None:
             return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
         cls = self.bwd.kernel.rpartition(":")[2]
@@ -83,9 +92,17 @@ def backward_launch(problem, arch: Optional[str] = None) -> Launch:
                    arch or current_arch())
 
 
+def fp8_forward_launch(problem, arch: Optional[str] = None) -> Launch:
+    """The launch serving an FP8 `problem`'s forward (NotImplementedError if none)."""
+    return _launch(FORWARD_FP8, "FP8 forward", problem, choose.fp8_forward_config,
+                   arch or current_arch())
+
+
 def plan(problem, arch: Optional[str] = None) -> CutePlan:
     """The CuTe plan of `problem`; NotImplementedError if the forward cannot run."""
     arch = arch or current_arch()
+    if problem.statics.fp8 is not None:
+        return CutePlan(fp8_forward_launch(problem, arch), None, FP8_BWD_REASON, fp8=True)
     fwd = forward_launch(problem, arch)
     try:
         return CutePlan(fwd, backward_launch(problem, arch))

@@ -33,8 +33,9 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
         s = kb.s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row with nothing visible so far keeps m = -inf; exponentiate against 0 instead so
-        # no inf - inf appears (its p and alpha are then exactly 0).
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        # no inf - inf appears (its p and alpha are then exactly 0). A +inf logit is treated
+        # the same way, as the reference does: its row's LSE is +inf (not NaN), the row NaN.
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
@@ -59,7 +60,7 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     tiles.store(r["o"], acc / l_safe[:, None], tiles.tile_mask(qt.rows, qt.hv))
-    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(l_safe)) * tiles.LN2)
     tiles.store(r["lse"], lse, qt.rows)
 

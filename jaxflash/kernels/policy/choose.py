@@ -13,6 +13,9 @@ from jaxflash.kernels.variants.bwd import TILE_M128_HEAD_DIMS, BwdConfig
 from jaxflash.kernels.variants.bwd import can_implement as bwd_can_implement
 from jaxflash.kernels.variants.fwd import FwdConfig
 from jaxflash.kernels.variants.fwd import can_implement as fwd_can_implement
+from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
+from jaxflash.kernels.variants.fwd_fp8 import can_implement as fp8_can_implement
+from jaxflash.kernels.variants.mod_program import spec_texts
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches, the 4k ones did not.
@@ -41,8 +44,57 @@ def forward_config(problem) -> FwdConfig:
     # runs: 1.03-1.26x the default schedule on each of the six masked calls timed); ALiBi,
     # segment ids and query lengths were not timed with it and keep the default.
     tuned = not (problem.has_alibi or problem.has_segments or problem.has_q_seqlen)
+    mods = spec_texts(problem.mods)
+    if mods:
+        return FwdConfig(**features, score_mod=mods["score"], mask_mod=mods["mask"],
+                         **mod_schedule(problem.head_dim, problem.kv_len, st.is_causal,
+                                        bool(mods["score"])))
     return FwdConfig(**features, **schedule_for(problem.head_dim, problem.kv_len, st.is_causal,
                                                 plain=tuned, softcap=st.softcap is not None))
+
+
+def fp8_forward_config(problem) -> Fp8FwdConfig:
+    """The FP8 forward variant serving an FP8 `Problem` (``statics.fp8`` set; ValueError if
+    none can). One tile per CTA, 128 x 128 tiles (the contract's 128-key softmax tiles), causal
+    diagonal blocks masked by select as in the bf16 picks."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
+    spec = problem.statics.fp8
+    if spec is None:
+        raise ValueError("not an FP8 call")
+    dtypes = {spec.q_dtype, spec.k_dtype, spec.v_dtype}
+    if dtypes != {"float8_e4m3fn"}:
+        raise ValueError(f"FP8 kernel operands are e4m3 only (got q/k/v {spec.q_dtype}, "
+                         f"{spec.k_dtype}, {spec.v_dtype})")
+    # One scale per (batch, head): per-tensor / per-head scales, or blocks that cover the
+    # sequence (block scales within the sequence are not in the kernel yet).
+    if spec.q_block < problem.q_len or min(spec.k_block, spec.v_block) < problem.kv_len:
+        raise ValueError(f"scales per block of the sequence (q {spec.q_block}, k {spec.k_block}, "
+                         f"v {spec.v_block} rows) are not in the FP8 kernel yet: per-tensor and "
+                         "per-head scales only")
+    features = tuple(f for f in problem.features() if f != "fp8")
+    ok, why = fp8_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                                head_dim_v=problem.head_dim_v, features=features)
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    return Fp8FwdConfig(dtype=problem.dtype, out_dtype=spec.out_dtype,
+                        head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+                        is_causal=st.is_causal, has_window=st.window is not None,
+                        has_softcap=st.softcap is not None, has_q_seqlen=problem.has_q_seqlen,
+                        has_kv_seqlen=problem.has_kv_seqlen, has_segments=problem.has_segments,
+                        mask_select=st.is_causal)
+
+
+def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> dict:
+    """A mod call's forward schedule: the plain call's pick on 128-row tiles (the mods'
+    variants run there; a score_mod is treated as softcap, whose registers it needs too),
+    else the default grid. Not yet measured on the H200: the first guess, to be tuned."""
+    sched = schedule_for(head_dim, kv_len, causal, plain=True, softcap=score_mod)
+    if sched.get("tile_m", 128) != 128:
+        sched = {"mask_select": True} if causal else {}
+    return sched
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
@@ -134,6 +186,9 @@ def backward_config(problem) -> BwdConfig:
                                 head_dim_v=problem.head_dim_v, features=problem.features())
     if not ok:
         raise ValueError(why)
+    mods = spec_texts(problem.mods)
+    if mods:
+        return mod_backward_config(problem, mods)
     return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
                      head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
                      has_window=st.window is not None, has_softcap=st.softcap is not None,
@@ -148,6 +203,27 @@ def backward_config(problem) -> BwdConfig:
                                          problem.has_alibi, problem.has_segments,
                                          (st.is_causal and not tail) or st.window is not None),
                      tail_lpt=tail, q_multicast=use_q_multicast(problem))
+
+
+def mod_backward_config(problem, mods: dict) -> BwdConfig:
+    """A mod call's backward: the plain call's choices with a score_mod treated as softcap
+    (its derivative takes softcap's registers: 64-query steps, no early_dv above hd 96, no
+    dq_flat at hd 128) and a mask_mod as a mask; no tail_lpt / q_multicast (not checked with
+    mods). Not yet measured on the H200."""
+    st = problem.statics
+    sc = bool(mods["score"]) or st.softcap is not None
+    masked = st.is_causal or st.window is not None or bool(mods["mask"])
+    return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                     has_window=st.window is not None, has_softcap=st.softcap is not None,
+                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                     has_alibi=problem.has_alibi, has_segments=problem.has_segments,
+                     deterministic=st.deterministic,
+                     tile_m=tile_m_for(problem.head_dim, sc, problem.has_alibi),
+                     early_dv=use_early_dv(problem.head_dim, sc, st.deterministic),
+                     dq_flat=use_dq_flat(problem.head_dim, sc, problem.has_alibi,
+                                         problem.has_segments, masked),
+                     score_mod=mods["score_grad"], mask_mod=mods["mask"])
 
 
 def use_q_multicast(problem) -> bool:

@@ -63,7 +63,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
@@ -147,6 +147,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             ins.append("alibi_slopes")
         if self.cfg.has_segments:
             ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
+        ins += ["mod_blocks"] * bool(self.cfg.mask_mod) + [f"aux{i}" for i in range(len(
+            self.cfg.aux))]
         outs = ["dq_acc", "dk", "dv"]
         if self.cfg.has_alibi:
             outs.append("alibi_parts")
@@ -163,6 +165,9 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
         mAlibi = a.maybe(self.cfg.has_alibi)
         seg = a.maybe(self.cfg.has_segments, 4)
+        # mods: (block range table or None, aux arrays)
+        mods = (a.maybe(bool(self.cfg.mask_mod)), a.take(len(self.cfg.aux)) if len(
+            self.cfg.aux) > 1 else ((a.take(),) if self.cfg.aux else ()))
         mdQ, mdK, mdV = a.take(3)
         mdAlibi = a.maybe(self.cfg.has_alibi)
         mSem = a.maybe(self.cfg.deterministic)
@@ -170,7 +175,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
         self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mAlibi, seg[0], seg[1],
-                    seg[2], seg[3], mdQ, mdK, mdV, mdAlibi, mSem, mFScalars, mIScalars, stream)
+                    seg[2], seg[3], mdQ, mdK, mdV, mdAlibi, mSem, mFScalars, mIScalars, stream,
+                    mods)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -180,7 +186,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                mKVBlk: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor], mdQ: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mdAlibi: Optional[cute.Tensor],
                mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, mods=(None, ())):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -252,7 +258,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         self.kernel(
             tma_mQ, tma_mK, tma_mV, tma_mdO, tma_mLSE, tma_mDelta, tma_mdK, tma_mdV,
             tma_mdQ if self.dq_box else mdQ, mQSeqlen, mKVSeqlen,
-            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi), tma_Q, tma_K, tma_V, tma_dO,
+            (mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi, mods), tma_Q, tma_K, tma_V, tma_dO,
             tma_LSE, tma_Dl, tma_dK, tma_dV, tma_dQ, mSem, mFScalars, mIScalars, sQ_layout,
             sdO_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, sdQ_layout,
             tiled_mma_sdp, tiled_mma_dk, tiled_mma_dv, tiled_mma_dq, SharedStorage,
@@ -308,23 +314,30 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def zero_fill(self, t: cute.Tensor, stream: cuda.CUstream):
-        """Launch `zero_kernel` over a compact tensor (viewed flat)."""
-        total = cute.size(t.shape)
-        flat = cute.make_tensor(t.iterator, cute.make_layout(total))
+        """Launch `zero_kernel` over a compact tensor (viewed flat). The element count and the
+        offsets are 64-bit: the dQ accumulator passes 2^31 elements at long contexts (an Int32
+        count wraps negative and the launch fails)."""
+        total = Int64(1)
+        for i in cutlass.range_constexpr(cute.rank(t)):
+            total = total * Int64(cute.size(t, mode=[i]))
         per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
-        self.zero_kernel(flat, total).launch(
-            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
+        self.zero_kernel(t.iterator, total).launch(
+            grid=[Int32((total + per_cta - 1) // per_cta), 1, 1], block=[_ZERO_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
-    def zero_kernel(self, flat: cute.Tensor, total: Int32):
+    def zero_kernel(self, base_ptr: cute.Pointer, total: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        base = bid * (_ZERO_THREADS * _ZERO_PER_THREAD) + tidx
+        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
+        start = Int64(bid) * per_cta
+        # This CTA's slice as its own tensor: the 64-bit offset goes into the pointer once and
+        # the per-thread indices stay 32-bit.
+        chunk = cute.make_tensor(base_ptr + start, cute.make_layout(per_cta))
         for k in cutlass.range_constexpr(_ZERO_PER_THREAD):
-            i = base + k * _ZERO_THREADS  # consecutive threads, consecutive words
-            if i < total:
-                flat[i] = flat.element_type(0)
+            i = tidx + k * _ZERO_THREADS  # consecutive threads, consecutive words
+            if start + i < total:
+                chunk[i] = chunk.element_type(0)
 
     @cute.kernel
     def kernel(
@@ -377,6 +390,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             softcap = mFScalars[1]
             pre_scale = softmax_scale / softcap
             scale_log2 = softcap * LOG2_E
+        if const_expr(self.has_score_mod):  # the program takes the scaled logit
+            pre_scale, scale_log2 = self.mod_scales(softmax_scale)
         window_left = Int32(0)
         window_right = Int32(0)
         if const_expr(self.cfg.has_window):
@@ -407,6 +422,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             # (exact for sorted, document-packed ids; see `jaxflash.kernels.common.segments`).
             m_min = cutlass.max(m_min, mKVBlk[batch, n_block, 2])
             m_max = cutlass.max(cutlass.min(m_max, mKVBlk[batch, n_block, 3]), m_min)
+        m_min, m_max = self.mod_m_range(feats[6][0], batch, kv_head, n_block, m_min, m_max)
         num_m = m_max - m_min
         num_steps = group * num_m
 
@@ -484,7 +500,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 window_right: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
                 group: Int32, m_min: Int32, num_m: Int32, num_steps: Int32, seqlen_k: Int32,
                 T: Int32, mSem: Optional[cute.Tensor], blocks: QueryBlockRange, feats):
-        mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi = feats
+        mAlibi, mQSeg, mKVSeg, mKVBlk, mQBlk, mdAlibi, mods = feats
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -514,6 +530,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 n_block * self.tile_n, mKVSeg[batch, None], mKVSeg.shape[1],
                 mKVBlk[batch, n_block, 0], mKVBlk[batch, n_block, 1])
         dslope = Float32(0.0)
+        full = self.mod_full_range(mods[0], batch, kv_head, n_block)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -536,6 +553,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 if const_expr(self.cfg.has_softcap):
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
+                self.mod_scores(acc_S, acc_dP, coords, sDelta, stage, n_block, m_block, batch,
+                                head, mods, pre_scale, full)
                 # Only blocks on a boundary (key tail, diagonal, window edge) pay for the mask.
                 if const_expr(self.cfg.has_alibi):
                     apply_alibi(acc_S, coords, n_block * self.tile_n, m_block * self.tile_m,

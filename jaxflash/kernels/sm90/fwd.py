@@ -44,8 +44,8 @@ from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.carry import Carried
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION_MB, FwdConfig
 from jaxflash.kernels.sm90.fwd_epilogue import FwdEpilogue
-from jaxflash.kernels.common.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi,
-                                          apply_mask, apply_segment_mask)
+from jaxflash.kernels.sm90.fwd_scores import FwdScores
+from jaxflash.kernels.common.mask import BlockRange, SegmentRows, TileCoords
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.pipes import TmaPipelines
 from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
@@ -74,7 +74,7 @@ class _ScoreMods(Carried):
     Only the present ones are listed in ``_dynamic`` (set per instance)."""
 
 
-class FlashFwdSm90(FwdEpilogue):
+class FlashFwdSm90(FwdEpilogue, FwdScores):
     """Hopper forward attention kernel for one `FwdConfig` variant.
 
     Host entry (``@cute.jit __call__``), tensors in the canonical jaxflash layouts:
@@ -92,6 +92,7 @@ class FlashFwdSm90(FwdEpilogue):
             raise ValueError(why)
         self.cfg = config
         self.dtype = _DTYPES[config.dtype]
+        self.o_dtype = self.dtype  # the output's element type (the FP8 subclass: 16-bit)
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.hd, self.hdv = config.head_dim, config.head_dim_v
         self.num_stages = config.num_stages
@@ -144,6 +145,8 @@ class FlashFwdSm90(FwdEpilogue):
             ins.append("alibi_slopes")
         if self.cfg.has_segments:
             ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
+        ins += ["mod_blocks"] * bool(self.cfg.mask_mod) + [f"aux{i}" for i in range(len(
+            self.cfg.aux))]
         return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
 
     @cute.jit
@@ -156,11 +159,14 @@ class FlashFwdSm90(FwdEpilogue):
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
         mAlibi = a.maybe(self.cfg.has_alibi)
         seg = a.maybe(self.cfg.has_segments, 4)
+        # mods: (block range table or None, aux arrays)
+        mods = (a.maybe(bool(self.cfg.mask_mod)), a.take(len(self.cfg.aux)) if len(
+            self.cfg.aux) > 1 else ((a.take(),) if self.cfg.aux else ()))
         mO, mLSE, mFScalars = a.take(3)
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
         self.launch(mQ, mK, mV, mQSeqlen, mKVSeqlen, mAlibi, seg[0], seg[1], seg[2], seg[3], mO,
-                    mLSE, mFScalars, mIScalars, stream)
+                    mLSE, mFScalars, mIScalars, stream, mods)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -169,7 +175,7 @@ class FlashFwdSm90(FwdEpilogue):
                mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
                mKVBlk: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor,
                mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, mods=(None, ())):
         for t in (mQ, mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -245,7 +251,7 @@ class FlashFwdSm90(FwdEpilogue):
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen,
             mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
             sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv, scheduler, num_m_blocks, SharedStorage,
+            tiled_mma_qk, tiled_mma_pv, scheduler, num_m_blocks, SharedStorage, mods,
         ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=self.cfg.ctas_per_sm,
                  preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None)
@@ -267,7 +273,7 @@ class FlashFwdSm90(FwdEpilogue):
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         scheduler: cutlass.Constexpr, num_m_blocks: Int32,
-        SharedStorage: cutlass.Constexpr,
+        SharedStorage: cutlass.Constexpr, mods,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -308,6 +314,8 @@ class FlashFwdSm90(FwdEpilogue):
             pre_scale = softmax_scale / softcap
             scale_log2 = softcap * LOG2_E
             alibi_unit = softcap
+        if const_expr(self.has_score_mod):  # the program takes the scaled logit
+            pre_scale, scale_log2 = self.mod_scales(softmax_scale)
         alibi_inv = Float32(1.0) / alibi_unit
         window_left = Int32(0)
         window_right = Int32(0)
@@ -325,6 +333,7 @@ class FlashFwdSm90(FwdEpilogue):
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
 
         pipeline.pipeline_init_wait()
+        blk = (mQBlk, mods[0])  # the key-block range tables: segment summaries, mask_mod
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -349,12 +358,12 @@ class FlashFwdSm90(FwdEpilogue):
                             if m_block >= 0:
                                 tile_state, q_state, kv_state = self.announce_and_produce(
                                     m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen,
-                                    mQBlk, blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q,
+                                    blk, blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q,
                                     pipe_k, pipe_v, q_state, kv_state, pipe_tile, sTile,
                                     tile_state)
                         else:
                             tile_state, q_state, kv_state = self.announce_and_produce(
-                                m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
+                                m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, blk,
                                 blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                                 q_state, kv_state, pipe_tile, sTile, tile_state)
                         r += 1
@@ -367,14 +376,14 @@ class FlashFwdSm90(FwdEpilogue):
                     while tile < num_tiles:
                         q_state, kv_state = self.produce_tile(
                             tile, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen,
-                            mQBlk, blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
+                            blk, blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                             q_state, kv_state)
                         r += 1
                         tile = scheduler.tile_of_round(r, bid, grid)
                 else:
                     # One tile per CTA: straight-line code (no tile loop around the mainloop).
                     q_state, kv_state = self.produce_tile(
-                        bid, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
+                        bid, scheduler, num_m_blocks, mQ, mK, mV, mQSeqlen, mKVSeqlen, blk,
                         blocks,
                         sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state,
                         kv_state)
@@ -388,7 +397,7 @@ class FlashFwdSm90(FwdEpilogue):
                     cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
                                              number_of_threads=2 * 128)
             cargs = (mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v)
-            segs = (mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk)
+            segs = (mAlibi, alibi_inv, mQSeg, mKVSeg, blk, mKVBlk, mods[1])
             if const_expr(self.tile_pipe):
                 sTile = storage.tile_coords.get_tensor(cute.make_layout((4, 2)))
                 tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
@@ -446,8 +455,8 @@ class FlashFwdSm90(FwdEpilogue):
     def produce_at(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mV, mQSeqlen,
                    mKVSeqlen, mQBlk, blocks: BlockRange, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q,
                    pipe_k, pipe_v, q_state, kv_state):
-        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen, mKVSeqlen,
-                                                  mQBlk, blocks)
+        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, head, batch, mQ, mK, mQSeqlen,
+                                                  mKVSeqlen, mQBlk, blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         return self.produce(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                             q_state, kv_state, m_block, head, kv_head, batch, n_min, n_max,
@@ -470,9 +479,10 @@ class FlashFwdSm90(FwdEpilogue):
                    tiled_mma_pv, tidx: Int32, warp_idx: Int32, pre_scale: Float32,
                    scale_log2: Float32, window_left: Int32, window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
-        mAlibi, alibi_inv, mQSeg, mKVSeg, mQBlk, mKVBlk = segs
-        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
-                                                            mKVSeqlen, mQBlk, blocks)
+        mAlibi, alibi_inv, mQSeg, mKVSeg, blk, mKVBlk, aux = segs
+        mQBlk = blk[0]
+        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, head, batch, mQ, mK,
+                                                            mQSeqlen, mKVSeqlen, blk, blocks)
         # Fragments are made per tile, inside the tile's own region: accumulators carried
         # through the persistent tile loop would cost register copies around in-flight wgmma.
         ctx = self.consumer_setup(sQ, sK, sV, tiled_mma_qk, tiled_mma_pv, tidx, scale_log2)
@@ -489,6 +499,12 @@ class FlashFwdSm90(FwdEpilogue):
             mods.kv_blk = mKVBlk[batch, None, None]
             mods.S = mK.shape[0]
             dyn += ["rows", "kv_seg", "kv_blk", "S"]
+        if const_expr(self.has_mods):
+            mods.batch, mods.head, mods.aux = batch, head, aux
+            dyn += ["batch", "head", "aux"]
+        if const_expr(self.has_mask_mod):
+            _n0, mods.full_lo, mods.full_hi, _n1 = self.mod_row(blk[1], batch, head, m_block)
+            dyn += ["full_lo", "full_hi"]
         mods._dynamic = tuple(dyn)
         return self.consume(ctx, mO, mLSE, sO, tma_O, pipe_q, pipe_k, pipe_v, q_state,
                             kv_state, tiled_mma_qk, tiled_mma_pv, tidx, warp_idx, pre_scale,
@@ -504,8 +520,8 @@ class FlashFwdSm90(FwdEpilogue):
         return scheduler.decode(tile, num_m_blocks, mQ.shape[2], mQ.shape[3], kv_bytes_per_head)
 
     @cute.jit
-    def tile_bounds(self, m_block: Int32, batch: Int32, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk,
-                    blocks: BlockRange):
+    def tile_bounds(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mQSeqlen,
+                    mKVSeqlen, blk, blocks: BlockRange):
         """(n_min, n_max, seqlen_q, seqlen_k) of a tile: its key-block range and its batch's
         lengths; producer and consumers compute the same values."""
         T = mQ.shape[0]
@@ -517,6 +533,11 @@ class FlashFwdSm90(FwdEpilogue):
         if const_expr(mKVSeqlen is not None):
             seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
         n_min, n_max = blocks.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        mQBlk, mModBlk = blk
+        if const_expr(mModBlk is not None):  # mask_mod: the blocks it leaves visible
+            lo, _fl, _fh, hi = self.mod_row(mModBlk, batch, head, m_block)
+            n_min = cutlass.max(n_min, lo)
+            n_max = cutlass.min(n_max, hi)
         if const_expr(mQBlk is not None):
             # Segment block skipping: only key blocks whose ids can meet this tile's (exact for
             # sorted, document-packed ids; see `jaxflash.kernels.common.segments`).
@@ -609,10 +630,11 @@ class FlashFwdSm90(FwdEpilogue):
 
         pipe_q.consumer_wait(q_state)
         if n_max > n_min:
-            step = lambda st, n, ms, mr, ml: self.one_block(
+            mm = bool(self.cfg.mask_mod)  # the partial blocks evaluate the mask_mod
+            step = lambda st, n, ms, mr, ml, mm=False: self.one_block(
                 st, n, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S,
                 acc_O, tOrP, tScS, softmax, wg, m_block, seqlen_k, pre_scale, window_left,
-                window_right, mods, ms, mr, ml)
+                window_right, mods, ms, mr, ml, mm)
 
             n = n_max - 1
             # First half block: S and P of the rightmost block only.
@@ -622,26 +644,27 @@ class FlashFwdSm90(FwdEpilogue):
                           zero_init=True, wait=0, clear=self.persistent)
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
-                        window_right, mods, seg_cmp, True, self.has_right, self.has_left)
+                        window_right, mods, seg_cmp, True, self.has_right, self.has_left, mm)
             softmax.step(acc_S, is_first=True)
-            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+            self.convert_p(acc_S, tOrP)
             # Blocks cut by the right (causal/window) bound.
-            n_right = blocks.n_block_min_right_mask(m_block, n_min)
+            n_right = self.mod_right(mods, blocks.n_block_min_right_mask(m_block, n_min))
             count = cutlass.max(n - n_right, 0)
             for i in cutlass.range(count, unroll=1):
-                kv_state = step(kv_state, n - 1 - i, False, self.has_right, self.has_left)
+                kv_state = step(kv_state, n - 1 - i, False, self.has_right, self.has_left, mm)
             n = n - count
             # Fully visible blocks.
-            n_left = blocks.n_block_min_no_left_mask(m_block, n_min)
+            n_left = self.mod_left(mods, blocks.n_block_min_no_left_mask(m_block, n_min))
             count = cutlass.max(n - n_left, 0)
             for i in cutlass.range(count, unroll=1):
                 kv_state = step(kv_state, n - 1 - i, False, False, False)
             n = n - count
-            # Blocks cut by the window's left bound.
-            if const_expr(self.has_left):
+            # Blocks cut by the window's left bound (or partial for the mask_mod).
+            if const_expr(self.has_left or mm):
                 count = cutlass.max(n - n_min, 0)
                 for i in cutlass.range(count, unroll=1):
-                    kv_state = step(kv_state, n - 1 - i, False, self.has_right, True)
+                    kv_state = step(kv_state, n - 1 - i, False, self.has_right, self.has_left,
+                                    mm)
             if const_expr(self.separate_o):
                 pipe_q.consumer_release(q_state)  # last QK GEMM done: the next Q may load
             # Last half block: O += P V of the leftmost block.
@@ -660,44 +683,12 @@ class FlashFwdSm90(FwdEpilogue):
         return q_state, kv_state
 
     @cute.jit
-    def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
-               pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
-               mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
-               mask_left: cutlass.Constexpr):
-        """Logit transforms (softcap, ALiBi) then masks (segments, bounds), in place on the S
-        accumulator."""
-        if const_expr(self.cfg.has_softcap):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * pre_scale, fastmath=True)
-        if const_expr(self.cfg.has_alibi):
-            apply_alibi(acc_S, tScS, m_block * self.tile_m, n_block * self.tile_n, mods.alibi)
-        if const_expr(self.cfg.has_segments):
-            # Most blocks of packed documents lie inside one document: no compare there.
-            if seg_cmp:
-                apply_segment_mask(acc_S, tScS, mods.rows, n_block * self.tile_n, mods.kv_seg,
-                                   mods.S)
-        if const_expr(mask_seqlen or mask_right or mask_left):
-            apply_mask(acc_S, tScS, m_block, n_block, self.tile_m, self.tile_n, seqlen_k,
-                       window_left, window_right, mask_seqlen, mask_right, mask_left,
-                       by_select=self.mask_by_select, skip_full=self.cfg.mask_skip)
-
-    @cute.jit
-    def segment_compare_needed(self, mods, n_block: Int32):
-        """Whether block n_block needs the segment element compare (None without segments).
-        Called before the block's QK GEMM is issued, so the two summary loads are in flight
-        under the GEMM instead of stalling the softmax after it."""
-        need = None
-        if const_expr(self.cfg.has_segments):
-            need = mods.rows.block_needs_compare(mods.kv_blk[n_block, 0],
-                                                 mods.kv_blk[n_block, 1])
-        return need
-
-    @cute.jit
     def one_block(self, kv_state, n_block: Int32, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                   tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, tScS, softmax: cutlass.Constexpr,
                   wg: Int32, m_block: Int32, seqlen_k: Int32, pre_scale: Float32,
                   window_left: Int32, window_right: Int32, mods, mask_seqlen: cutlass.Constexpr,
-                  mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr):
+                  mask_right: cutlass.Constexpr, mask_left: cutlass.Constexpr,
+                  mask_mod: cutlass.Constexpr = False):
         """One key block: S_j = Q K_j^T and O += P_{j+1} V_{j+1} in flight together, softmax
         of S_j under the PV GEMM. Returns the advanced pipeline state."""
         if const_expr(self.fresh_s):
@@ -716,14 +707,20 @@ class FlashFwdSm90(FwdEpilogue):
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv_state)
         self.scores(acc_S, tScS, m_block, n_block, seqlen_k, pre_scale, window_left,
-                    window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left)
+                    window_right, mods, seg_cmp, mask_seqlen, mask_right, mask_left, mask_mod)
         row_scale, moved = self.softmax_step(softmax, acc_S)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         # P's registers are free only now that the PV GEMM reading them is done.
-        tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+        self.convert_p(acc_S, tOrP)
         self.rescale_o(acc_O, row_scale, moved)
         return kv_state
+
+    def convert_p(self, acc_S, tOrP):
+        """P (the exponentiated S accumulator) into the PV GEMM's A-operand registers: the
+        16-bit A fragment is a re-view of the accumulator. Plain Python (inlined while tracing);
+        the FP8 subclass reorders instead."""
+        tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
 
     def softmax_step(self, softmax, acc_S):
         """(row_scale, whether the warp must rescale O: None = always) of a non-first block.

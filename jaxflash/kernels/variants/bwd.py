@@ -24,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from jaxflash.kernels.variants.mod_program import digest, mod_aux
+
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # Head dims above this run `sm90.bwd_wide.FlashBwdSm90Wide` (tile_n 64, head dim split).
 KEY_SPLIT_MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
-FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids")
+FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids", "score_mod",
+            "mask_mod", "block_mask")
 # Per consumer warp partial sums of d(alibi slope) (see `sm90.bwd`): [B, N, n blocks, 8].
 ALIBI_PARTS = 8
 # Runtime scalars, in tensor order (same names and meaning as the forward's).
@@ -94,6 +97,12 @@ class BwdConfig:
       (`jaxflash.kernels.sm90.q_multicast`): half the Q / dO bytes read from L2, where the
       hd 256 kernel waits (Nsight Compute: L2 at 83% of peak). The pair's stage release is
       coupled: a stage is refilled once both CTAs' consumers have released it.
+    score_mod: the score mod's program with two outputs, its value and its derivative by the
+      score (`mod_program.score_program(with_grad=True)`): P^T comes from the value, dS^T is
+      multiplied by the derivative (folded into dP^T as it is formed). mask_mod: as in
+      `FwdConfig`, with the table's rows = key blocks (`mod_blocks.backward_table`); with
+      ``deterministic`` the range is not narrowed (the dQ order counts every key block), only
+      the full blocks skip the mask. Key-split kernel (hd <= 128) only.
     """
 
     dtype: str = "bfloat16"
@@ -114,6 +123,8 @@ class BwdConfig:
     dq_flat: bool = False
     tail_lpt: bool = False
     q_multicast: bool = False
+    score_mod: str = ""
+    mask_mod: str = ""
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -188,12 +199,36 @@ class BwdConfig:
         if self.has_segments and self.deterministic:
             return False, ("deterministic with segment ids: the key-block order of the dQ adds "
                            "assumes the geometric block ranges, which segment skipping changes")
+        if self.score_mod or self.mask_mod:
+            ok, why = self._check_mods()
+            if not ok:
+                return False, why
         if not 1 <= self.num_stages <= 3:
             return False, f"num_stages {self.num_stages} must be in [1, 3]"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(head_dim {self.head_dim}, {self.num_stages} stages)")
         return True, ""
+
+    def _check_mods(self) -> tuple[bool, str]:
+        if self.has_softcap or self.has_alibi or self.has_segments:
+            return False, ("a score / mask mod with the built-in softcap, ALiBi or segment ids "
+                           "(write them as mods)")
+        if self.split != "keys" or self.q_multicast:
+            return False, (f"mods in the key-split backward only (head_dim {self.head_dim} "
+                           "<= 128, no q_multicast)")
+        if self.score_mod and (self.tile_m != 64 or self.early_dv):
+            return False, ("a score_mod folds its derivative into dP^T once that GEMM is done "
+                           "(registers as softcap's): tile_m 64, no early_dv")
+        if self.score_mod and self.mask_mod and mod_aux(self.score_mod) != mod_aux(
+                self.mask_mod):
+            return False, "score_mod and mask_mod must take the same aux arrays"
+        return True, ""
+
+    @property
+    def aux(self) -> tuple:
+        """(dtype, shape) of the mods' aux arrays (kernel inputs of fixed shape)."""
+        return mod_aux(self.score_mod or self.mask_mod)
 
     def smem_bytes(self) -> int:
         elt = 2
@@ -224,6 +259,10 @@ class BwdConfig:
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen),
                                  ("alibi", self.has_alibi), ("seg", self.has_segments)) if on]
+        mods = ""
+        if self.score_mod or self.mask_mod:
+            mods = (f"_{'s' if self.score_mod else ''}{'m' if self.mask_mod else ''}mod"
+                    f"{digest(self.score_mod, self.mask_mod)}")
         # "dqtma": the dQ path's name from when a second one existed; kept so keys (and the
         # result files that cite them) stay stable
         return (f"bwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
@@ -231,7 +270,7 @@ class BwdConfig:
                 f"{'_det' if self.deterministic else ''}{'_edv' if self.early_dv else ''}"
                 f"{'_dqf' if self.dq_flat else ''}{'_tl' if self.tail_lpt else ''}"
                 f"{'_qmc' if self.q_multicast else ''}"
-                f"_{'-'.join(feats) or 'dense'}")
+                f"_{'-'.join(feats) or 'dense'}{mods}")
 
 
 def can_implement(config: BwdConfig | None = None, **problem) -> tuple[bool, str]:

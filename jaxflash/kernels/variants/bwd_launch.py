@@ -26,6 +26,7 @@ import math
 from jaxflash.ffi.variant import Launch, TensorArg
 from jaxflash.kernels.variants.bwd import (ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, LSE_PAD,
                                           BwdConfig)
+from jaxflash.kernels.variants.fwd_launch import mod_inputs
 
 KERNEL_REF = "jaxflash.kernels.sm90.bwd:FlashBwdSm90"
 # hd 192 / 256: consumer warpgroups split the head dim (see `BwdConfig.split`).
@@ -53,6 +54,7 @@ def bwd_launch(config: BwdConfig, arch: str = "sm_90a") -> Launch:
     if config.has_segments:
         inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
                    TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
+    inputs += mod_inputs(config)  # the mask_mod's table (rows = key blocks), the aux arrays
     dq_last = config.tile_m * h if config.dq_flat else h
     outputs = [TensorArg("float32", (None, None, None, dq_last)),
                TensorArg(dt, (None, None, None, h)),

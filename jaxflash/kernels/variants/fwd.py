@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from jaxflash.kernels.variants.mod_program import digest, mod_aux
+
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -91,6 +93,11 @@ class FwdConfig:
       (909 FSEL in one masked hd 128 block): every causal tile's diagonal block pays it. Always
       on at tile_m 192 (its registers need it); a flag for the other tiles, whose binaries
       without it are the dense and non-causal picks.
+    score_mod / mask_mod: a user mod as its canonical program text (`mod_program`; "" for
+      none). score_mod rewrites each scaled logit in registers (the softmax then runs in
+      natural-log units); mask_mod is evaluated only on the partial blocks of a per-tile block
+      range table computed in XLA from the same mod (`jaxflash.kernels.mod_blocks`): empty
+      blocks are never loaded, full ones run unmasked. Aux arrays are inputs of fixed shape.
     """
 
     dtype: str = "bfloat16"
@@ -114,6 +121,8 @@ class FwdConfig:
     tile_order: str = "auto"
     mask_skip: bool = False
     mask_select: bool = False
+    score_mod: str = ""
+    mask_mod: str = ""
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -162,6 +171,10 @@ class FwdConfig:
         if self.mask_select and self.tile_m == 192:
             return False, ("mask_select is always on at tile_m 192 (drop the flag: the key "
                            "would name a second copy of one binary)")
+        if self.score_mod or self.mask_mod:
+            ok, why = self._check_mods()
+            if not ok:
+                return False, why
         if self.tile_order not in ("auto", "pairs"):
             return False, f"tile_order {self.tile_order!r} not in ('auto', 'pairs')"
         if self.tile_order == "pairs" and not (self.tile_pipe
@@ -181,6 +194,22 @@ class FwdConfig:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {self.smem_limit} B "
                            f"(tile {self.tile_m}x{self.tile_n}, {self.num_stages} stages)")
         return True, ""
+
+    def _check_mods(self) -> tuple[bool, str]:
+        if self.has_softcap or self.has_alibi or self.has_segments:
+            return False, ("a score / mask mod with the built-in softcap, ALiBi or segment ids "
+                           "(write them as mods)")
+        if self.tile_m != 128:
+            return False, f"mods run on 128-row tiles (tile_m {self.tile_m})"
+        if self.score_mod and self.mask_mod and mod_aux(self.score_mod) != mod_aux(
+                self.mask_mod):
+            return False, "score_mod and mask_mod must take the same aux arrays"
+        return True, ""
+
+    @property
+    def aux(self) -> tuple:
+        """(dtype, shape) of the mods' aux arrays (kernel inputs of fixed shape)."""
+        return mod_aux(self.score_mod or self.mask_mod)
 
     def smem_bytes(self, separate_o: Optional[bool] = None) -> int:
         elt = 2
@@ -204,8 +233,10 @@ class FwdConfig:
 
     @property
     def lpt(self) -> bool:
-        """Whether tiles go longest-first (their cost varies with m under a right bound)."""
-        return self.tile_order == "auto" and (self.is_causal or self.has_window)
+        """Whether tiles go longest-first (their cost varies with m under a right bound, or
+        may under a mask_mod)."""
+        return self.tile_order == "auto" and (self.is_causal or self.has_window
+                                              or bool(self.mask_mod))
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -232,9 +263,13 @@ class FwdConfig:
             sched += "_msk"
         if self.mask_select:
             sched += "_sel"
+        mods = ""
+        if self.score_mod or self.mask_mod:
+            mods = (f"_{'s' if self.score_mod else ''}{'m' if self.mask_mod else ''}mod"
+                    f"{digest(self.score_mod, self.mask_mod)}")
         return (f"fwd_sm90_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{self.tile_m}x{self.tile_n}s{self.num_stages}_{sched}"
-                f"_{'-'.join(feats) or 'dense'}")
+                f"_{'-'.join(feats) or 'dense'}{mods}")
 
 
 def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str]:
@@ -255,7 +290,7 @@ def can_implement(config: FwdConfig | None = None, **problem) -> tuple[bool, str
         return False, f"value head dim {hdv} != head dim {hd} not supported"
     unsupported = [f for f in problem.get("features", ())
                    if f not in ("causal", "window", "softcap", "seq_lengths", "alibi",
-                                "segment_ids")]
+                                "segment_ids", "score_mod", "mask_mod", "block_mask")]
     if unsupported:
         return False, f"features {unsupported} not supported by the Hopper forward kernel yet"
     return True, ""

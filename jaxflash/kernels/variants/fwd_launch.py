@@ -5,9 +5,11 @@ v [B, S, K, Hv], optional q_seqlen / kv_seqlen [B] int32, optional alibi slopes 
 (dim 0 fixed at 1 so `jax.vmap` shares it between batch entries instead of folding it), optional
 segment inputs q_segment_ids [B, T], kv_segment_ids [B, S] int32 and their block summaries
 q_blocks [B, ceil(T/tile_m), 4], kv_blocks [B, ceil(S/tile_n), 2] int32 (`segments.py`);
-outputs o [B, T, N, Hv] (q's dtype) and lse [B, N, T] float32. Only the head dims are fixed by the variant: batch, lengths and head
-counts are read from the buffers at run time (dim 0 must stay dynamic for `jax.vmap`). Scalars:
-float32 (softmax_scale, softcap) always (softcap ignored without ``has_softcap``); int32
+then with a mod (`FwdConfig.score_mod` / ``mask_mod``) its block table and aux arrays
+(`mod_inputs`); outputs o [B, T, N, Hv] (q's dtype) and lse [B, N, T] float32. Only the head
+dims (and aux shapes) are fixed by the variant: batch, lengths and head counts are read from
+the buffers at run time (dim 0 must stay dynamic for `jax.vmap`). Scalars: float32
+(softmax_scale, softcap) always (softcap ignored without ``has_softcap``); int32
 (window_left, window_right) when the config has a window.
 """
 from __future__ import annotations
@@ -33,10 +35,18 @@ def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:
     if config.has_segments:
         inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
                    TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
+    inputs += mod_inputs(config)
     outputs = (TensorArg(dt, (None, None, None, hv)), TensorArg("float32", (None, None, None)))
     return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
+
+
+def mod_inputs(config) -> list:
+    """A mod variant's extra inputs: the block range table [Bb, Hb, blocks, 4] int32 (with a
+    mask_mod; `jaxflash.kernels.mod_blocks`), then the aux arrays at their fixed shapes."""
+    ins = [TensorArg("int32", (None, None, None, 4))] if config.mask_mod else []
+    return ins + [TensorArg(dt, shape) for dt, shape in config.aux]
 
 
 def fwd_inputs(config: FwdConfig, q, k, v, q_seqlen=None, kv_seqlen=None, alibi_slopes=None,

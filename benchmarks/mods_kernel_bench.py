@@ -1,0 +1,168 @@
+"""Mods in the CuTe kernels against the built-ins they reproduce, and the block-sparse mods'
+throughput over the tiles they compute, on one GPU.
+
+    python -m benchmarks.mods_kernel_bench --out mods-kernel-bench.json [--only causal,document]
+    python -m benchmarks.mods_kernel_bench --build DIR   # (CuTe DSL machine) build the variants
+
+Pairs (bf16, head dim 128, B x S = 16k tokens, 16 heads; forward, and forward + backward),
+each timed interleaved with its built-in (`benchmarks.timing.time_interleaved`):
+
+- causal as a mask_mod vs ``is_causal`` (S = 4k, 16k);
+- sliding window 1024 as a mask_mod vs ``local_window_size=(1024, 0)`` (S = 16k, causal);
+- softcap 30 as a score_mod vs ``softcap=30`` (S = 8k, causal);
+- ALiBi as a score_mod (slopes as aux) vs ``alibi_slopes`` (S = 8k, causal).
+  Target: the mod within 5% of the built-in.
+
+Sparse: document masking (8 random-length documents per 16k sequence) and the 1024 window:
+TFLOP/s counted over the tiles the kernel visits (the block table's visible tiles, 4 x tm x tn
+x D flops each forward) against the dense kernel's TFLOP/s. Target: >= 85%.
+
+The mod variants are pending GPU checks: run with ``JAXFLASH_CUTE_UNVERIFIED=1`` (set here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAXFLASH_CUTE_UNVERIFIED", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxflash  # noqa: E402
+from jaxflash.mods import library as L  # noqa: E402
+
+TOKENS, HEADS, D = 16384, 16, 128
+
+
+def _docs(rng, B, S, n):
+    cuts = [np.sort(rng.choice(np.arange(1, S), n - 1, replace=False)) for _ in range(B)]
+    return jnp.asarray(np.stack([np.searchsorted(c, np.arange(S), side="right")
+                                 for c in cuts]).astype(np.int32))
+
+
+def cases(rng):
+    """name -> (S, built-in kwargs or None, mod kwargs, sparse: whether to count tiles)."""
+    slopes = L.alibi_slopes(HEADS)
+    return {
+        "causal-4k": (4096, dict(is_causal=True), dict(mask_mod=L.causal()), False),
+        "causal-16k": (16384, dict(is_causal=True), dict(mask_mod=L.causal()), False),
+        "window-16k": (16384, dict(is_causal=True, local_window_size=(1024, 0)),
+                       dict(mask_mod=L.sliding_window(1024, 0)), True),
+        "softcap-8k": (8192, dict(is_causal=True, softcap=30.0),
+                       dict(is_causal=True, score_mod=L.softcap(30.0)), False),
+        "alibi-8k": (8192, dict(is_causal=True, alibi_slopes=slopes),
+                     dict(is_causal=True, score_mod=L.alibi(), aux=(slopes,)), False),
+        "document-16k": (16384, None,
+                         dict(mask_mod=L.document(), aux=(_docs(rng, 1, 16384, 8),)), True),
+    }
+
+
+def _fns(S, kw):
+    B = TOKENS // S
+
+    def fwd(q, k, v):
+        return jaxflash.flash_attention(q, k, v, implementation="cute", **kw)
+
+    def fwdbwd(q, k, v):
+        return jax.grad(lambda q, k, v: fwd(q, k, v).astype(jnp.float32).sum(),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    return B, jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def visible_tiles(S, kw, tm=128, tn=128) -> float:
+    """Tiles the forward computes (summed over batch and heads), from the kernel's table."""
+    from jaxflash.kernels import mod_blocks
+    from jaxflash.kernels.variants import mod_program as mp
+    aux = kw.get("aux", ())
+    text = mp.to_text(mp.mask_program(kw["mask_mod"], aux))
+    B = TOKENS // S
+    t = np.asarray(mod_blocks.forward_table(text, aux, B, HEADS, S, S, tm, tn))
+    per = (t[..., 3] - t[..., 0]).sum(axis=-1)  # [Bb, Hb]
+    return float(np.broadcast_to(per, (B, HEADS)).sum())
+
+
+def main(argv=None):
+    from benchmarks.timing import time_interleaved
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="-")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--build", help="build the variants these calls reach into DIR instead")
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    sel = cases(rng)
+    if a.only:
+        sel = {k: v for k, v in sel.items() if k in a.only.split(",")}
+    if a.build:
+        return _build(sel, a.build)
+    rows = []
+    for name, (S, builtin, mod, sparse) in sel.items():
+        B, mfwd, mfb = _fns(S, mod)
+        x = jnp.asarray(rng.standard_normal((B, S, HEADS, D)).astype(np.float32), jnp.bfloat16)
+        args = (x, x, x)
+        fns = {"mod_fwd": mfwd, "mod_fwdbwd": mfb}
+        if builtin is not None:
+            _, bfwd, bfb = _fns(S, builtin)
+            fns.update(builtin_fwd=bfwd, builtin_fwdbwd=bfb)
+        if sparse:
+            _, dfwd, dfb = _fns(S, {})
+            fns.update(dense_fwd=dfwd, dense_fwdbwd=dfb)
+        t = time_interleaved(fns, args)
+        row = {"case": name, "S": S, "B": B, **{f"{k}_ms": v.median_s * 1e3 for k, v in t.items()}}
+        if builtin is not None:
+            row["mod_over_builtin_fwd"] = t["mod_fwd"].median_s / t["builtin_fwd"].median_s
+            row["mod_over_builtin_fwdbwd"] = (t["mod_fwdbwd"].median_s
+                                              / t["builtin_fwdbwd"].median_s)
+        if sparse:
+            tiles = visible_tiles(S, mod)
+            flops = 4.0 * 128 * 128 * D * tiles
+            dense_flops = 4.0 * S * S * D * B * HEADS
+            row["visible_tile_fraction"] = tiles / (B * HEADS * (S // 128) ** 2)
+            row["sparse_tflops_fwd"] = flops / t["mod_fwd"].median_s / 1e12
+            row["dense_tflops_fwd"] = dense_flops / t["dense_fwd"].median_s / 1e12
+            row["sparse_over_dense_fwd"] = row["sparse_tflops_fwd"] / row["dense_tflops_fwd"]
+            # forward + backward: 2.5x the forward's flops either way
+            row["sparse_over_dense_fwdbwd"] = ((flops / t["mod_fwdbwd"].median_s)
+                                               / (dense_flops / t["dense_fwdbwd"].median_s))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    text = json.dumps({"device": str(jax.devices()[0]), "rows": rows}, indent=1)
+    if a.out == "-":
+        print(text)
+    else:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def _build(sel, out):
+    """Lower every timed call for CUDA here (CuTe DSL, no GPU needed) with the FFI call
+    recorded instead of compiled (as `tests.collect_variants`), then build what was reached."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from jaxflash import aot, ffi
+    from jaxflash.ffi import primitive
+    launches = {}
+
+    def record(launch, *inputs, out_shapes, scalars=(), int_scalars=()):
+        launches.setdefault(launch.name, launch)
+        return tuple(jnp.zeros(tuple(int(d) for d in s.shape), s.dtype) for s in out_shapes)
+
+    ffi.call = primitive.call = record
+    with jaxflash.target_platform("cuda"):
+        for name, (S, builtin, mod, sparse) in sel.items():
+            for kw in [mod] + ([builtin] if builtin else []) + ([{}] if sparse else []):
+                B, fwd, fb = _fns(S, kw)
+                x = jax.ShapeDtypeStruct((B, S, HEADS, D), jnp.bfloat16)
+                for f in (fwd, fb):
+                    f.trace(x, x, x).lower(lowering_platforms=("cuda",))
+    counts = aot.build(list(launches.values()), out, progress=False)
+    print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The mask_mod's block range tables, computed in XLA from the same program the kernel runs.
+
+Each tile row (a query block in the forward, a key block in the backward) gets four int32:
+(lo, full_lo, full_hi, hi). Blocks outside [lo, hi) hold no visible element and are never
+loaded; blocks in [full_lo, full_hi) (the longest run of fully visible blocks) run with no
+mask; the others evaluate the mask_mod per element. This is exact for every mask whose visible
+blocks in a row are contiguous (causal, windows, documents, prefix-LM, chunks); for others the
+range is their hull and the empty blocks inside it are computed, masked, instead of skipped.
+
+Elements past the sequence ends are "don't care" (the kernels mask the key tail and never
+store rows past T). Dims the program ignores are kept at size 1 (`FwdConfig` reads them
+broadcast). The backward's table (rows = key blocks) is the union over each GQA group's query
+heads, since one CTA walks them all with one range. Cost: the mask is evaluated once per
+element in XLA, blockwise (``lax.map`` over block rows), fused with the reductions.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash.kernels.variants.mod_program import parse
+
+_NAMES = {"f32": jnp.float32, "i32": jnp.int32, "bool": jnp.bool_}
+_LAX = {"neg": lax.neg, "abs": lax.abs, "sign": lax.sign, "floor": lax.floor,
+        "ceil": lax.ceil, "exp": lax.exp, "exp2": lax.exp2, "log": lax.log,
+        "log1p": lax.log1p, "expm1": lax.expm1, "tanh": lax.tanh, "logistic": lax.logistic,
+        "sqrt": lax.sqrt, "rsqrt": lax.rsqrt, "square": lambda x: x * x,
+        "add": lax.add, "sub": lax.sub, "mul": lax.mul, "div": lax.div, "rem": lax.rem,
+        "max": lax.max, "min": lax.min, "and": lax.bitwise_and, "or": lax.bitwise_or,
+        "xor": lax.bitwise_xor, "not": lax.bitwise_not, "eq": lax.eq, "ne": lax.ne,
+        "lt": lax.lt, "le": lax.le, "gt": lax.gt, "ge": lax.ge,
+        "round": lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO),
+        "clamp": lax.clamp}
+
+
+def evaluate(prog, inputs: dict, aux=()) -> tuple:
+    """The program's outputs on broadcastable arrays (`inputs`: s / b / h / q / k), in XLA."""
+    env = dict(inputs)
+    auxd = {}
+    i = 0
+    for name, dt, shape in prog.inputs:
+        if name.startswith("x"):
+            auxd[name] = jnp.asarray(aux[i], _NAMES[dt])
+            i += 1
+
+    def val(a):
+        return env[a] if isinstance(a, str) else jnp.asarray(a[0], _NAMES[a[1]])
+
+    for e in prog.eqns:
+        if e.prim == "ds":
+            arr = auxd[e.args[0]]
+            idx = tuple(jnp.clip(val(a), 0, n - 1) for a, n in zip(e.args[1:], arr.shape))
+            env[e.out] = arr[idx]
+            continue
+        args = [val(a) for a in e.args]
+        if e.prim == "integer_pow":
+            r = lax.integer_pow(args[0], e.param)
+        elif e.prim == "convert_element_type":
+            r = args[0].astype(_NAMES[e.param])
+        elif e.prim == "select_n":
+            args = jnp.broadcast_arrays(*args)
+            r = lax.select_n(*args)
+        else:
+            r = _LAX[e.prim](*jnp.broadcast_arrays(*args)) if len(args) > 1 else \
+                _LAX[e.prim](args[0])
+        env[e.out] = r.astype(_NAMES[e.dtype])
+    return tuple(val(a) for a in prog.outs)
+
+
+def _classes(prog, aux, Bb, Hb, rows: int, cols: int, row_tile: int, col_tile: int,
+             rows_are_keys: bool):
+    """(nonempty, full) [Bb, Hb, row blocks, col blocks] bool."""
+    nr = -(-rows // row_tile)
+    nc = -(-cols // col_tile)
+    c = jnp.arange(nc * col_tile, dtype=jnp.int32)
+    b = jnp.arange(Bb, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(Hb, dtype=jnp.int32)[None, :, None, None]
+
+    def one(i):
+        r = i * row_tile + jnp.arange(row_tile, dtype=jnp.int32)
+        rr, cc = r[None, None, :, None], c[None, None, None, :]
+        q, k = (cc, rr) if rows_are_keys else (rr, cc)
+        m, = evaluate(prog, {"b": b, "h": h, "q": q, "k": k}, aux)
+        m = jnp.broadcast_to(m, (Bb, Hb, row_tile, nc * col_tile))
+        dc = (rr >= rows) | (cc >= cols)
+        ne = (m & ~dc).reshape(Bb, Hb, row_tile, nc, col_tile).any(axis=(2, 4))
+        full = (m | dc).reshape(Bb, Hb, row_tile, nc, col_tile).all(axis=(2, 4))
+        return ne, full
+
+    per = max(1, (1 << 24) // max(1, Bb * Hb * row_tile * nc * col_tile))
+    ne, full = lax.map(one, jnp.arange(nr, dtype=jnp.int32), batch_size=min(per, nr))
+    return jnp.moveaxis(ne, 0, 2), jnp.moveaxis(full, 0, 2)
+
+
+def ranges(nonempty, full):
+    """[..., n] classes -> [..., 4] int32 (lo, full_lo, full_hi, hi); an empty row is all 0,
+    a row without full blocks has full_lo = full_hi = lo."""
+    n = nonempty.shape[-1]
+    j = jnp.arange(n, dtype=jnp.int32)
+    any_ = nonempty.any(-1)
+    lo = jnp.where(any_, jnp.argmax(nonempty, -1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n - jnp.argmax(nonempty[..., ::-1], -1), 0).astype(jnp.int32)
+    full = full & nonempty
+    # run length of full blocks ending at j: j - (last non-full index before or at j)
+    last_bad = lax.cummax(jnp.where(full, -1, j), axis=full.ndim - 1)
+    run = jnp.where(full, j - last_bad, 0)
+    end = jnp.argmax(run, -1).astype(jnp.int32)
+    best = jnp.max(run, -1).astype(jnp.int32)
+    f_hi = jnp.where(best > 0, end + 1, lo)
+    f_lo = jnp.where(best > 0, end + 1 - best, lo)
+    return jnp.stack([lo, f_lo, f_hi, hi], -1)
+
+
+def _dims(prog, B: int, N: int):
+    return (B if prog.uses("b") else 1), (N if prog.uses("h") else 1)
+
+
+def forward_table(mask_text: str, aux, B: int, N: int, T: int, S: int, tile_m: int,
+                  tile_n: int):
+    """[Bb, Hb, ceil(T / tile_m), 4] int32: per query tile, its key-block ranges."""
+    prog = parse(mask_text)
+    Bb, Hb = _dims(prog, B, N)
+    ne, full = _classes(prog, aux, Bb, Hb, T, S, tile_m, tile_n, False)
+    return ranges(ne, full)
+
+
+def backward_table(mask_text: str, aux, B: int, N: int, K: int, T: int, S: int, tile_m: int,
+                   tile_n: int):
+    """[Bb, Kb, ceil(S / tile_n), 4] int32: per key block, its query-block ranges, the union
+    over the query heads of each KV head's group."""
+    prog = parse(mask_text)
+    Bb, Hb = _dims(prog, B, N)
+    ne, full = _classes(prog, aux, Bb, Hb, S, T, tile_n, tile_m, True)
+    if Hb > 1 and N != K:
+        G = N // K
+        ne = ne.reshape(Bb, K, G, *ne.shape[2:]).any(2)
+        full = full.reshape(Bb, K, G, *full.shape[2:]).all(2)
+    return ranges(ne, full)
+
+
+def _kinds(count_full, idx_full, count_part, idx_part, n: int):
+    """[..., rows] counts and [..., rows, m] index lists -> [..., rows, n] int8 kinds (0 empty,
+    1 partial, 2 full); list padding scatters 0."""
+    pos = jnp.arange(idx_full.shape[-1], dtype=jnp.int32)
+    lead = tuple(jnp.indices(idx_full.shape)[:-1])
+    kinds = jnp.zeros(idx_full.shape[:-1] + (n,), jnp.int8)
+    for count, idx, code in ((count_part, idx_part, 1), (count_full, idx_full, 2)):
+        val = jnp.where(pos < count[..., None], code, 0).astype(jnp.int8)
+        kinds = kinds.at[lead + (idx,)].max(val)
+    return kinds
+
+
+def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: bool, N: int,
+                          K: int, n_cols: int):
+    """A kernel table from a `jaxflash.mods.BlockMask` built once by the caller (no mask
+    evaluation here), or None when its blocks do not line up with the kernel's tiles: its
+    row blocks must equal the kernel's and its column blocks be a multiple (each then
+    splits into equal kernel blocks of the same kind)."""
+    tm, tn = bm.block
+    rows_b, cols_b = (tn, tm) if rows_are_keys else (tm, tn)
+    if rows_b != tile_rows or cols_b % tile_cols:
+        return None
+    if rows_are_keys:
+        kinds = _kinds(bm.full_count_t, bm.full_idx_t, bm.partial_count_t, bm.partial_idx_t,
+                       bm.full_idx.shape[-2])
+    else:
+        kinds = _kinds(bm.full_count, bm.full_idx, bm.partial_count, bm.partial_idx,
+                       bm.full_idx.shape[-1])
+    kinds = jnp.repeat(kinds, cols_b // tile_cols, axis=-1)[..., :n_cols]
+    ne, full = kinds > 0, kinds == 2
+    Hb = ne.shape[1]
+    if rows_are_keys and Hb > 1 and N != K:
+        G = N // K
+        ne = ne.reshape(ne.shape[0], K, G, *ne.shape[2:]).any(2)
+        full = full.reshape(full.shape[0], K, G, *full.shape[2:]).all(2)
+    return ranges(ne, full)
