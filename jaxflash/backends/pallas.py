@@ -10,6 +10,7 @@ from jaxflash.backends.base import Backend
 
 class PallasBackend(Backend):
     name = "pallas"
+    shards_mods = True
 
     def plan(self, problem):
         if problem.statics.fp8 is not None:
