@@ -67,6 +67,8 @@ class Fp8Spec:
     jaxflash quantized float inputs itself; gradients are straight-through to those inputs).
     hadamard: whether Q and K went through the random-sign Hadamard transform first (it
     cancels in Q K^T, so a backend need not know; `explain` says it).
+    do_dtype: the backward's format for dO ("float8_e5m2", the recipe's default, or
+    "float8_e4m3fn": finer, with a narrower range under the same per-block amax scales).
     """
 
     q_dtype: str = "float8_e4m3fn"
@@ -79,6 +81,7 @@ class Fp8Spec:
     out_dtype: str = "bfloat16"
     source: str = "fp8"
     hadamard: bool = False
+    do_dtype: str = "float8_e5m2"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -200,8 +200,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     deterministic: bool = False, precision: Optional[str] = None,
                     q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
                     hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
-                    emulate: bool = False, score_mod=None, mask_mod=None, aux=(),
-                    block_mask=None):
+                    scale_granularity: str = "block", dout_dtype=None, emulate: bool = False,
+                    score_mod=None, mask_mod=None, aux=(), block_mask=None):
     """Scaled dot-product attention with the layout and meaning of `jax.nn.dot_product_attention`.
 
     query ``[B..., T, N, H]``, key ``[B..., S, K, H]``, value ``[B..., S, K, Hv]`` with N a
@@ -252,11 +252,12 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     ``()``, per (batch, head) ``[B..., heads]`` or per block of ``scale_block`` sequence rows
     ``[B..., heads, ceil(L / scale_block)]`` -- the layouts `jaxflash.quantize.quantize`
     returns. The output is ``out_dtype`` (bfloat16 by default). ``precision="fp8"`` on float16 /
-    bfloat16 / float32 inputs quantizes them here (per-block amax scales of ``scale_block``
-    rows; Q and K first through a random-sign Hadamard transform, ``hadamard=False`` to skip,
+    bfloat16 / float32 inputs quantizes them here (amax scales per block of ``scale_block``
+    rows, or per ``scale_granularity="tensor"`` / ``"head"``; Q and K first through a random-sign Hadamard transform, ``hadamard=False`` to skip,
     ``hadamard_seed`` an int or a `jax.random` key) and returns the input dtype unless
     ``out_dtype`` says otherwise; its gradients are the FP8 backward's, straight-through to the
-    float inputs. Numerics: `jaxflash.fp8.contract`. When no FP8 kernel can serve the call the
+    float inputs; ``dout_dtype`` (float8_e5m2 by default, or float8_e4m3fn) is the backward's
+    format for the output gradient. Numerics: `jaxflash.fp8.contract`. When no FP8 kernel can serve the call the
     emulated FP8 path runs (``implementation="xla"``, or ``emulate=True``); `explain` says which.
     ``precision="fp4"`` runs `jaxflash.fp4.fp4_attention` (``emulate=True`` without an sm_100a
     GPU; causal or not, no other mask or logit feature).
@@ -265,7 +266,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                            k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
                            hadamard=hadamard, hadamard_seed=hadamard_seed,
                            scale_block=scale_block, emulate=emulate,
-                           implementation=implementation)
+                           implementation=implementation, scale_granularity=scale_granularity,
+                           dout_dtype=dout_dtype)
     if precision == "fp4":
         return _fp4(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                     emulate=emulate, return_residual=return_residual,
@@ -291,9 +293,6 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
             qs, ks, vs = prec.canonical_scales(req, q_scale, k_scale, v_scale, batch_shape,
                                                q.shape[2], k.shape[2])
             arrays = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
-        elif req.spec.hadamard:
-            q = quantize.hadamard(q, req.hadamard_seed)
-            k = quantize.hadamard(k, req.hadamard_seed)
     problem = _problem(q, k, v, arrays, statics)
     if _is_empty(problem):
         # No backend runs (no kernel is ever launched on an empty grid); a named backend must
@@ -302,6 +301,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         out, lse = _empty_result(q, v, None if req is None else req.spec.out_dtype)
     else:
         backend, plan = dispatch.select(problem, implementation)
+        if req is not None and req.spec.source == "quantized" and req.spec.hadamard:
+            # After dispatch (a refused call does no work); shapes and dtypes are unchanged.
+            q = quantize.hadamard(q, req.hadamard_seed)
+            k = quantize.hadamard(k, req.hadamard_seed)
         if req is None:
             out, lse = backend(q, k, v, arrays, statics, plan)
         elif req.spec.source == "fp8":
@@ -402,7 +405,8 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, all
 
 
 _FP8_DEFAULTS = dict(precision=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
-                     hadamard=True, hadamard_seed=None, scale_block=128, emulate=False)
+                     hadamard=True, hadamard_seed=None, scale_block=128, emulate=False,
+                     scale_granularity="block", dout_dtype=None)
 
 
 def _problem(q, k, v, arrays, statics) -> Problem:
@@ -420,7 +424,9 @@ def _with_fp8_notes(p: dispatch.Plan, req) -> dispatch.Plan:
     notes = prec.describe(req.spec, req.hadamard_seed)
     if p.backend == "xla":
         why = ("asked for" if p.requested else
-               "no FP8 kernel can serve this call (see the refusals)")
+               "no FP8 kernel can serve this call (see the refusals)"
+               if p.platform in ("cuda", "gpu") else
+               f"the FP8 kernels are for Hopper GPUs (platform {p.platform})")
         notes += (f"{prec.EMULATED_NOTE}; {why}",)
     return dataclasses.replace(p, notes=notes + p.notes)
 

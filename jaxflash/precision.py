@@ -45,8 +45,8 @@ def check_precision(precision):
 
 
 def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_dtype,
-                hadamard, hadamard_seed, scale_block, emulate,
-                implementation) -> Optional[Fp8Request]:
+                hadamard, hadamard_seed, scale_block, emulate, implementation,
+                scale_granularity="block", dout_dtype=None) -> Optional[Fp8Request]:
     """The FP8 request of a call (None for a float call), or ValueError for a malformed one:
     FP8 tensors without scales, scales with float tensors, scale shapes that fit no layout,
     dtype mixes, options given where they mean nothing."""
@@ -68,6 +68,10 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
     if given and not fp8_in:
         raise ValueError(f"{', '.join(given)} given with non-FP8 inputs ({shapes}): scales are "
                          f"for FP8 query/key/value; precision='fp8' quantizes float inputs itself")
+    if precision == "fp4" and (fp8_in or given):
+        raise ValueError(f"precision='fp4' quantizes float16 / bfloat16 / float32 inputs itself "
+                         f"and takes no scales; got {shapes}"
+                         + (f" with {', '.join(given)}" if given else ""))
     if precision == "fp4" or (precision is None and not fp8_in):
         if out_dtype is not None:
             raise ValueError("out_dtype is for FP8 calls (FP8 inputs or precision='fp8')")
@@ -84,6 +88,9 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
     scale_block = int(scale_block)
     if out_dtype is not None and jnp.dtype(out_dtype) not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be float16, bfloat16 or float32; got {out_dtype!r}")
+    do_dt = jnp.dtype(dout_dtype or jnp.float8_e5m2)
+    if not Q.is_fp8(do_dt):
+        raise ValueError(f"dout_dtype must be float8_e5m2 or float8_e4m3fn; got {dout_dtype!r}")
     if not isinstance(hadamard, bool):
         raise ValueError(f"hadamard must be True or False; got {hadamard!r}")
     if emulate:
@@ -109,17 +116,24 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
             k_block=layout.canonical_block(grans[1], lens[1], scale_block),
             v_block=layout.canonical_block(grans[2], lens[2], scale_block),
             granularity=tuple(grans),
-            out_dtype=str(jnp.dtype(out_dtype or jnp.bfloat16)), source="fp8", hadamard=False)
+            out_dtype=str(jnp.dtype(out_dtype or jnp.bfloat16)), source="fp8", hadamard=False,
+            do_dtype=str(do_dt))
         return Fp8Request(spec, None, implementation)
+    if scale_granularity not in Q.GRANULARITIES:
+        raise ValueError(f"scale_granularity must be one of {Q.GRANULARITIES}; got "
+                         f"{scale_granularity!r}")
     D = _shape(query)[-1]
     if hadamard and D not in Q.HADAMARD_DIMS:
         raise ValueError(f"precision='fp8' applies a Hadamard transform to the head dim, which "
                          f"takes {Q.HADAMARD_DIMS}; got head dim {D} (query {_shape(query)}); "
                          f"pass hadamard=False")
-    spec = Fp8Spec(q_block=scale_block, k_block=scale_block, v_block=scale_block,
-                   granularity=("block", "block", "block"),
+    g = scale_granularity
+    spec = Fp8Spec(q_block=layout.canonical_block(g, lens[0], scale_block),
+                   k_block=layout.canonical_block(g, lens[1], scale_block),
+                   v_block=layout.canonical_block(g, lens[2], scale_block),
+                   granularity=(g, g, g),
                    out_dtype=str(jnp.dtype(out_dtype or dts[0])), source="quantized",
-                   hadamard=bool(hadamard))
+                   hadamard=bool(hadamard), do_dtype=str(do_dt))
     seed = C.HADAMARD_DEFAULT_SEED if hadamard_seed is None else hadamard_seed
     return Fp8Request(spec, seed, implementation)
 
@@ -151,7 +165,8 @@ def describe(spec: Fp8Spec, seed) -> tuple[str, ...]:
         (spec.q_block, spec.k_block, spec.v_block)))
     return (f"FP8: {src}; {ops}; {had}; P in E4M3 (x 2^{C.P_SCALE_LOG2}, relative to the "
             f"running row max per {C.FWD_KV_TILE}-key tile); output {spec.out_dtype}",
-            f"FP8 backward: E4M3 Q, K, V, P, dS and E5M2 dO, float32 accumulation, per-block "
+            f"FP8 backward: E4M3 Q, K, V, P, dS and "
+            f"{spec.do_dtype.replace('float8_', '').upper().replace('FN', '')} dO, float32 accumulation, per-block "
             f"scales ({C.BWD_Q_TILE} query rows; dS per {C.BWD_Q_TILE}x{C.BWD_KV_TILE} block); "
             f"{grads}")
 

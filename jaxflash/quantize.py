@@ -132,6 +132,8 @@ def quantize(x, dtype=jnp.float8_e4m3fn, *, granularity: str = "block", block_si
     if scale is None:
         xb, axes = _blocked(x32, granularity, block_size)
         amax = jnp.max(jnp.abs(xb), axis=axes)
+        # XLA's max may drop NaNs: a NaN must reach the scale (the block dequantizes to NaN).
+        amax = jnp.where(jnp.any(jnp.isnan(xb), axis=axes), jnp.nan, amax)
         fmax = jnp.float32(FP8_MAX[d])
         zero = amax == 0
         scale = jnp.where(zero, jnp.float32(1.0), amax / fmax)

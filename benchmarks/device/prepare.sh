@@ -20,6 +20,10 @@ if [ "${STAGES:-all}" = all ]; then
 "$PY" -m devtools.bwd_devrun build --out .device/kernels
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
 fi
+# FP8=1: the FP8 forward variants of run.sh's fp8 stage (benchmarks.fp8_bench build, ~10 min)
+if [ "${FP8:-0}" = 1 ]; then
+"$PY" -m benchmarks.fp8_bench build --out .device/kernels
+fi
 "$PY" -m devtools.gpu_selftest artifacts/ffi_selftest
 # one kernel directory for the whole GPU test run
 cp -r artifacts/ffi_selftest/kernels/. .device/kernels/

@@ -18,7 +18,8 @@ Forward (per batch row b, query head n, kv head n // G):
 
 Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the LSE):
   D_i    = sum_d dO_id * out_id     (dO unquantized, out as returned)
-  dO8    = E5M2 of dO, scales per (b, n, block of BWD_Q_TILE query rows), amax rule
+  dO8    = E5M2 of dO (E4M3 when Fp8Spec.do_dtype says so), scales per (b, n, block of
+           BWD_Q_TILE query rows), amax rule
   p_ij   = exp(z_ij - lse_i);  p8 as in the forward (E4M3, x 2^8)
   dV_j  += sum_i p8_ij dO8_i                     (dequantized operands, float32 accumulate)
   dP_ij  = dO8_i . v_j;   dZ_ij = p_ij (dP_ij - D_i)   (float32)
@@ -30,6 +31,22 @@ Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the L
 
 Amax rule (as `jaxflash.quantize`): scale = amax / FMAX, codes = satfinite_rne(x * FMAX / amax),
 an all-zero block has scale 1.
+
+Backend interface (what an FP8 kernel backend implements; `jaxflash.backends.xla` serves it
+with `jaxflash.fp8.emulated`, `jaxflash.backends.cute` refuses it until the kernels exist):
+  plan(problem): ``problem.statics.fp8`` is the `Fp8Spec` (dtypes, scale blocks, out_dtype,
+    do_dtype, source), ``problem.dtype`` the query's FP8 dtype, "fp8" in ``problem.features()``;
+    raise NotImplementedError(why) for what the kernel cannot serve (dispatch then falls back to
+    the emulation and `explain` prints the reason).
+  forward(q8, k8, v8, arrays, statics, plan) -> (out [B,T,N,Hv] in spec.out_dtype,
+    lse [B,N,T] float32); the scales are ``arrays.q_scale / k_scale / v_scale`` (canonical
+    ``[B, heads, nblocks]`` float32, see `jaxflash._types.AttentionArrays`).
+  backward(q8, k8, v8, arrays, statics, plan, out, lse, dout) -> (dq, dk, dv, dbias, dalibi),
+    float32 gradients with respect to the dequantized q, k, v (dout in out's dtype; out / lse
+    may be the global ones of ring attention). The wrappers in `jaxflash.autodiff` turn them
+    into the caller's gradients (straight-through for precision="fp8").
+  A kernel that quantizes bf16 Q/K/V itself (the fused prologue) would serve
+  ``spec.source == "quantized"`` calls through the same plan, with the same rules.
 
 Kernel alignment: a kernel whose tiles differ from these constants computes a different but
 equally accurate rounding; it must keep each scale block within one of its tiles' rows

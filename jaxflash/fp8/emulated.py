@@ -40,6 +40,7 @@ def _fq_rows(x, dtype, rows: int, axis: int, amax_axes: tuple[int, ...]):
     xb = xp.reshape(shp)
     red = tuple(a + (1 if a > axis else 0) for a in amax_axes) + (axis + 1,)
     amax = jnp.max(jnp.abs(xb), axis=red, keepdims=True)
+    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=red, keepdims=True), jnp.nan, amax)
     fmax = C.E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(_E4M3) else C.E5M2_MAX
     zero = amax == 0
     scale = jnp.where(zero, 1.0, amax / fmax)
@@ -198,7 +199,8 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
     qd = qc * qs[..., None]
     do = _split(dout.astype(jnp.float32), K)                               # [B,K,G,T,Hv]
     dvec = jnp.sum(do * _split(out.astype(jnp.float32), K), axis=-1)      # D_i
-    do8 = _fq_rows(do, _E5M2, C.BWD_Q_TILE, axis=3, amax_axes=(4,))       # per (b, n, rows)
+    do8 = _fq_rows(do, jnp.dtype(spec.do_dtype), C.BWD_Q_TILE, axis=3,
+                   amax_axes=(4,))                                         # per (b, n, rows)
     lse_t = lse.astype(jnp.float32).reshape(B, K, G, T)
     lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, jnp.inf)              # empty rows: p = 0
     xs = (_tiles(kc, 2, tile), _tiles(ks, 2, tile), _tiles(vd, 2, tile),

@@ -1,7 +1,9 @@
-"""CuTe DSL kernels (Hopper sm_90a; Blackwell sm_100a to come), run through `jaxflash.ffi`.
+"""CuTe DSL kernels (Hopper sm_90a; Blackwell sm_100a, gated), run through `jaxflash.ffi`.
 
 Layout:
 - ``sm90/``: the Hopper device kernels and their private parts.
+- ``sm100/``: the Blackwell forward (compiled and instruction-checked only; gated in
+  ``policy/verified.py`` until a Blackwell run).
 - ``common/``: device building blocks every architecture's kernels share (masks, online
   softmax, layouts, pipelines, launch arguments, tile order, segment summaries).
 - ``variants/``: the DSL-free configs (what a binary *is*) and launch descriptions.
@@ -64,4 +66,10 @@ KERNELS: dict[str, Kernel] = {
                        (("main", "jaxflash.kernels.sm90.bwd:FlashBwdSm90"),
                         ("wide", "jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide")),
                        ("sm_90a",)),
+    # FlashAttention forward for Blackwell: tcgen05 MMAs with S, P and O in tensor memory.
+    # Compiled and instruction-checked only; dispatch gates it until a Blackwell run.
+    "sm100_fwd": Kernel("jaxflash.kernels.variants.sm100_fwd:Sm100FwdConfig",
+                        "jaxflash.kernels.variants.fwd_launch:sm100_fwd_launch",
+                        (("main", "jaxflash.kernels.sm100.fwd:FlashFwdSm100"),),
+                        ("sm_100a",)),
 }

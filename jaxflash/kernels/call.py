@@ -35,18 +35,12 @@ def forward(launch, q, k, v, arrays, statics):
 
 
 def forward_fp8(launch, q8, k8, v8, arrays, statics):
-    """(out [B, T, N, Hv] out_dtype, lse [B, N, T] float32) by the FP8 forward `launch`; the
-    canonical scales (`jaxflash._types.AttentionArrays`, [B, heads, nb]) must have one block
-    (the plan admits only those), taken as the kernel's per-(batch, head) descales."""
+    """(out [B, T, N, Hv] out_dtype, lse [B, N, T] float32) by the FP8 forward `launch`, with
+    the canonical scales (`jaxflash._types.AttentionArrays`, [B, heads, nb]: one block, or the
+    128-row blocks the plan matched to the kernel's tiles)."""
     B, T, N, _ = q8.shape
     cfg = launch.config
-    descales = []
-    for name in ("q_scale", "k_scale", "v_scale"):
-        s = getattr(arrays, name)
-        if s is None or s.shape[-1] != 1:
-            raise ValueError(f"{name} must be [B, heads, 1] for the FP8 kernel; got "
-                             f"{None if s is None else s.shape}")
-        descales.append(s[..., 0])
+    descales = [getattr(arrays, n) for n in ("q_scale", "k_scale", "v_scale")]
     inputs = fwd_fp8_inputs(cfg, q8, k8, v8, *descales, q_seqlen=arrays.q_seqlen,
                             kv_seqlen=arrays.kv_seqlen, q_segment_ids=arrays.q_segment_ids,
                             kv_segment_ids=arrays.kv_segment_ids)

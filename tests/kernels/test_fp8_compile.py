@@ -33,6 +33,17 @@ MATRIX = [
     Fp8FwdConfig(head_dim=128, is_causal=True, has_segments=True, out_dtype="float16"),
     # O staged over both V buffers (smaller key tiles): the consumers meet first
     Fp8FwdConfig(head_dim=256, tile_n=96),
+    # the contract's 128-row block scales for q, k and v
+    Fp8FwdConfig(head_dim=128, is_causal=True, mask_select=True, q_blocks=True, k_blocks=True,
+                 v_blocks=True),
+    Fp8FwdConfig(head_dim=256, q_blocks=True, k_blocks=True, v_blocks=True),
+    # the persistent tile loop (O in its own buffer), with block scales
+    Fp8FwdConfig(head_dim=128, persistent=True, is_causal=True, mask_select=True,
+                 q_blocks=True, k_blocks=True, v_blocks=True),
+    # three consumer warpgroups (192 rows) at hd 64: O over both V buffers
+    Fp8FwdConfig(head_dim=64, tile_m=192, is_causal=True),
+    # FlashAttention-3's wider FP8 key tile at hd 128 (benchmarks/fp8_bench.py --tiles)
+    Fp8FwdConfig(head_dim=128, tile_n=224, is_causal=True, mask_select=True),
 ]
 
 
@@ -109,7 +120,7 @@ def test_fp8_call_lowers_to_one_custom_call_and_exports(cuda_env):
     assert back.out_avals[0].shape == (B, T, 4, 128)
 
 
-def test_fp8_plan_is_gated_and_refuses_block_scales(monkeypatch):
+def test_fp8_plan_is_gated_serves_128_row_blocks_and_refuses_others(monkeypatch):
     import jax.numpy as jnp
 
     import jaxflash
@@ -124,14 +135,26 @@ def test_fp8_plan_is_gated_and_refuses_block_scales(monkeypatch):
         d = jaxflash.explain(*args[:3], q_scale=args[3], k_scale=args[4], v_scale=args[5])
     assert d.backend == "cute", str(d)
     assert "FlashFwdSm90Fp8" in str(d) and "emulated FP8 backward" in str(d)
-    # block scales (128 rows) over a 200-row sequence: not in the kernel, said so
     import jax
-    blk = jax.ShapeDtypeStruct((2, 4, 2), jnp.float32)
-    kblk = jax.ShapeDtypeStruct((2, 2, 3), jnp.float32)
+    sds = jax.ShapeDtypeStruct
+    # the contract's 128-row blocks over 200 query / 300 key rows: the kernel's tiles
     with jaxflash.target_platform("cuda"):
-        d = jaxflash.explain(*args[:3], q_scale=blk, k_scale=kblk, v_scale=kblk)
+        d = jaxflash.explain(*args[:3], q_scale=sds((2, 4, 2), jnp.float32),
+                             k_scale=sds((2, 2, 3), jnp.float32),
+                             v_scale=sds((2, 2, 3), jnp.float32))
+    assert d.backend == "cute" and "_sbqkv" in str(d), str(d)
+    # 64-row blocks: not the kernel's tiles, refused with the reason (the emulation runs)
+    with jaxflash.target_platform("cuda"):
+        d = jaxflash.explain(*args[:3], q_scale=sds((2, 4, 4), jnp.float32),
+                             k_scale=sds((2, 2, 5), jnp.float32),
+                             v_scale=sds((2, 2, 5), jnp.float32), scale_block=64)
     assert d.backend != "cute"
-    assert "per-tensor and per-head scales only" in dict(d.refused)["cute"]
+    assert "per 128 rows or per (batch, head) only" in dict(d.refused)["cute"], str(d)
+    # float32 output (precision="fp8" on float32 inputs): refused, said so
+    f32 = sds((2, 200, 4, 128), jnp.float32)
+    with jaxflash.target_platform("cuda"):
+        d = jaxflash.explain(f32, f32, f32, precision="fp8")
+    assert "bfloat16 / float16 output" in dict(d.refused)["cute"], str(d)
 
 
 def test_kernel_constants_follow_the_contract():

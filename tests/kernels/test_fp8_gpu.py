@@ -29,6 +29,16 @@ CASES = [
     ("d128-window", 1, 1500, 1500, 4, 2, 128, dict(local_window_size=(200, 0)), "head"),
     ("d128-softcap-lengths", 2, 900, 1100, 4, 4, 128, dict(softcap=20.0, lengths=True), "head"),
     ("d64-cross-T<S", 1, 300, 2000, 2, 1, 64, {}, "tensor"),
+    # the contract's 128-row block scales (k: per key block S scaling; v: O's unit changes)
+    ("d128-blocks-causal-gqa", 2, 1000, 1000, 4, 2, 128, dict(is_causal=True), "block"),
+    ("d256-blocks", 1, 700, 1300, 2, 2, 256, {}, "block"),
+    ("d64-blocks-softcap-lengths", 2, 800, 800, 4, 4, 64, dict(softcap=15.0, lengths=True),
+     "block"),
+]
+# precision="fp8" on bf16 inputs (Hadamard + 128-row block quantization in XLA, then the kernel)
+PRECISION_CASES = [
+    ("d128-bf16-precision-fp8", 2, 1024, 1024, 4, 4, 128, dict(is_causal=True)),
+    ("d256-bf16-precision-fp8", 1, 900, 900, 4, 2, 256, {}),
 ]
 
 
@@ -135,3 +145,35 @@ def test_fp8_forward_against_emulation_and_float64(case, monkeypatch):
     assert err_ke <= 2e-2, f"kernel vs emulation rel L2 {err_ke:.3e}"
     assert err_k <= 1.25 * err_e + 2e-3, f"kernel {err_k:.3e} vs emulation {err_e:.3e}"
     assert lse_err <= 5e-2, f"LSE max abs error {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("case", PRECISION_CASES, ids=[c[0] for c in PRECISION_CASES])
+def test_precision_fp8_from_bf16(case, monkeypatch):
+    """precision="fp8" on bf16 inputs through the kernel against the same call emulated, and
+    both against float64 on the (bf16) inputs: the kernel no worse than 1.25x the emulation."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
+    name, B, T, S, N, K, D, kw = case
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _inputs(B, T, S, N, K, D, seed=7))
+    expl = jaxflash.explain(q, k, v, precision="fp8", implementation="cute", **kw)
+    assert "FlashFwdSm90Fp8" in str(expl), expl
+
+    def run(impl):
+        f = jax.jit(lambda a, b, c: jaxflash.flash_attention(
+            a, b, c, precision="fp8", implementation=impl, **kw))
+        return np.asarray(f(q, k, v).astype(jnp.float32))
+
+    o_k, o_e = run("cute"), run("xla")
+    f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+    o_r, _ = _reference64(f64(q), f64(k), f64(v), D ** -0.5, kw.get("is_causal", False), None,
+                          None, None, None)
+    err_k, err_e, err_ke = _rel(o_k, o_r), _rel(o_e, o_r), _rel(o_k, o_e)
+    print(f"{name}: kernel vs float64 {err_k:.4f}, emulation vs float64 {err_e:.4f}, "
+          f"kernel vs emulation {err_ke:.4f}")
+    assert err_ke <= 2e-2 and err_k <= 1.25 * err_e + 2e-3

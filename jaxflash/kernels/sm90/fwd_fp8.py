@@ -11,11 +11,15 @@ The bf16 forward (`sm90.fwd.FlashFwdSm90`) with FP8 operands; what changes and w
 - P = exp2(...) is scaled by 2^8 (`OnlineSoftmax(p_shift_log2=8)`: P in [0, 256], inside
   e4m3's 448, small probabilities stay normal) and converted to e4m3 in registers; the row sum
   carries the same factor (cancels in O), the LSE takes it out.
-- Descales per (batch, head): q_descale * k_descale folds into the softmax's exp2 scale (or the
-  softcap's pre-scale), v_descale into the final 1 / rowsum. O leaves in ``out_dtype``.
+- Scales per (batch, head), or per 128-row block (the contract's layout, `Fp8FwdConfig`'s
+  q/k/v_blocks): q's (one per tile) and k's (when not per block) fold into the softmax's exp2
+  scale (or the softcap's pre-scale); k blocks multiply each block's scores; v's scale goes into
+  the final 1 / rowsum, and with v blocks the ratio of consecutive blocks' scales into the O
+  rescale of every block (O accumulates in the current block's units). O leaves in ``out_dtype``.
 - O (16-bit) is staged for its TMA store in the loaded-V buffers (free once the last block is
   transposed), extended over the V^T buffers after a consumer barrier when it is larger.
-- One tile per CTA (no persistent loop); masks, lengths, GQA, softcap and segment ids are the
+- One tile per CTA, or (``persistent``, up to hd 128: O then has its own buffer) one CTA per SM
+  looping over tiles, the producer warpgroup walking the same sequence; masks, lengths, GQA, softcap and segment ids are the
   bf16 kernel's own code (`mask.py`, `segments.py`, the consumer mainloop).
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.mask import BlockRange, SegmentRows, TileCoords
 from jaxflash.kernels.common.pipes import TmaPipelines
-from jaxflash.kernels.common.scheduler import TileScheduler
+from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.common.softmax import OnlineSoftmax
 from jaxflash.kernels.sm90 import v_transpose
 from jaxflash.kernels.sm90.fwd import _BAR_WG_SCHED, FlashFwdSm90, _ConsumerCtx, _ScoreMods
@@ -57,8 +61,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
     """Hopper FP8 forward for one `Fp8FwdConfig` variant.
 
     Host entry: mQ [B, T, N, H], mK [B, S, K, H], mV [B, S, K, Hv] e4m3 (row-major), optional
-    mQSeqlen / mKVSeqlen [B] int32 and segment inputs (as `FlashFwdSm90`), mQD [B, N], mKD
-    [B, K], mVD [B, K] float32 descales, mO [B, T, N, Hv] (out_dtype), mLSE [B, N, T] float32,
+    mQSeqlen / mKVSeqlen [B] int32 and segment inputs (as `FlashFwdSm90`), mQD [B, N, nq], mKD
+    [B, K, nk], mVD [B, K, nv] float32 scales, mO [B, T, N, Hv] (out_dtype), mLSE [B, N, T] float32,
     float scalars (softmax_scale, softcap), int scalars (window) when windowed, stream.
     """
 
@@ -78,15 +82,17 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         # The bf16 kernel's split: the transposing producer fits in 24 registers as long as
         # its block loop is not unrolled (`v_transpose`); at hd 256 the consumers need every
         # register (the 64 x 256 fp32 O alone is 128; at 232 ptxas serialized the wgmma).
-        self.producer_regs, self.mma_regs = 24, 240
+        # Three consumer warpgroups (192 rows, hd 64): 32 / 160.
+        self.producer_regs, self.mma_regs = {2: (24, 240), 3: (32, 160)}[self.num_mma_wg]
         self.has_right = config.is_causal or config.has_window
         self.has_left = config.has_window
-        self.fresh_s = False
-        self.mask_by_select = config.mask_select
+        # as the bf16 kernel at 192 rows: a fresh S fragment per block, masks by select
+        self.fresh_s = self.num_mma_wg >= 3
+        self.mask_by_select = self.num_mma_wg == 3 or config.mask_select
         self.pingpong = self.num_mma_wg == 2 and self.hd <= 128
-        self.persistent = False
+        self.persistent = config.persistent
         self.tile_pipe = False
-        self.separate_o = False
+        self.separate_o = config.separate_o
         self.wg_epilogue = False
         self.lazy_rescale = config.lazy_rescale
 
@@ -179,18 +185,23 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             sVr: cute.struct.Align[cute.struct.MemRange[self.dtype, vraw_bytes], 1024]
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)],
                                    1024]
+            sO: cute.struct.Align[cute.struct.MemRange[
+                self.dtype, o_bytes if self.separate_o else 0], 1024]
 
         T = mQ.shape[0]
         num_m_blocks = (T + self.tile_m - 1) // self.tile_m
         num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         scheduler = TileScheduler(lpt=self.cfg.lpt, section_bytes=L2_SECTION_MB * 1024 * 1024)
+        grid = num_tiles
+        if const_expr(self.persistent):
+            grid = cutlass.min(num_tiles, NUM_SMS)
 
         self.kernel_fp8(
             tma_mQ, tma_mK, tma_mV, tma_mO, mLSE, mQSeqlen, mKVSeqlen, mQSeg, mKVSeg, mQBlk,
             mKVBlk, mQD, mKD, mVD, tma_Q, tma_K, tma_V, tma_O, mFScalars, mIScalars,
             sQ_layout, sK_layout, sV_layout, sVt_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             scheduler, num_m_blocks, SharedStorage,
-        ).launch(grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+        ).launch(grid=[grid, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                  min_blocks_per_mp=1)
 
     @cute.kernel
@@ -234,8 +245,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVr = storage.sVr.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        sO = storage.sVr.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
-                                    dtype=self.o_dtype)
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                       dtype=self.o_dtype)
+        else:
+            sO = storage.sVr.get_tensor(sO_layout.outer, swizzle=sO_layout.inner,
+                                        dtype=self.o_dtype)
 
         softmax_scale = mFScalars[0]
         pre_scale = Float32(1.0)
@@ -259,19 +274,32 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
         pipeline.pipeline_init_wait()
 
+        grid, _, _ = cute.arch.grid_dim()
+        num_tiles = num_m_blocks * mQ.shape[2] * mQ.shape[3]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            m_block, head, batch = self.tile_coords(bid, scheduler, num_m_blocks, mQ, mK)
-            n_min, n_max, _sq, _sk = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
-                                                      mKVSeqlen, mQBlk, blocks)
-            kv_head = head // (mQ.shape[2] // mK.shape[2])
             raw_words = storage.sVr.get_tensor(cute.make_layout(cute.cosize(sV_layout) // 4),
                                                dtype=Int32)
             vt_words = storage.sVt.get_tensor(cute.make_layout(cute.cosize(sVt_layout) // 4),
                                               dtype=Int32)
-            self.produce_fp8(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
-                             pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout,
-                             m_block, head, kv_head, batch, n_min, n_max, blocks, warp_idx, tidx)
+            P = pipeline.PipelineUserType
+            states = (pipeline.make_pipeline_state(P.Producer, 1),  # Q (warp 0)
+                      pipeline.make_pipeline_state(P.Producer, self.num_stages),  # K (warp 0)
+                      pipeline.make_pipeline_state(P.Producer, self.num_stages),  # V staged
+                      pipeline.make_pipeline_state(P.Consumer, self.num_stages),  # V read
+                      pipeline.make_pipeline_state(P.Producer, self.num_stages))  # V^T
+            pargs = (mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, sQ, sK, sVr, tma_Q, tma_K, tma_V,
+                     pipe_q, pipe_k, pipe_vr, pipe_vt, raw_words, vt_words, sV_layout,
+                     sVt_layout, blocks, warp_idx, tidx)
+            if const_expr(self.persistent):
+                r = Int32(0)
+                tile = scheduler.tile_of_round(r, bid, grid)
+                while tile < num_tiles:
+                    states = self.produce_fp8_tile(tile, scheduler, num_m_blocks, pargs, states)
+                    r += 1
+                    tile = scheduler.tile_of_round(r, bid, grid)
+            else:
+                self.produce_fp8_tile(bid, scheduler, num_m_blocks, pargs, states)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -283,31 +311,58 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                                              number_of_threads=2 * 128)
             cargs = (mO, mLSE, sQ, sK, sVt, sO, tma_O, pipe_q, pipe_k, pipe_vt)
             segs = (mQD, mKD, mVD, mQSeg, mKVSeg, mQBlk, mKVBlk)
-            self.consume_tile(bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
-                              cargs, segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv,
-                              tidx - 128, warp_idx, pre_scale, scale_log2, window_left,
-                              window_right, T)
+            if const_expr(self.persistent):
+                r = Int32(0)
+                tile = scheduler.tile_of_round(r, bid, grid)
+                while tile < num_tiles:
+                    q_state, kv_state = self.consume_tile(
+                        tile, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen, blocks,
+                        cargs, segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx - 128,
+                        warp_idx, pre_scale, scale_log2, window_left, window_right, T)
+                    r += 1
+                    tile = scheduler.tile_of_round(r, bid, grid)
+                # the last store reads sO before the CTA's shared memory goes away
+                if warp_idx == 4:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                self.consume_tile(bid, scheduler, num_m_blocks, mQ, mK, mQSeqlen, mKVSeqlen,
+                                  blocks, cargs, segs, q_state, kv_state, tiled_mma_qk,
+                                  tiled_mma_pv, tidx - 128, warp_idx, pre_scale, scale_log2,
+                                  window_left, window_right, T)
+
+    @cute.jit
+    def produce_fp8_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
+                         pargs, states):
+        """One tile's loads and V transposes by the producer warpgroup; returns the advanced
+        pipeline states (Q, K, V staged, V read, V^T)."""
+        (mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+         pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout, blocks, warp_idx,
+         tidx) = pargs
+        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
+        n_min, n_max, _sq, _sk = self.tile_bounds(m_block, head, batch, mQ, mK, mQSeqlen,
+                                                  mKVSeqlen, (mQBlk, None), blocks)
+        kv_head = head // (mQ.shape[2] // mK.shape[2])
+        return self.produce_fp8(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+                                pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout,
+                                m_block, head, kv_head, batch, n_min, n_max, blocks, warp_idx,
+                                tidx, states)
 
     @cute.jit
     def produce_fp8(self, mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_vr,
                     pipe_vt, raw_words, vt_words, sV_layout, sVt_layout, m_block: Int32,
                     head: Int32, kv_head: Int32, batch: Int32, n_min: Int32, n_max: Int32,
-                    blocks: BlockRange, warp_idx: Int32, tidx: Int32):
+                    blocks: BlockRange, warp_idx: Int32, tidx: Int32, states):
         """The producer warpgroup's tile: warp 0 issues the TMA loads (K[last], Q, V[last],
         then K and V of the next block one ahead), and all four warps transpose each loaded V
-        block into the consumers' V^T stage, in the consumers' order (right to left)."""
+        block into the consumers' V^T stage, in the consumers' order (right to left).
+        Returns the advanced states."""
         gQ = blocks.row_box(mQ[None, None, head, batch], m_block, self.hd)
         gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
         gV = cute.local_tile(mV[None, None, kv_head, batch], (self.tile_n, self.hdv), (None, 0))
         tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
         tKsK, tKgK = layouts.tma_tiles(tma_K, sK, gK)
         tVsV, tVgV = layouts.tma_tiles(tma_V, sVr, gV)
-        P = pipeline.PipelineUserType
-        q_state = pipeline.make_pipeline_state(P.Producer, 1)
-        k_state = pipeline.make_pipeline_state(P.Producer, self.num_stages)
-        vr_state = pipeline.make_pipeline_state(P.Producer, self.num_stages)
-        vr_read = pipeline.make_pipeline_state(P.Consumer, self.num_stages)
-        vt_state = pipeline.make_pipeline_state(P.Producer, self.num_stages)
+        q_state, k_state, vr_state, vr_read, vt_state = states
         count = n_max - n_min
         if warp_idx == 0:
             if count > 0:
@@ -317,6 +372,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                 k_state.advance()
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
             if count > 0:
                 pipe_vr.producer_acquire(vr_state)
                 cute.copy(tma_V, tVgV[None, n_max - 1], tVsV[None, vr_state.index],
@@ -342,9 +398,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             # the generic-proxy writes must be visible to the wgmma (async proxy) reading them
             cute.arch.fence_view_async_shared()
             pipe_vt.producer_commit(vt_state)
+            # one lane a warp releases the staging stage: all of the warp's reads come first
+            cute.arch.sync_warp()
             pipe_vr.consumer_release(vr_read)
             vr_read.advance()
             vt_state.advance()
+        return q_state, k_state, vr_state, vr_read, vt_state
 
     @cute.jit
     def consume_at(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mQSeqlen,
@@ -353,19 +412,37 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                    scale_log2: Float32, window_left: Int32, window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sVt, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
         mQD, mKD, mVD, mQSeg, mKVSeg, mQBlk, mKVBlk = segs
-        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
-                                                            mKVSeqlen, mQBlk, blocks)
+        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, head, batch, mQ, mK,
+                                                            mQSeqlen, mKVSeqlen, (mQBlk, None),
+                                                            blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
-        qk_descale = mQD[batch, head] * mKD[batch, kv_head]
+        # q's scale is one per tile either way; k's folds in here unless it varies by key
+        # block (then `scores` multiplies each block's S by its own).
+        q_idx = Int32(0)
+        if const_expr(self.cfg.q_blocks):
+            q_idx = m_block
+        qk_descale = mQD[batch, head, q_idx]
+        if const_expr(not self.cfg.k_blocks):
+            qk_descale = qk_descale * mKD[batch, kv_head, 0]
         if const_expr(self.cfg.has_softcap):
             pre_scale = pre_scale * qk_descale  # tanh(x * descale * scale / softcap)
         else:
             scale_log2 = scale_log2 * qk_descale
         ctx = self.consumer_setup(sQ, sK, sVt, tiled_mma_qk, tiled_mma_pv, tidx, scale_log2)
-        ctx.v_descale = mVD[batch, kv_head]
+        # O ends in the units of the last (leftmost) key block's v scale (`softmax_step`)
+        v_last = Int32(0)
+        if const_expr(self.cfg.v_blocks):
+            v_last = cutlass.min(n_min, mVD.shape[2] - 1)
+        ctx.v_descale = mVD[batch, kv_head, v_last]
         ctx._dynamic = _ConsumerCtx._dynamic + ("v_descale",)
         mods = _ScoreMods()
         dyn = []
+        if const_expr(self.cfg.k_blocks):
+            mods.kd = mKD[batch, kv_head, None]
+            dyn.append("kd")
+        if const_expr(self.cfg.v_blocks):
+            mods.vd = mVD[batch, kv_head, None]
+            dyn.append("vd")
         if const_expr(self.cfg.has_segments):
             mods.rows = SegmentRows.load(ctx.tScS, ctx.num_rows, m_block * self.tile_m,
                                          mQSeg[batch, None], T, mQBlk[batch, m_block, 0],
@@ -403,12 +480,42 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         return c
 
     @cute.jit
+    def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
+               pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
+               mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
+               mask_left: cutlass.Constexpr, mask_mod: cutlass.Constexpr = False):
+        """Block scales first (k: this block's scale on its scores; v: the ratio by which O
+        changes units before this block's PV, read by `softmax_step`), then the bf16
+        kernel's transforms and masks."""
+        if const_expr(self.cfg.k_blocks):
+            kd = mods.kd[n_block]
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = acc_S[i] * kd
+        if const_expr(self.cfg.v_blocks):
+            # O holds block n_block + 1's P V in that block's v units; block n_block's PV
+            # comes next (right to left). Unused on a tile's first block (O is still 0).
+            prev = cutlass.min(n_block + 1, cute.size(mods.vd) - 1)
+            self._v_ratio = mods.vd[prev] / mods.vd[n_block]
+        FlashFwdSm90.scores(self, acc_S, tScS, m_block, n_block, seqlen_k, pre_scale,
+                            window_left, window_right, mods, seg_cmp, mask_seqlen, mask_right,
+                            mask_left, mask_mod)
+
+    def softmax_step(self, softmax, acc_S):
+        """The bf16 kernel's step; with v blocks its O rescale also changes O's units to the
+        coming block's v scale (set by `scores` for the same block, just before)."""
+        row_scale, moved = FlashFwdSm90.softmax_step(self, softmax, acc_S)
+        if self.cfg.v_blocks:
+            for r in range(softmax.num_rows):
+                row_scale[r] = row_scale[r] * self._v_ratio
+        return row_scale, moved
+
+    @cute.jit
     def store_o_whole(self, mO, sO, tma_O, pipe_q, q_state, warp_idx: Int32, blocks,
                       m_block: Int32, head: Int32, batch: Int32, st_atom, thr_st, rO):
         """O staged in the loaded-V buffers, or (when smaller than O) in them and the V^T
         buffers after them: the other warpgroup may still be reading V^T in its last PV GEMM,
         so both warpgroups meet first."""
-        if const_expr(not self.cfg.o_in_vraw):
+        if const_expr(not self.cfg.o_in_vraw and not self.separate_o):
             cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         FlashFwdSm90.store_o_whole(self, mO, sO, tma_O, pipe_q, q_state, warp_idx, blocks,
                                    m_block, head, batch, st_atom, thr_st, rO)

@@ -5,7 +5,7 @@ inputs: both GEMMs are FP8 wgmma (k = 32), V is transposed in shared memory by t
 warpgroup (FP8 wgmma reads only K-major operands, and V's keys are its rows), P goes to e4m3 in
 registers, and O leaves in a 16-bit type with the inputs' descales applied. A subclass of
 `FwdConfig` so every mask / schedule field keeps its meaning; `check` refuses the schedules the
-FP8 kernel does not implement (persistent loops, tile pipe, tiles other than 128 rows, ALiBi).
+FP8 kernel does not implement (tile pipe, tiles other than 128 rows, ALiBi).
 
 Shared memory: Q + stages * (K + V as loaded + V transposed), one byte an element; O (16-bit)
 reuses the loaded-V buffers (free once the last block is transposed, and as large as O at 2
@@ -25,8 +25,8 @@ FP8_HEAD_DIMS = (64, 128, 256)
 # shared memory of the bf16 tiles, and the 64 x tile_n score accumulator plus the e4m3 P (a
 # quarter of it) fit beside the 64 x 256 output accumulator at 240 registers.
 _FP8_TILES = {64: (128, 128), 128: (128, 128), 256: (128, 128)}
-# Runtime tensors of a launch after the optional length / segment inputs: the descales
-# (float32; the dequantization factors q_scale etc. multiplied back in), per (batch, head).
+# Runtime tensors of a launch after the optional length / segment inputs: the dequantization
+# scales (float32), [B, heads, nb]: one block (nb = 1) or one per tile of rows (`*_blocks`).
 DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -35,15 +35,26 @@ class Fp8FwdConfig(FwdConfig):
     """One compiled variant of `FlashFwdSm90Fp8`.
 
     dtype: q, k, v element type ("float8_e4m3fn"). out_dtype: O's ("bfloat16" / "float16");
-    lse is float32. The descales are runtime inputs q_descale [B, N], k_descale [B, K],
-    v_descale [B, K] float32 (per-tensor and per-head scales are broadcast to them in XLA):
-    scores = q_descale * k_descale * (Q8 K8^T), O = v_descale * (P8 V8) / rowsum.
-    Other fields: `FwdConfig` (ALiBi, persistence, the tile pipe and 64/192/256-row tiles
-    are refused).
+    lse is float32. The scales are runtime inputs q_descale [B, N, nq], k_descale [B, K, nk],
+    v_descale [B, K, nv] float32 (`jaxflash._types.AttentionArrays`' canonical layout):
+    scores = q_scale * k_scale * (Q8 K8^T), O = sum_j P8_j (v_scale_j V8_j) / rowsum.
+    q_blocks / k_blocks / v_blocks: that scale has one block per tile of rows (tile_m for q,
+    tile_n for k and v: the contract's 128-row blocks) instead of one (nb = 1) for the whole
+    sequence. k blocks multiply each key block's scores (one FMUL a score); v blocks fold
+    v_scale[j+1] / v_scale[j] into the per-row O rescale (so O accumulates in the current
+    block's units and P keeps the contract's rounding); q blocks cost nothing (one per tile).
+    tile_m: 128, or 192 at head dim 64 (three consumer warpgroups at 160 registers, as the bf16
+    kernel's hd 64 picks). persistent: one CTA per SM loops over tiles (O in its own buffer, so only where it fits:
+    up to hd 128): the producer warpgroup walks the same tile sequence.
+    Other fields: `FwdConfig` (ALiBi, the tile pipe and 64/192/256-row tiles are refused;
+    lazy_rescale not with v blocks).
     """
 
     dtype: str = "float8_e4m3fn"
     out_dtype: str = "bfloat16"
+    q_blocks: bool = False
+    k_blocks: bool = False
+    v_blocks: bool = False
 
     def __post_init__(self):
         tm, tn = _FP8_TILES.get(self.head_dim, (128, 128))
@@ -62,23 +73,31 @@ class Fp8FwdConfig(FwdConfig):
             return False, f"head_dim {self.head_dim} not in {FP8_HEAD_DIMS} for FP8"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m != 128 or self.ctas_per_sm != 1:
-            return False, (f"FP8: tile_m {self.tile_m} (ctas_per_sm {self.ctas_per_sm}); only "
-                           "128-row tiles, one CTA per SM")
+        if self.ctas_per_sm != 1 or not (self.tile_m == 128 or (self.tile_m == 192
+                                                                 and self.head_dim == 64)):
+            return False, (f"FP8: tile_m {self.tile_m} (ctas_per_sm {self.ctas_per_sm}); "
+                           "128-row tiles (192 at head dim 64), one CTA per SM")
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             return False, (f"tile_n {self.tile_n} must be a multiple of 32 in [32, 256] (the "
                            "FP8 PV GEMM's k-block is 32 keys)")
-        if self.persistent or self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
-            return False, ("FP8: no persistent loop, tile pipe, per-warpgroup epilogue or "
-                           "paired tile order (the transposing producer is written for one tile "
-                           "per CTA)")
-        if self.has_alibi:
-            return False, "FP8: no ALiBi"
+        if (self.tile_n // 32) * (self.head_dim_v // 16) % 4:
+            return False, (f"tile_n {self.tile_n} x head dim {self.head_dim_v}: the V transpose "
+                           "splits (tile_n / 32) x (hdv / 16) block groups over 4 warps")
+        if self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
+            return False, ("FP8: no tile pipe, per-warpgroup epilogue or paired tile order")
+        if self.has_alibi or self.score_mod or self.mask_mod:
+            return False, "FP8: no ALiBi, score_mod or mask_mod"
+        if self.v_blocks and self.lazy_rescale:
+            return False, ("FP8: lazy_rescale with v_blocks (every block rescales O by the "
+                           "ratio of consecutive v scales)")
         if self.num_stages != 2:
             return False, f"FP8: num_stages {self.num_stages} (only 2)"
-        if self.num_stages * self.tile_n < self.tile_m:
+        if self.num_stages * self.tile_n < self.tile_m and not self.persistent:
             return False, (f"FP8: tile_n {self.tile_n} too small for O to fit in the V buffers "
                            f"(stages x tile_n >= tile_m)")
+        if self.tile_m == 192 and self.mask_select:
+            return False, ("mask_select is always on at tile_m 192 (drop the flag: the key "
+                           "would name a second copy of one binary)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(tile {self.tile_m}x{self.tile_n}, head dim {self.head_dim})")
@@ -86,25 +105,32 @@ class Fp8FwdConfig(FwdConfig):
 
     @property
     def o_in_vraw(self) -> bool:
-        """O (16-bit) fits in the loaded-V buffers, which are free at the epilogue."""
-        return self.num_stages * self.tile_n >= 2 * self.tile_m
+        """O (16-bit) staged in the loaded-V buffers (free at the epilogue, and large enough)
+        rather than over them and the V^T buffers; with persistence O has its own buffer."""
+        return not self.persistent and self.num_stages * self.tile_n >= 2 * self.tile_m
 
     def smem_bytes(self, separate_o=None) -> int:
         q = self.tile_m * self.head_dim
         k = self.num_stages * self.tile_n * self.head_dim
         v = self.num_stages * self.tile_n * self.head_dim_v
-        return q + k + 2 * v + 1024  # + barriers and alignment (O reuses the V buffers)
+        # O reuses the V buffers, except in the persistent loop (the next tile's V loads
+        # while this tile's O is stored)
+        o = self.tile_m * self.head_dim_v * 2 if self.persistent else 0
+        return q + k + 2 * v + o + 1024  # + barriers and alignment
 
     @property
     def separate_o(self) -> bool:
-        return False
+        return self.persistent
 
     @property
     def key(self) -> str:
         base = super().key  # fwd_sm90_<dtype>_h..
         short = {"float8_e4m3fn": "e4m3"}[self.dtype]
         out = {"bfloat16": "bf16", "float16": "f16"}[self.out_dtype]
-        return base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
+        blocks = "".join(n for n, on in (("q", self.q_blocks), ("k", self.k_blocks),
+                                            ("v", self.v_blocks)) if on)
+        base = base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
+        return base + (f"_sb{blocks}" if blocks else "")
 
 
 def can_implement(config: Fp8FwdConfig | None = None, **problem) -> tuple[bool, str]:

@@ -2,7 +2,8 @@
 
 Tensors: q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] float8_e4m3fn (row-major: V is
 transposed inside the kernel), then optional q_seqlen / kv_seqlen [B] int32 and the segment
-inputs (as `fwd_launch`), then q_descale [B, N], k_descale [B, K], v_descale [B, K] float32;
+inputs (as `fwd_launch`), then q_descale [B, N, nq], k_descale [B, K, nk], v_descale [B, K, nv]
+float32 (nb = 1, or one per tile of rows with the config's q_blocks / k_blocks / v_blocks);
 outputs o [B, T, N, Hv] (``out_dtype``) and lse [B, N, T] float32. Scalars as `fwd_launch`.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
         inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
                    TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
     # descales: 4-byte aligned rows of any length (no TMA reads them)
-    inputs += [TensorArg("float32", (None, None), align=4) for _ in range(3)]
+    inputs += [TensorArg("float32", (None, None, None), align=4) for _ in range(3)]
     outputs = (TensorArg(config.out_dtype, (None, None, None, hv)),
                TensorArg("float32", (None, None, None)))
     return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
@@ -39,8 +40,10 @@ def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
 def fwd_fp8_inputs(config: Fp8FwdConfig, q, k, v, q_descale, k_descale, v_descale,
                    q_seqlen=None, kv_seqlen=None, q_segment_ids=None,
                    kv_segment_ids=None) -> list:
-    """The launch's input arrays in order. Descales may be scalars (per tensor), [N] / [K] (per
-    head) or [B, N] / [B, K]; they are broadcast here to [B, N] and [B, K] float32."""
+    """The launch's input arrays in order. Scales may be scalars (per tensor), [N] / [K] (per
+    head), [B, N] / [B, K], or [B, heads, nb] (the canonical layout, nb = 1 or the number of
+    tiles of rows when the config has that operand's blocks); they reach the kernel as
+    [B, heads, nb] float32."""
     import jax.numpy as jnp
     from jaxflash.kernels.common.segments import block_summaries
     B, _, N, _ = q.shape
@@ -61,14 +64,20 @@ def fwd_fp8_inputs(config: Fp8FwdConfig, q, k, v, q_descale, k_descale, v_descal
         ks = jnp.asarray(kv_segment_ids, jnp.int32)
         q_blocks, kv_blocks = block_summaries(qs, ks, config.tile_m, config.tile_n)
         ins += [qs, ks, q_blocks, kv_blocks]
-    for name, d, heads in (("q_descale", q_descale, N), ("k_descale", k_descale, K),
-                           ("v_descale", v_descale, K)):
+    T, S = q.shape[1], k.shape[1]
+    for name, d, heads, blocked, rows, tile in (
+            ("q_descale", q_descale, N, config.q_blocks, T, config.tile_m),
+            ("k_descale", k_descale, K, config.k_blocks, S, config.tile_n),
+            ("v_descale", v_descale, K, config.v_blocks, S, config.tile_n)):
         d = jnp.asarray(d, jnp.float32)
+        nb = -(-rows // tile) if blocked else 1
         if d.ndim == 1:
             d = d[None, :]
+        if d.ndim <= 2:
+            d = d.reshape(d.shape + (1,))
         try:
-            ins.append(jnp.broadcast_to(d, (B, heads)))
+            ins.append(jnp.broadcast_to(d, (B, heads, nb)))
         except ValueError as e:
-            raise ValueError(f"{name} of shape {d.shape} does not broadcast to (B, heads) = "
-                             f"({B}, {heads})") from e
+            raise ValueError(f"{name} of shape {d.shape} does not broadcast to (B, heads, nb) = "
+                             f"({B}, {heads}, {nb})") from e
     return ins
