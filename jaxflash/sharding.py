@@ -25,8 +25,9 @@ heads, e.g. MQA): those are summed over the shards with `psum`.
 With mods (`jaxflash.mods`), each shard's mods must still see global batch rows and heads:
 `partition` hands the backend the shard's offsets (``arrays.mod_offsets``, from the mesh axis
 indices); aux arrays are replicated and their gradients summed over the shards; a block mask
-is split with the batch / head dims it has. (A rank-0 aux leaf has no dim to name in the rule;
-such calls run whole.)
+is split with the batch / head dims it has. Backends that do not read the offsets
+(``Backend.shards_mods`` False), and calls with a rank-0 aux leaf (no dim to name in the rule),
+run whole.
 
 Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
 with a single device, eager calls, and calls traced under `vmap` (custom_partitioning has no
@@ -81,7 +82,7 @@ _register_batching()
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v) or _scalar_aux(arrays):
+    if not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
         return backend.forward(q, k, v, arrays, statics, plan)
     op = _op("fwd", _Layout.of(q, k, v, arrays, statics))
     return op(backend, q, k, v, arrays, statics, plan)
@@ -89,15 +90,20 @@ def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v) or _scalar_aux(arrays):
+    if not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
         return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
     op = _op("bwd", _Layout.of(q, k, v, arrays, statics))
     return op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
 
 
-def _scalar_aux(arrays) -> bool:
-    """A rank-0 aux leaf has no dim for the sharding rule to name: such calls run whole."""
-    return any(x.ndim == 0 for x in arrays.mod_aux)
+def _mods_ok(backend, statics, arrays) -> bool:
+    """Whether a call with mods can be partitioned: its backend must give the mods the shard's
+    global indices (``backend.shards_mods``), and a rank-0 aux leaf has no dim for the rule to
+    name. Otherwise the call runs whole (correct, gathered)."""
+    if getattr(statics, "mods", None) is None:
+        return True
+    return getattr(backend, "shards_mods", False) and not any(x.ndim == 0
+                                                              for x in arrays.mod_aux)
 
 
 def _wanted(*xs) -> bool:

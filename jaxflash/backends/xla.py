@@ -13,6 +13,7 @@ from jaxflash.fp8 import emulated
 
 class XlaBackend(Backend):
     name = "xla"
+    shards_mods = True
 
     def plan(self, problem):
         if problem.statics.fp8 is not None and problem.statics.mods is not None:

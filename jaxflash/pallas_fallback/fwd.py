@@ -48,7 +48,8 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
              jnp.zeros((bq,), jnp.float32))
     if spec.sparse:
         tm, tn = spec.sparse
-        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n),
+                                     tiles.block_row(i, tm // bq),
                                      body, carry, sub=tn // bk)
     else:
         lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
