@@ -16,6 +16,8 @@ class XlaBackend(Backend):
     shards_mods = True
 
     def plan(self, problem):
+        if problem.statics.fp8 is not None and problem.statics.mods is not None:
+            raise NotImplementedError("the emulated FP8 path has no score_mod / mask_mod")
         return None
 
     def forward(self, q, k, v, arrays, statics, plan):

@@ -125,3 +125,10 @@ def test_fp4_is_routed_to_jaxflash_fp4():
             jaxflash.flash_attention(q, k, v, precision="fp4")
     with pytest.raises(NotImplementedError, match="softcap"):
         jaxflash.flash_attention(q, k, v, precision="fp4", emulate=True, softcap=5.0)
+
+
+def test_fp8_with_mods_is_refused():
+    with pytest.raises(NotImplementedError, match="score_mod"):
+        jaxflash.flash_attention(jnp.zeros(qb.shape, qb.dtype), jnp.zeros(kb.shape, kb.dtype),
+                                 jnp.zeros(kb.shape, kb.dtype), precision="fp8",
+                                 score_mod=lambda s, b, h, q, k: s * 0.5)
