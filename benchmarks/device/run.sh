@@ -103,7 +103,8 @@ lm)
 extremes)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
     timeout ${EXTREMES_TIMEOUT:-420} python3 -m pytest -m gpu -rA -s \
-    -p no:cacheprovider tests/extremes/test_large_gpu.py ${EXTREMES_K:+-k "$EXTREMES_K"} 2>&1 \
+    -p no:cacheprovider tests/extremes/test_large_gpu.py tests/extremes/test_bad_values_gpu.py \
+    ${EXTREMES_K:+-k "$EXTREMES_K"} 2>&1 \
     | tee $OUT/gpu-extremes-$D.log | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^d|^cute|^pallas|\{" | tail -30
   [ "${EXTREMES_LONG:-1}" = 1 ] && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m benchmarks.long_context --s 1048576 \
     --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
