@@ -128,8 +128,9 @@ mbench)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m benchmarks.mods_bench --out $OUT \
     --budget-s 150 2>&1 | grep -v -i warn | tail -20 ;;
 lmprec)
-  timeout 280 python3 -m benchmarks.lm_precision --out $OUT --budget-s 150 2>&1 | grep -v -i warn | tail -30
-  timeout 120 python3 -m benchmarks.fp8_accuracy --out $OUT 2>&1 | grep -v -i warn | tail -20 ;;
+  timeout ${LM_TIMEOUT:-280} python3 -m benchmarks.lm_precision --out $OUT --budget-s ${LM_BUDGET:-150} \
+    2>&1 | grep -v -i warn | tail -30
+  timeout ${ACC_TIMEOUT:-120} python3 -m benchmarks.fp8_accuracy --out $OUT 2>&1 | grep -v -i warn | tail -20 ;;
 ring1m)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m benchmarks.ring_scaling --s 1048576 \
     --heads 8 --kv-heads 1 --impl cute --reps 1 --out $OUT/ring-1m-h200x2-$D.json 2>&1 \
