@@ -29,12 +29,12 @@ class CuteBackend(Backend):
 
     def forward(self, q, k, v, arrays, statics, plan):
         from jaxflash.kernels import call
-        if plan.detail.fp8:
+        if getattr(plan.detail, "fp8", False):
             return call.forward_fp8(plan.detail.fwd, q, k, v, arrays, statics)
         return call.forward(plan.detail.fwd, q, k, v, arrays, statics)
 
     def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
-        if plan.detail.fp8:
+        if getattr(plan.detail, "fp8", False):
             # FP8 gradients by the numerics contract's backward (no FP8 backward kernel yet)
             from jaxflash.fp8 import emulated
             return emulated.backward(q, k, v, arrays, statics, out, lse, dout)

@@ -59,7 +59,7 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
     _, S, K, _ = k.shape
     aux = tuple(arrays.mod_aux)
     ins = []
-    if cfg.mask_mod:
+    if getattr(cfg, "mask_mod", ""):  # (the Blackwell forward's config has no mods)
         rows, cols = (cfg.tile_n, cfg.tile_m) if backward else (cfg.tile_m, cfg.tile_n)
         table = None
         if arrays.block_mask is not None:
@@ -73,7 +73,7 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
             table = mod_blocks.forward_table(cfg.mask_mod, aux, B, N, T, S, cfg.tile_m,
                                              cfg.tile_n)
         ins.append(table.astype(jnp.int32))
-    return ins + [jnp.asarray(x, dt) for x, (dt, _) in zip(aux, cfg.aux)]
+    return ins + [jnp.asarray(x, dt) for x, (dt, _) in zip(aux, getattr(cfg, "aux", ()))]
 
 
 def bwd_prepare(lse, dout, out, q_seqlen, Tp: int):
