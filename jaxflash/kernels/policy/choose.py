@@ -27,21 +27,44 @@ LAZY_MIN_KV_LEN = 8192
 SELECT_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
-def forward_config(problem) -> FwdConfig:
-    """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
-    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+def _nonempty(problem, keys: bool = False) -> None:
+    """ValueError for a problem with nothing to launch (`keys`: an empty key sequence too, as
+    for the backward, whose grid runs over key blocks)."""
+    dims = [problem.batch, problem.q_len, problem.num_heads] + ([problem.kv_len] if keys else [])
+    if min(dims) == 0:
         raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
-                         f"heads {problem.num_heads}): nothing to launch")
-    ok, why = fwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                                head_dim_v=problem.head_dim_v, features=problem.features())
+                         f"kv_len {problem.kv_len}, heads {problem.num_heads}): nothing to "
+                         "launch")
+
+
+def _implementable(problem, can_implement, features=None) -> None:
+    """ValueError with the variant's own reason unless `can_implement` accepts the problem's
+    dtype, head dims and `features` (the problem's by default)."""
+    ok, why = can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                            head_dim_v=problem.head_dim_v,
+                            features=problem.features() if features is None else features)
     if not ok:
         raise ValueError(why)
+
+
+def _common_fields(problem, alibi: bool = True) -> dict:
+    """The config fields every variant takes from the problem: dtype, head dims, the masks."""
     st = problem.statics
-    features = dict(dtype=problem.dtype, head_dim=problem.head_dim,
-                    head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                    has_window=st.window is not None, has_softcap=st.softcap is not None,
-                    has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                    has_alibi=problem.has_alibi, has_segments=problem.has_segments)
+    f = dict(dtype=problem.dtype, head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+             is_causal=st.is_causal, has_window=st.window is not None,
+             has_softcap=st.softcap is not None, has_q_seqlen=problem.has_q_seqlen,
+             has_kv_seqlen=problem.has_kv_seqlen, has_segments=problem.has_segments)
+    if alibi:  # (the FP8 forward has no ALiBi field)
+        f["has_alibi"] = problem.has_alibi
+    return f
+
+
+def forward_config(problem) -> FwdConfig:
+    """The forward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
+    _nonempty(problem)
+    _implementable(problem, fwd_can_implement)
+    st = problem.statics
+    features = _common_fields(problem)
     # Windows and key lengths take the plain call's schedule too (`devtools.feat_bench`, two
     # runs: 1.03-1.26x the default schedule on each of the six masked calls timed); ALiBi,
     # segment ids and query lengths were not timed with it and keep the default.
@@ -59,9 +82,7 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
     """The FP8 forward variant serving an FP8 `Problem` (``statics.fp8`` set; ValueError if
     none can). One tile per CTA, 128 x 128 tiles (the contract's 128-key softmax tiles), causal
     diagonal blocks masked by select as in the bf16 picks."""
-    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
-        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
-                         f"heads {problem.num_heads}): nothing to launch")
+    _nonempty(problem)
     spec = problem.statics.fp8
     if spec is None:
         raise ValueError("not an FP8 call")
@@ -83,18 +104,10 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
         if block < length and block != tile:
             raise ValueError(f"{name} scales per {block}-row block: the FP8 kernel takes one "
                              f"scale per {tile} rows or per (batch, head) only")
-    features = tuple(f for f in problem.features() if f != "fp8")
-    ok, why = fp8_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                                head_dim_v=problem.head_dim_v, features=features)
-    if not ok:
-        raise ValueError(why)
-    st = problem.statics
-    return Fp8FwdConfig(dtype=problem.dtype, out_dtype=spec.out_dtype,
-                        head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
-                        is_causal=st.is_causal, has_window=st.window is not None,
-                        has_softcap=st.softcap is not None, has_q_seqlen=problem.has_q_seqlen,
-                        has_kv_seqlen=problem.has_kv_seqlen, has_segments=problem.has_segments,
-                        mask_select=st.is_causal, **blocks)
+    _implementable(problem, fp8_can_implement,
+                   tuple(f for f in problem.features() if f != "fp8"))
+    return Fp8FwdConfig(out_dtype=spec.out_dtype, mask_select=problem.statics.is_causal,
+                        **_common_fields(problem, alibi=False), **blocks)
 
 
 def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> dict:
@@ -111,19 +124,9 @@ def sm100_forward_config(problem) -> Sm100FwdConfig:
     """The sm_100a forward variant for a problem (ValueError if none can). Nothing is measured
     on Blackwell yet: the per-head-dim defaults of `Sm100FwdConfig` (FlashAttention-4's
     rescale threshold 8, a quarter of the exp2 pairs on the FMA pipes)."""
-    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
-        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
-                         f"heads {problem.num_heads}): nothing to launch")
-    ok, why = sm100_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                                  head_dim_v=problem.head_dim_v, features=problem.features())
-    if not ok:
-        raise ValueError(why)
-    st = problem.statics
-    return Sm100FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
-                          head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                          has_window=st.window is not None, has_softcap=st.softcap is not None,
-                          has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                          has_alibi=problem.has_alibi, has_segments=problem.has_segments)
+    _nonempty(problem)
+    _implementable(problem, sm100_can_implement)
+    return Sm100FwdConfig(**_common_fields(problem))
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,
@@ -206,24 +209,14 @@ def _schedule(head_dim: int, kv_len: int, causal: bool, softcap: bool) -> dict:
 
 def backward_config(problem) -> BwdConfig:
     """The backward variant serving a `jaxflash._types.Problem` (ValueError if none can)."""
-    if min(problem.batch, problem.q_len, problem.kv_len, problem.num_heads) == 0:
-        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
-                         f"kv_len {problem.kv_len}, heads {problem.num_heads})")
+    _nonempty(problem, keys=True)
     st = problem.statics
     tail = use_tail_lpt(problem)
-    ok, why = bwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
-                                head_dim_v=problem.head_dim_v, features=problem.features())
-    if not ok:
-        raise ValueError(why)
+    _implementable(problem, bwd_can_implement)
     mods = spec_texts(problem.mods)
     if mods:
         return mod_backward_config(problem, mods)
-    return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
-                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                     has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                     has_alibi=problem.has_alibi, has_segments=problem.has_segments,
-                     deterministic=st.deterministic,
+    return BwdConfig(**_common_fields(problem), deterministic=st.deterministic,
                      tile_m=tile_m_for(problem.head_dim, st.softcap is not None,
                                        problem.has_alibi),
                      early_dv=use_early_dv(problem.head_dim, st.softcap is not None,
@@ -242,12 +235,7 @@ def mod_backward_config(problem, mods: dict) -> BwdConfig:
     st = problem.statics
     sc = bool(mods["score"]) or st.softcap is not None
     masked = st.is_causal or st.window is not None or bool(mods["mask"])
-    return BwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
-                     head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
-                     has_window=st.window is not None, has_softcap=st.softcap is not None,
-                     has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
-                     has_alibi=problem.has_alibi, has_segments=problem.has_segments,
-                     deterministic=st.deterministic,
+    return BwdConfig(**_common_fields(problem), deterministic=st.deterministic,
                      tile_m=tile_m_for(problem.head_dim, sc, problem.has_alibi),
                      early_dv=use_early_dv(problem.head_dim, sc, st.deterministic),
                      dq_flat=use_dq_flat(problem.head_dim, sc, problem.has_alibi,
