@@ -12,22 +12,14 @@ from jaxflash.ffi.variant import Launch, TensorArg
 from jaxflash.kernels import KERNELS
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS
 from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
+from jaxflash.kernels.variants.fwd_launch import core_inputs
 
 KERNEL_REF = KERNELS["sm90_fwd_fp8"].kernel_class()
 
 
 def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
-    dt = config.dtype
-    h, hv = config.head_dim, config.head_dim_v
-    inputs = [TensorArg(dt, (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
-              TensorArg(dt, (None, None, None, hv))]
-    if config.has_q_seqlen:
-        inputs.append(TensorArg("int32", (None,)))
-    if config.has_kv_seqlen:
-        inputs.append(TensorArg("int32", (None,)))
-    if config.has_segments:
-        inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
-                   TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
+    hv = config.head_dim_v
+    inputs = core_inputs(config)
     # descales: 4-byte aligned rows of any length (no TMA reads them)
     inputs += [TensorArg("float32", (None, None, None), align=4) for _ in range(3)]
     outputs = (TensorArg(config.out_dtype, (None, None, None, hv)),

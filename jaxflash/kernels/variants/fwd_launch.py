@@ -32,7 +32,9 @@ def sm100_fwd_launch(config, arch: str = "sm_100a") -> Launch:
     return _launch(SM100_KERNEL_REF, config, arch)
 
 
-def _launch(kernel_ref: str, config, arch: str) -> Launch:
+def core_inputs(config) -> list:
+    """q, k, v and the optional mask operands a forward config uses, in launch order (shared by
+    the bf16, FP8 and Blackwell forwards; a config without an ALiBi field takes none)."""
     dt = config.dtype
     h, hv = config.head_dim, config.head_dim_v
     inputs = [TensorArg(dt, (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
@@ -41,12 +43,18 @@ def _launch(kernel_ref: str, config, arch: str) -> Launch:
         inputs.append(TensorArg("int32", (None,)))
     if config.has_kv_seqlen:
         inputs.append(TensorArg("int32", (None,)))
-    if config.has_alibi:
+    if getattr(config, "has_alibi", False):
         inputs.append(TensorArg("float32", (1, None)))
     if config.has_segments:
         inputs += [TensorArg("int32", (None, None)), TensorArg("int32", (None, None)),
                    TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
-    inputs += mod_inputs(config)
+    return inputs
+
+
+def _launch(kernel_ref: str, config, arch: str) -> Launch:
+    dt = config.dtype
+    hv = config.head_dim_v
+    inputs = core_inputs(config) + mod_inputs(config)
     outputs = (TensorArg(dt, (None, None, None, hv)), TensorArg("float32", (None, None, None)))
     return Launch(kernel=kernel_ref, config=config, inputs=tuple(inputs), outputs=outputs,
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
