@@ -37,11 +37,19 @@ def _bwd(backend, statics, plan, res, cts):
     dq, dk, dv, dbias, dalibi = grads[:5]
     # With mods the backend adds the aux leaves' cotangents (None where a leaf has none).
     daux = grads[5] if len(grads) > 5 else (None,) * len(arrays.mod_aux)
+    scales = {}
+    if statics.fp8 is not None and statics.fp8.source == "fp8":
+        # FP8 operands given by the caller: the chain rule through dequantization
+        # (`jaxflash.fp8.layout`), an FP8 cotangent per operand and a float32 one per scale.
+        spec = statics.fp8
+        dq, scales["q_scale"] = layout.fp8_cotangents(q, arrays.q_scale, spec.q_block, dq)
+        dk, scales["k_scale"] = layout.fp8_cotangents(k, arrays.k_scale, spec.k_block, dk)
+        dv, scales["v_scale"] = layout.fp8_cotangents(v, arrays.v_scale, spec.v_block, dv)
     darrays = AttentionArrays(
         bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
         alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32),
         mod_aux=tuple(None if g is None else g.astype(x.dtype)
-                      for g, x in zip(daux, arrays.mod_aux)))
+                      for g, x in zip(daux, arrays.mod_aux)), **scales)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), darrays
 
 
@@ -56,43 +64,15 @@ def attention(backend, q, k, v, arrays, statics, plan):
 
 # ---------------------------------------------------------------------------------------------
 # FP8. A backend's FP8 backward returns float32 gradients with respect to the dequantized
-# operands; the two wrappers below differ in what they hand the caller.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _fp8_given(backend, q8, k8, v8, arrays, statics, plan):
-    return sharding.forward(backend, q8, k8, v8, arrays, statics, plan)
-
-
-def _fp8_given_fwd(backend, q8, k8, v8, arrays, statics, plan):
-    out, lse = sharding.forward(backend, q8, k8, v8, arrays, statics, plan)
-    return (out, lse), (q8, k8, v8, arrays, out, lse)
-
-
-def _fp8_given_bwd(backend, statics, plan, res, cts):
-    q8, k8, v8, arrays, out, lse = res
-    dout, _ = cts
-    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q8, k8, v8, arrays, statics, plan,
-                                                  out, lse, dout)
-    spec = statics.fp8
-    dq8, dqs = layout.fp8_cotangents(q8, arrays.q_scale, spec.q_block, dq)
-    dk8, dks = layout.fp8_cotangents(k8, arrays.k_scale, spec.k_block, dk)
-    dv8, dvs = layout.fp8_cotangents(v8, arrays.v_scale, spec.v_block, dv)
-    darrays = AttentionArrays(
-        bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
-        alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32),
-        q_scale=dqs, k_scale=dks, v_scale=dvs)
-    return dq8, dk8, dv8, darrays
-
-
-_fp8_given.defvjp(_fp8_given_fwd, _fp8_given_bwd)
+# operands: for FP8 operands given by the caller `_bwd` maps them through the dequantization;
+# for float inputs quantized here they go straight through (below).
 
 
 def fp8_attention(backend, q8, k8, v8, arrays, statics, plan):
     """FP8 operands given by the caller (scales in `arrays`): differentiable ``(out, lse)``.
     The gradients are the chain rule through dequantization (`jaxflash.fp8.layout`): an FP8
     cotangent for each FP8 operand and a float32 one for each scale."""
-    return _fp8_given(backend, q8, k8, v8, arrays, statics, plan)
+    return _attention(backend, q8, k8, v8, arrays, statics, plan)
 
 
 def _quantize_all(q, k, v, statics):
