@@ -30,12 +30,11 @@ def allowed() -> bool:
 # `devtools.bwd_cases`) pass on the H200 with memcheck and racecheck clean; each cleared
 # feature's checks are listed in docs/design.md.
 # Every bf16 / fp16 feature the configs can express has been cleared; a new one is named here
-# until then, e.g. "FwdConfig": (("a new mask", lambda c: c.new_mask),). The FP8 forward is
-# pending as a whole until its float64 / emulation checks (tests/kernels/test_fp8_gpu.py) pass;
+# until then, e.g. "FwdConfig": (("a new mask", lambda c: c.new_mask),). The FP8 forward was
+# cleared by tests/kernels/test_fp8_gpu.py on the H200 (gpu-fp8-tests-h200-2026-12-03.log);
 # the score / mask mods (compiled and PTX-checked here) until tests/kernels/test_mods_gpu.py
 # passes with the switch on.
 RULES: dict[str, tuple] = {
-    "Fp8FwdConfig": (("FP8 (e4m3 wgmma, V transposed in shared memory)", lambda c: True),),
     "FwdConfig": (("score_mod", lambda c: bool(c.score_mod)),
                   ("mask_mod", lambda c: bool(c.mask_mod))),
     "BwdConfig": (("score_mod", lambda c: bool(c.score_mod)),
