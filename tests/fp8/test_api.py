@@ -59,7 +59,7 @@ def test_value_errors(args, kw, match):
                                     for n, v in kw.items()})
 
 
-@pytest.mark.parametrize("impl", ["cute", "cudnn", "pallas"])
+@pytest.mark.parametrize("impl", ["cudnn", "pallas"])
 def test_backends_without_fp8_refuse(impl):
     p = jaxflash.explain(q8, k8, v8, implementation=impl, **SC)
     assert p.backend is None and "FP8" in str(p)
@@ -71,19 +71,40 @@ def test_backends_without_fp8_refuse(impl):
                                      implementation=impl)
 
 
+def test_cute_fp8_kernel_serves_e4m3_and_refuses_the_rest():
+    with jaxflash.target_platform("cuda"):
+        p = jaxflash.explain(qb, kb, kb, precision="fp8", implementation="cute")
+        assert p.backend == "cute" and "FlashFwdSm90Fp8" in str(p)
+        assert "emulated FP8 backward" in str(p)   # no FP8 backward kernel: said, not hidden
+        # E5M2 V is outside the kernel's operand set: asked by name it refuses, naming why.
+        p = jaxflash.explain(q8, k8, v8, implementation="cute", **SC)
+        assert p.backend is None and "e4m3 only" in str(p), str(p)
+        with pytest.raises(NotImplementedError, match="e4m3 only"):
+            jaxflash.flash_attention(jnp.zeros(q8.shape, q8.dtype), jnp.zeros(k8.shape, k8.dtype),
+                                     jnp.zeros(v8.shape, v8.dtype), implementation="cute",
+                                     **{n: jnp.ones(a.shape, a.dtype) for n, a in SC.items()})
+    # Off CUDA the CuTe kernel cannot run at all.
+    p = jaxflash.explain(q8, k8, k8, implementation="cute", **SC)
+    assert p.backend is None and "CUDA" in str(p)
+
+
 def test_explain_says_what_runs_and_why():
-    with jaxflash.target_platform("cuda"):   # the automatic choice falls back to the emulation
+    with jaxflash.target_platform("cuda"):   # the automatic choice is the FP8 kernel
         p = jaxflash.explain(qb, kb, kb, is_causal=True, precision="fp8")
-    text = str(p)
-    assert p.backend == "xla" and p.problem.dtype == "float8_e4m3fn"
-    for want in ("emulated FP8 path", "no FP8 kernel can serve", "random-sign Hadamard",
-                 "per-block (128 rows", "E5M2 dO", "straight-through", "'cute' refused",
-                 "'cudnn' refused", "output bfloat16"):
-        assert want in text, (want, text)
-    text = _explain(q8, k8, v8, **SC)
-    for want in ("inputs given in FP8", "q e4m3fn per-block", "k e4m3fn per-tensor",
-                 "v e5m2 per-(batch, head)", "no Hadamard", "FP8 cotangents", "output bfloat16"):
-        assert want in text, (want, text)
+        text = str(p)
+        assert p.backend == "cute" and p.problem.dtype == "float8_e4m3fn"
+        for want in ("FlashFwdSm90Fp8", "random-sign Hadamard", "per-block (128 rows",
+                     "E5M2 dO", "straight-through", "output bfloat16"):
+            assert want in text, (want, text)
+        # E5M2 V: no kernel serves it, so the emulation runs and explain says why.
+        p = jaxflash.explain(q8, k8, v8, **SC)
+        text = str(p)
+        assert p.backend == "xla"
+        for want in ("emulated FP8 path", "no FP8 kernel can serve", "'cute' refused",
+                     "'cudnn' refused", "inputs given in FP8", "q e4m3fn per-block",
+                     "k e4m3fn per-tensor", "v e5m2 per-(batch, head)", "no Hadamard",
+                     "FP8 cotangents", "output bfloat16"):
+            assert want in text, (want, text)
     assert "asked for" in _explain(q8, k8, v8, emulate=True, **SC)
     assert "E4M3 dO" in _explain(qb, kb, kb, precision="fp8", dout_dtype=jnp.float8_e4m3fn,
                                  hadamard=False)

@@ -31,7 +31,7 @@ def allowed() -> bool:
 # feature's checks are listed in docs/design.md.
 # Every bf16 / fp16 feature the configs can express has been cleared; a new one is named here
 # until then, e.g. "FwdConfig": (("a new mask", lambda c: c.new_mask),). The FP8 forward was
-# cleared by tests/kernels/test_fp8_gpu.py on the H200 (gpu-fp8-tests-h200-2026-12-03.log);
+# cleared by tests/kernels/test_fp8_gpu.py on the H200 (its log is in benchmarks/results);
 # the score / mask mods (compiled and PTX-checked here) until tests/kernels/test_mods_gpu.py
 # passes with the switch on.
 RULES: dict[str, tuple] = {
