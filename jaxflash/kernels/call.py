@@ -34,13 +34,16 @@ def forward(launch, q, k, v, arrays, statics):
 
 
 def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
-    """A mod variant's extra inputs: the mask_mod's block range table (from the call's
-    `BlockMask` where its blocks line up with the kernel's tiles, else computed here from the
-    same program) and the aux leaves."""
+    """A mod variant's extra inputs: the (batch, head) offsets of a shard (zeros unsharded),
+    the mask_mod's block range table (from the call's `BlockMask` where its blocks line up
+    with the kernel's tiles, else computed here from the same program) and the aux leaves."""
+    if not (cfg.score_mod or cfg.mask_mod):
+        return []
     B, T, N, _ = q.shape
     _, S, K, _ = k.shape
     aux = tuple(arrays.mod_aux)
-    ins = []
+    off = arrays.mod_offsets
+    ins = [jnp.zeros((2,), jnp.int32) if off is None else jnp.asarray(off, jnp.int32)]
     if cfg.mask_mod:
         rows, cols = (cfg.tile_n, cfg.tile_m) if backward else (cfg.tile_m, cfg.tile_n)
         table = None
@@ -50,10 +53,10 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
                                                      K, n_cols)
         if table is None and backward:
             table = mod_blocks.backward_table(cfg.mask_mod, aux, B, N, K, T, S, cfg.tile_m,
-                                              cfg.tile_n)
+                                              cfg.tile_n, off)
         elif table is None:
             table = mod_blocks.forward_table(cfg.mask_mod, aux, B, N, T, S, cfg.tile_m,
-                                             cfg.tile_n)
+                                             cfg.tile_n, off)
         ins.append(table.astype(jnp.int32))
     return ins + [jnp.asarray(x, dt) for x, (dt, _) in zip(aux, cfg.aux)]
 

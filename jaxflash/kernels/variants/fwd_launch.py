@@ -43,9 +43,14 @@ def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:
 
 
 def mod_inputs(config) -> list:
-    """A mod variant's extra inputs: the block range table [Bb, Hb, blocks, 4] int32 (with a
-    mask_mod; `jaxflash.kernels.mod_blocks`), then the aux arrays at their fixed shapes."""
-    ins = [TensorArg("int32", (None, None, None, 4))] if config.mask_mod else []
+    """A mod variant's extra inputs: the (batch, head) offsets [2] int32 the mods add to the
+    kernel's own indices (a shard's first global ones; zeros unsharded), the block range table
+    [Bb, Hb, blocks, 4] int32 (with a mask_mod; `jaxflash.kernels.mod_blocks`), then the aux
+    arrays at their fixed shapes."""
+    if not (config.score_mod or config.mask_mod):
+        return []
+    ins = [TensorArg("int32", (2,))]
+    ins += [TensorArg("int32", (None, None, None, 4))] if config.mask_mod else []
     return ins + [TensorArg(dt, shape) for dt, shape in config.aux]
 
 
