@@ -70,7 +70,8 @@ def test_explain_names_who_cannot_serve_mods():
         plan = jaxflash.explain(_Q, _K, _K, score_mod=mods.softcap(5.0), mask_mod=mods.causal())
     text = str(plan)
     assert plan.backend == "pallas"
-    assert "'cute' refused: score_mod / mask_mod" in text
+    # the CuTe kernels translate mods; their variants are pending until the GPU check clears them
+    assert "'cute' refused" in text and "not yet checked on a GPU" in text
     assert "'cudnn' refused: score_mod / mask_mod" in text
     assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
 
