@@ -23,13 +23,16 @@ error text and the run goes on):
   equivalent dense bias (a mask as 0 / most-negative bf16; materialized once, outside the
   timing);
 - ``cudnn-native``: cuDNN's own sliding window, where it has one;
-- ``xla``: our reference (materializes T x S; only at S <= 8192).
+- ``xla`` (``--with-xla``): our reference (materializes T x S; only at S <= 8192).
 
 ``fwdbwd`` differentiates q, k and v (``pallas-mods+aux`` adds the aux gradient). TFLOP/s
 count the dense 4 B N T S D (x 3.5 forward+backward, halved where causal), and for block-sparse
 cases also over the visited tiles only (``tflops_tiles``: the block mask's density).
-Checks: every output against ``pallas-mods-dense`` on the same inputs (relative L2; ``xla``
-where it runs checks that one in turn). Writes NAME.json (rows, GPU, date, versions) and
+Checks: every output against the case's first row (``pallas-mods-dense``, else
+``pallas-mods``) on the same inputs, relative L2 (``xla``, where it runs, checks that one in
+turn; the CPU tests check the kernels against the reference). Under ``--budget-s`` the forward
+of every case runs first, then forward+backward, each case's rows in a fixed priority order;
+what the budget leaves out is recorded as skipped. Writes NAME.json (rows, GPU, date, versions) and
 NAME.md to --out.
 """
 from __future__ import annotations
@@ -166,60 +169,87 @@ def _rel_l2(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+_PRIORITY = ("pallas-mods-dense", "pallas-mods", "cute-mods", "cudnn-dense", "cute-builtin",
+             "pallas-builtin", "cudnn-native", "pallas-mods+aux", "xla")
+
+
+def _setup(name, args, rng, have_gpu):
+    """One case's inputs, dense operands, block mask and implementations (made once)."""
+    c = _case(name, args.quick, rng)
+    shape = (c["B"], c["S"], c["N"], c["D"])
+    q, k, v, do = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(
+        jnp.bfloat16) for _ in range(4))
+    extra = c["dense"]() if have_gpu or args.quick else {}
+    density = None
+    if c["block"] is not None:
+        bm = jax.jit(c["block"])()
+        extra["block"] = bm
+        density = float(jax.device_get(bm.density())[0, 0])
+    impls = _impls(c, have_gpu)
+    if not args.with_xla and not args.quick:
+        impls.pop("xla", None)
+    return dict(c=c, q=q, k=k, v=v, do=do, aux=c["mods"].get("aux", ()), extra=extra,
+                density=density, impls=impls)
+
+
+def _programs(st, mode):
+    """name -> jitted program of one mode (fwd: the output; fwdbwd: dq, dk, dv [, daux])."""
+    c, do, fns = st["c"], st["do"], {}
+    for iname, attn in st["impls"].items():
+        if mode == "fwd":
+            fns[iname] = jax.jit(lambda q, k, v, aux, ex, attn=attn: attn(q, k, v, aux, ex))
+        else:
+            def g(q, k, v, aux, ex, attn=attn):
+                _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, aux, ex), q, k, v)
+                return vjp(do)
+            fns[iname] = jax.jit(g)
+    aux = st["aux"]
+    if mode == "fwdbwd" and any(jnp.issubdtype(a.dtype, jnp.floating) for a in aux):
+        mk = c["mods"]
+
+        def g_aux(q, k, v, aux, ex):
+            f = lambda q, k, v, aux: jaxflash.flash_attention(
+                q, k, v, implementation="pallas", block_mask=ex.get("block"),
+                **dict(mk, aux=aux))
+            _, vjp = jax.vjp(f, q, k, v, aux)
+            return vjp(do)
+        fns["pallas-mods+aux"] = jax.jit(g_aux)
+    return {n: fns[n] for n in sorted(fns, key=_PRIORITY.index)}
+
+
 def run(args):
+    """Forward of every case first, then forward+backward: under the time budget the most
+    telling rows of each case come first (the reference row, the mods, cuDNN, built-ins)."""
     have_gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(args.seed)
     rows = []
     t_start = time.time()
-    for name in args.cases:
-        c = _case(name, args.quick, rng)
-        B, S, N, D = c["B"], c["S"], c["N"], c["D"]
-        shape = (B, S, N, D)
-        q, k, v, do = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(
-            jnp.bfloat16) for _ in range(4))
-        aux = c["mods"].get("aux", ())
-        extra = c["dense"]()
-        density = None
-        if c["block"] is not None:
-            bm = jax.jit(c["block"])()
-            extra["block"] = bm
-            density = float(jax.device_get(bm.density())[0, 0])
-        impls = _impls(c, have_gpu)
-        for mode in args.mode:
-            flops, flops_tiles = _flops(c, mode, density)
+    setups = {}
+    for mode in args.mode:
+        for name in args.cases:
+            if time.time() - t_start > args.budget_s:
+                rows.append(dict(case=name, mode=mode, impl="*", status="skipped",
+                                 error="time budget"))
+                continue
+            if name not in setups:
+                setups[name] = _setup(name, args, rng, have_gpu)
+            st = setups[name]
+            c = st["c"]
+            flops, flops_tiles = _flops(c, mode, st["density"])
+            fns = _programs(st, mode)
+            ref_name = next(iter(fns))
             baseline = None
-            fns = {}
-            for iname, attn in impls.items():
-                if mode == "fwd":
-                    fns[iname] = jax.jit(lambda q, k, v, aux, ex, attn=attn: attn(q, k, v, aux, ex))
-                else:
-                    def g(q, k, v, aux, ex, attn=attn):
-                        _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, aux, ex), q, k, v)
-                        return vjp(do)
-                    fns[iname] = jax.jit(g)
-            if mode == "fwdbwd" and aux and any(jnp.issubdtype(a.dtype, jnp.floating)
-                                                for a in aux):
-                mk = c["mods"]
-
-                def g_aux(q, k, v, aux, ex):
-                    f = lambda q, k, v, aux: jaxflash.flash_attention(
-                        q, k, v, implementation="pallas", block_mask=ex.get("block"),
-                        **dict(mk, aux=aux))
-                    _, vjp = jax.vjp(f, q, k, v, aux)
-                    return vjp(do)
-                fns["pallas-mods+aux"] = jax.jit(g_aux)
-            ref_name = "pallas-mods-dense" if "pallas-mods-dense" in fns else "pallas-mods"
-            order = [ref_name] + [n for n in fns if n != ref_name]
-            for iname in order:
-                row = dict(case=name, impl=iname, mode=mode, B=B, S=S, N=N, D=D,
-                           causal=c["causal"], density=density, docs=c.get("docs"))
+            args_ = (st["q"], st["k"], st["v"], st["aux"], st["extra"])
+            for iname, fn in fns.items():
+                row = dict(case=name, impl=iname, mode=mode, B=c["B"], S=c["S"], N=c["N"],
+                           D=c["D"], causal=c["causal"], density=st["density"],
+                           docs=c.get("docs"))
                 if time.time() - t_start > args.budget_s:
                     rows.append(dict(row, status="skipped", error="time budget"))
                     continue
-                fn = fns[iname]
                 try:
                     t0 = time.time()
-                    out = jax.block_until_ready(fn(q, k, v, aux, extra))
+                    out = jax.block_until_ready(fn(*args_))
                     row["compile_s"] = round(time.time() - t0, 2)
                     first = out if mode == "fwd" else out[0]
                     if not bool(jnp.all(jnp.isfinite(first.astype(jnp.float32)))):
@@ -229,11 +259,11 @@ def run(args):
                         baseline = first
                     elif baseline is not None:
                         row["rel_l2_vs_" + ref_name] = _rel_l2(first, baseline)
-                    t = time_throughput(fn, (q, k, v, aux, extra), reps=args.reps)
+                    t = time_throughput(fn, args_, reps=args.reps)
                     row.update(status="ok", ms=t.median_s * 1e3, ms_min=t.min_s * 1e3,
                                ms_max=t.max_s * 1e3, tflops=flops / t.median_s / 1e12)
-                    if flops_tiles is not None and iname.startswith(("pallas-mods", "cute-mods")) \
-                            and iname != "pallas-mods-dense":
+                    if (flops_tiles is not None and iname in ("pallas-mods", "cute-mods",
+                                                              "pallas-mods+aux")):
                         row["tflops_tiles"] = flops_tiles / t.median_s / 1e12
                 except Exception as e:  # noqa: BLE001 - record and go on
                     row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -243,9 +273,42 @@ def run(args):
     return rows
 
 
+def build(args):
+    """Here, without a GPU: lower the cute rows' programs for CUDA (sm_90a), which compiles the
+    CuTe variants they dispatch to into ``$JAXFLASH_CACHE_DIR`` (the GPU machine has no DSL;
+    point its JAXFLASH_KERNEL_DIR at the cache's ``cute-dsl-<version>/``)."""
+    os.environ.setdefault("JAXFLASH_CUTE_UNVERIFIED", "1")
+    rng = np.random.default_rng(0)
+    for name in args.cases:
+        c = _case(name, args.quick, rng)
+        shape = (c["B"], c["S"], c["N"], c["D"])
+        sds = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        aux = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           c["mods"].get("aux", ()))
+        extra = {} if c["block"] is None else {"block": jax.eval_shape(c["block"])}
+        impls = {n: f for n, f in _impls(c, True).items() if n.startswith("cute")}
+        for iname, attn in impls.items():
+            for mode in args.mode:
+                def fn(q, k, v, aux, ex, attn=attn, mode=mode):
+                    if mode == "fwd":
+                        return attn(q, k, v, aux, ex)
+                    _, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, aux, ex), q, k, v)
+                    return vjp(q)
+                t0 = time.time()
+                try:
+                    with jaxflash.target_platform("cuda"):
+                        jax.jit(fn).trace(sds, sds, sds, aux, extra).lower(
+                            lowering_platforms=("cuda",))
+                    print(f"built {name} {iname} {mode} ({time.time() - t0:.0f} s)", flush=True)
+                except Exception as e:  # noqa: BLE001 - say which, go on
+                    print(f"FAILED {name} {iname} {mode}: {type(e).__name__}: {str(e)[:300]}",
+                          flush=True)
+
+
 def _line(r):
     if r.get("status") != "ok":
-        return f"{r['case']:9s} {r['mode']:7s} {r['impl']:18s} {r['status']}: {r.get('error', '')[:160]}"
+        return (f"{r['case']:9s} {r['mode']:7s} {r['impl']:18s} {r['status']}: "
+                f"{r.get('error', '')[:160]}")
     extra = f"  tiles {r['tflops_tiles']:.0f}" if "tflops_tiles" in r else ""
     chk = "".join(f"  rel_l2 {v:.1e}" for k, v in r.items() if k.startswith("rel_l2"))
     return (f"{r['case']:9s} {r['mode']:7s} {r['impl']:18s} {r['ms']:9.3f} ms "
@@ -278,9 +341,14 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--with-xla", action="store_true",
+                    help="also time the reference (materializes T x S; S <= 8192 only)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default=None)
+    ap.add_argument("--build", action="store_true",
+                    help="no GPU needed: compile the cute rows' CuTe variants into "
+                         "$JAXFLASH_CACHE_DIR by lowering for CUDA, then exit")
     a = ap.parse_args(argv)
     a.cases = [x for x in a.cases.split(",") if x]
     a.mode = [x for x in a.mode.split(",") if x]
@@ -288,6 +356,9 @@ def main(argv=None):
     bad = [x for x in a.cases if x not in CASES]
     if bad:
         ap.error(f"unknown cases {bad}; choose from {CASES}")
+    if a.build:
+        build(a)
+        return
     env = envinfo.collect()
     rows = run(a)
     name = a.name or f"mods-{jax.default_backend()}-{env['date_utc'][:10]}"

@@ -27,6 +27,11 @@ class AttentionArrays(NamedTuple):
     q_seqlen / kv_seqlen: ``[B]`` int32.
     alibi_slopes: ``[N]`` float32.
     q_segment_ids / kv_segment_ids: ``[B, T]`` / ``[B, S]`` int32 (both or neither).
+    q_scale / k_scale / v_scale: FP8 calls only (``AttentionStatics.fp8`` set): float32
+    dequantization scales ``[B, N, ceil(T / q_block)]``, ``[B, K, ceil(S / k_block)]``,
+    ``[B, K, ceil(S / v_block)]`` (blocks of `Fp8Spec`); operand value = code * scale of its
+    (batch, head, row // block). Per-tensor and per-head scales arrive broadcast to this
+    layout with one block (block = the whole sequence).
     mod_aux: the flat leaves of the mods' aux tuple (``statics.mods`` rebuilds the tuple);
         floating leaves get gradients.
     block_mask: a `jaxflash.mods.BlockMask` (its arrays are int32; block sizes static), or None.
@@ -41,9 +46,42 @@ class AttentionArrays(NamedTuple):
     alibi_slopes: Optional[jax.Array] = None
     q_segment_ids: Optional[jax.Array] = None
     kv_segment_ids: Optional[jax.Array] = None
+    q_scale: Optional[jax.Array] = None
+    k_scale: Optional[jax.Array] = None
+    v_scale: Optional[jax.Array] = None
     mod_aux: tuple = ()
     block_mask: Optional[object] = None
     mod_offsets: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Spec:
+    """The FP8 part of a call (static; see `jaxflash.fp8` for the numerics).
+
+    q/k/v_dtype: "float8_e4m3fn" or "float8_e5m2", the dtypes of the canonical q, k, v.
+    q/k/v_block: sequence rows per scale in the canonical scale arrays (`AttentionArrays`);
+    the whole (padded) sequence for per-tensor / per-head scales.
+    granularity: the caller's layouts ("tensor" | "head" | "block") for q, k, v (explain).
+    out_dtype: the output's dtype (bfloat16 by default).
+    source: "fp8" (the caller passed FP8 tensors and scales) or "quantized" (precision="fp8":
+    jaxflash quantized float inputs itself; gradients are straight-through to those inputs).
+    hadamard: whether Q and K went through the random-sign Hadamard transform first (it
+    cancels in Q K^T, so a backend need not know; `explain` says it).
+    do_dtype: the backward's format for dO ("float8_e5m2", the recipe's default, or
+    "float8_e4m3fn": finer, with a narrower range under the same per-block amax scales).
+    """
+
+    q_dtype: str = "float8_e4m3fn"
+    k_dtype: str = "float8_e4m3fn"
+    v_dtype: str = "float8_e4m3fn"
+    q_block: int = 128
+    k_block: int = 128
+    v_block: int = 128
+    granularity: tuple[str, str, str] = ("block", "block", "block")
+    out_dtype: str = "bfloat16"
+    source: str = "fp8"
+    hadamard: bool = False
+    do_dtype: str = "float8_e5m2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +95,8 @@ class AttentionStatics:
     softcap: Optional[float] = None
     # Bitwise-reproducible gradients (backends without atomics are deterministic anyway).
     deterministic: bool = False
+    # Set for FP8 calls (q, k, v FP8 with scales in `AttentionArrays`); None otherwise.
+    fp8: Optional[Fp8Spec] = None
     # score_mod / mask_mod: a `jaxflash.mods.ModSpec` (hashable by the mods' code), or None.
     mods: Optional[object] = None
 
@@ -112,6 +152,8 @@ class Problem:
             f.append("segment_ids")
         if self.has_q_seqlen or self.has_kv_seqlen:
             f.append("seq_lengths")
+        if self.statics.fp8 is not None:
+            f.append("fp8")
         mods = self.statics.mods
         if mods is not None and mods.score_mod is not None:
             f.append("score_mod")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import dispatch
+from jaxflash import autodiff, dispatch, precision as prec, quantize
 from jaxflash import mods as _mods
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem
 
@@ -23,11 +23,13 @@ def _shape(x):
 
 def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, softcap, alibi_slopes, q_segment_ids,
-             kv_segment_ids, implementation, deterministic, allow_empty=False, score_mod=None,
-             mask_mod=None, aux=(), block_mask=None):
+             kv_segment_ids, implementation, deterministic, allow_empty=False, allow_fp8=False,
+             score_mod=None, mask_mod=None, aux=(), block_mask=None):
     """Validate a call; return (q, k, v, arrays, statics, batch_shape) in canonical form.
     ``allow_empty``: accept zero-sized batch dims, T = 0 and S = 0 (`flash_attention` and
-    `explain` handle them before any backend; other callers get the ValueError)."""
+    `explain` handle them before any backend; other callers get the ValueError).
+    ``allow_fp8``: accept FP8 q, k, v (all three; the caller validated the request with
+    `jaxflash.precision.fp8_request` and adds the scales)."""
     if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {dispatch.IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
@@ -38,10 +40,13 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         raise ValueError(f"query must be [B..., T, N, H] (at least 3 dims); got {shapes}")
     if k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(f"query, key and value must have the same rank; got {shapes}")
+    fp8 = allow_fp8 and all(quantize.is_fp8(x.dtype) for x in (q, k, v))
     for name, x in (("query", q), ("key", k), ("value", v)):
-        if x.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype must be float16, bfloat16 or float32; got {x.dtype}")
-    if not (q.dtype == k.dtype == v.dtype):
+        if x.dtype not in _FLOAT_DTYPES and not fp8:
+            raise ValueError(f"{name} dtype must be float16, bfloat16 or float32"
+                             + (" (FP8 through flash_attention with scales)"
+                                if quantize.is_fp8(x.dtype) else "") + f"; got {x.dtype}")
+    if not fp8 and not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"query, key and value must share a dtype; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
     batch_shape = qs[:-3]
@@ -192,8 +197,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     local_window_size=None, return_residual: bool = False,
                     softcap: Optional[float] = None, alibi_slopes=None, q_segment_ids=None,
                     kv_segment_ids=None, implementation: Optional[str] = None,
-                    deterministic: bool = False, score_mod=None, mask_mod=None, aux=(),
-                    block_mask=None):
+                    deterministic: bool = False, precision: Optional[str] = None,
+                    q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
+                    hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
+                    scale_granularity: str = "block", dout_dtype=None, emulate: bool = False,
+                    score_mod=None, mask_mod=None, aux=(), block_mask=None):
     """Scaled dot-product attention with the layout and meaning of `jax.nn.dot_product_attention`.
 
     query ``[B..., T, N, H]``, key ``[B..., S, K, H]``, value ``[B..., S, K, Hv]`` with N a
@@ -223,9 +231,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     the row's output NaN and its LSE +inf. A NaN/Inf at ``value[..., j, :, h]`` reaches
     column h of the rows that see key j. Known deviations (tracked as xfails in
     tests/extremes/test_bad_values.py): a NaN/Inf in value also reaches rows for which key j
-    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; the Pallas kernels
-    give LSE NaN, not +inf, for a +inf logit; and gradients may carry a masked NaN key/query
-    into dq/dk of its own problem. Other batch elements are never affected (but the
+    is masked (weight 0, and 0 * NaN = NaN): zero the padding of value; and gradients may
+    carry a masked NaN key/query into dq/dk of its own problem. Other batch elements are never affected (but the
     gradient of an operand they share, a broadcast bias or alibi_slopes, sums over them).
 
     Custom attention (`jaxflash.mods`): ``score_mod(score, b, h, q_idx, kv_idx, *aux)`` maps
@@ -239,23 +246,71 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
     gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
     "cudnn", "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
+
+    FP8. float8_e4m3fn / float8_e5m2 query, key, value (all three FP8) need ``q_scale``,
+    ``k_scale``, ``v_scale``: float32 dequantization scales (value = code * scale) per tensor
+    ``()``, per (batch, head) ``[B..., heads]`` or per block of ``scale_block`` sequence rows
+    ``[B..., heads, ceil(L / scale_block)]`` -- the layouts `jaxflash.quantize.quantize`
+    returns. The output is ``out_dtype`` (bfloat16 by default). ``precision="fp8"`` on float16 /
+    bfloat16 / float32 inputs quantizes them here (amax scales per block of ``scale_block``
+    rows, or per ``scale_granularity="tensor"`` / ``"head"``; Q and K first through a random-sign Hadamard transform, ``hadamard=False`` to skip,
+    ``hadamard_seed`` an int or a `jax.random` key) and returns the input dtype unless
+    ``out_dtype`` says otherwise; its gradients are the FP8 backward's, straight-through to the
+    float inputs; ``dout_dtype`` (float8_e5m2 by default, or float8_e4m3fn) is the backward's
+    format for the output gradient. Numerics: `jaxflash.fp8.contract`. When no FP8 kernel can serve the call the
+    emulated FP8 path runs (``implementation="xla"``, or ``emulate=True``); `explain` says which.
+    ``precision="fp4"`` runs `jaxflash.fp4.fp4_attention` (``emulate=True`` without an sm_100a
+    GPU; causal or not, no other mask or logit feature).
     """
+    req = prec.fp8_request(query, key, value, precision=precision, q_scale=q_scale,
+                           k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
+                           hadamard=hadamard, hadamard_seed=hadamard_seed,
+                           scale_block=scale_block, emulate=emulate,
+                           implementation=implementation, scale_granularity=scale_granularity,
+                           dout_dtype=dout_dtype)
+    if precision == "fp4":
+        return _fp4(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                    emulate=emulate, return_residual=return_residual,
+                    implementation=implementation,
+                    others=dict(query_seq_lengths=query_seq_lengths,
+                                key_value_seq_lengths=key_value_seq_lengths,
+                                local_window_size=local_window_size, softcap=softcap,
+                                alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
+                                kv_segment_ids=kv_segment_ids))
+    if req is not None:
+        implementation = req.implementation
     q, k, v, arrays, statics, batch_shape = _prepare(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
         implementation=implementation, deterministic=deterministic, allow_empty=True,
-        score_mod=score_mod, mask_mod=mask_mod, aux=aux, block_mask=block_mask)
-    problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
+        allow_fp8=req is not None and req.spec.source == "fp8", score_mod=score_mod,
+        mask_mod=mask_mod, aux=aux, block_mask=block_mask)
+    if req is not None:
+        statics = dataclasses.replace(statics, fp8=req.spec)
+        if req.spec.source == "fp8":
+            qs, ks, vs = prec.canonical_scales(req, q_scale, k_scale, v_scale, batch_shape,
+                                               q.shape[2], k.shape[2])
+            arrays = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
+    problem = _problem(q, k, v, arrays, statics)
     if _is_empty(problem):
         # No backend runs (no kernel is ever launched on an empty grid); a named backend must
         # still serve the call's configuration, as it must when the call is not empty.
         dispatch.select(_nonempty(problem), implementation)
-        out, lse = _empty_result(q, v)
+        out, lse = _empty_result(q, v, None if req is None else req.spec.out_dtype)
     else:
         backend, plan = dispatch.select(problem, implementation)
-        out, lse = backend(q, k, v, arrays, statics, plan)
+        if req is not None and req.spec.source == "quantized" and req.spec.hadamard:
+            # After dispatch (a refused call does no work); shapes and dtypes are unchanged.
+            q = quantize.hadamard(q, req.hadamard_seed)
+            k = quantize.hadamard(k, req.hadamard_seed)
+        if req is None:
+            out, lse = backend(q, k, v, arrays, statics, plan)
+        elif req.spec.source == "fp8":
+            out, lse = autodiff.fp8_attention(backend, q, k, v, arrays, statics, plan)
+        else:
+            out, lse = autodiff.fp8_quantized_attention(backend, q, k, v, arrays, statics, plan)
     T, N = q.shape[1], q.shape[2]
     out = out.reshape(batch_shape + out.shape[1:])
     if not return_residual:
@@ -270,12 +325,22 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
     for ``cute``, which kernels), and why each other one was refused. Takes the same arguments
     (arrays or `jax.ShapeDtypeStruct`s). ``str()`` it to read."""
     kwargs.pop("return_residual", None)
-    q, k, v, arrays, statics, _ = _prepare_abstract(query, key, value, bias, mask,
-                                                    implementation=implementation, **kwargs)
-    problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
+    fp8_kw = {n: kwargs.pop(n, d) for n, d in _FP8_DEFAULTS.items()}
+    req = prec.fp8_request(query, key, value, implementation=implementation, **fp8_kw)
+    if fp8_kw["precision"] == "fp4":
+        return _explain_fp4(query, key, value, bias, mask, implementation, fp8_kw["emulate"],
+                            kwargs)
+    if req is not None:
+        implementation = req.implementation
+    q, k, v, arrays, statics, _ = _prepare_abstract(
+        query, key, value, bias, mask, implementation=implementation,
+        allow_fp8=req is not None and req.spec.source == "fp8", **kwargs)
+    if req is not None:
+        statics = dataclasses.replace(statics, fp8=req.spec)
+    problem = _problem(q, k, v, arrays, statics)
     if not _is_empty(problem):
-        return dispatch.plan(problem, implementation)
-    p = dispatch.plan(_nonempty(problem), implementation)
+        return _with_fp8_notes(dispatch.plan(problem, implementation), req)
+    p = _with_fp8_notes(dispatch.plan(_nonempty(problem), implementation), req)
     note = (f"empty call (batch {problem.batch}, T {problem.q_len}, S {problem.kv_len}): "
             f"nothing is launched"
             + (f" ('{p.backend}' is what this configuration would run when not empty)"
@@ -298,16 +363,17 @@ def _nonempty(problem: Problem) -> Problem:
                                kv_len=one(problem.kv_len), bias_shape=bias)
 
 
-def _empty_result(q, v):
+def _empty_result(q, v, out_dtype=None):
     """Canonical (out [B,T,N,Hv], lse [B,N,T]) of an empty call: every row has no key to
     attend to (or there is no row), so output 0 and LSE -inf; they depend on no input, so
     every gradient is 0 (empty where the input is)."""
     B, T, N, _ = q.shape
-    out = jnp.zeros((B, T, N, v.shape[-1]), q.dtype)
+    out = jnp.zeros((B, T, N, v.shape[-1]), out_dtype or q.dtype)
     return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
 
 
-def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **kwargs):
+def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, allow_fp8=False,
+                      **kwargs):
     """`_prepare` on shapes only (no device work), returning abstract canonical operands."""
     kwargs.setdefault("scale", None)
     kwargs.setdefault("is_causal", False)
@@ -323,7 +389,8 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **k
     def f(q, k, v, b, m, ql, kl, al, qs, ks, aux, bm):
         r = _prepare(q, k, v, b, m, query_seq_lengths=ql, key_value_seq_lengths=kl,
                      alibi_slopes=al, q_segment_ids=qs, kv_segment_ids=ks,
-                     implementation=implementation, allow_empty=True, aux=aux, block_mask=bm,
+                     implementation=implementation, allow_empty=True, allow_fp8=allow_fp8,
+                     aux=aux, block_mask=bm,
                      **{n: kwargs[n] for n in ("scale", "is_causal", "local_window_size",
                                                "softcap", "deterministic", "score_mod",
                                                "mask_mod")})
@@ -335,3 +402,79 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, **k
         kwargs["key_value_seq_lengths"], kwargs["alibi_slopes"], kwargs["q_segment_ids"],
         kwargs["kv_segment_ids"], _mods.normalize_aux(kwargs["aux"]), kwargs["block_mask"])
     return q, k, v, arrays, out["statics"], None
+
+
+_FP8_DEFAULTS = dict(precision=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
+                     hadamard=True, hadamard_seed=None, scale_block=128, emulate=False,
+                     scale_granularity="block", dout_dtype=None)
+
+
+def _problem(q, k, v, arrays, statics) -> Problem:
+    """The call's `Problem`; an FP8 call's dtype is its query's FP8 dtype (also when
+    precision="fp8" quantizes float inputs: that is what a backend computes on)."""
+    p = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
+    if statics.fp8 is not None:
+        p = dataclasses.replace(p, dtype=statics.fp8.q_dtype)
+    return p
+
+
+def _with_fp8_notes(p: dispatch.Plan, req) -> dispatch.Plan:
+    if req is None:
+        return p
+    notes = prec.describe(req.spec, req.hadamard_seed)
+    if p.backend == "xla":
+        why = ("asked for" if p.requested else
+               "no FP8 kernel can serve this call (see the refusals)"
+               if p.platform in ("cuda", "gpu") else
+               f"the FP8 kernels are for Hopper GPUs (platform {p.platform})")
+        notes += (f"{prec.EMULATED_NOTE}; {why}",)
+    return dataclasses.replace(p, notes=notes + p.notes)
+
+
+def _fp4_checks(query, key, value, bias, mask, implementation, others):
+    """precision='fp4' takes q, k, v (causal or not) and the softmax scale, nothing else."""
+    if implementation is not None:
+        raise ValueError(f"precision='fp4' picks its own path (jaxflash.fp4); implementation "
+                         f"must be None, got {implementation!r}")
+    used = [n for n, x in (("bias", bias), ("mask", mask)) + tuple(others.items())
+            if x is not None]
+    if used:
+        raise NotImplementedError(f"precision='fp4' (jaxflash.fp4) serves plain or causal "
+                                  f"attention only; this call also has {', '.join(used)}")
+    shapes = [tuple(np.shape(x)) for x in (query, key, value)]
+    if any(len(s) != 4 for s in shapes):
+        raise ValueError(f"precision='fp4' takes [B, T, N, H] arrays; got {shapes}")
+
+
+def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_residual,
+         implementation, others):
+    from jaxflash.fp4 import frontend
+    _fp4_checks(query, key, value, bias, mask, implementation, others)
+    if return_residual and is_causal:
+        raise NotImplementedError("precision='fp4' returns the LSE only on its non-causal path")
+    r = frontend.fp4_attention(query, key, value, is_causal=is_causal, emulate=emulate,
+                               scale=scale, return_lse=bool(return_residual))
+    if return_residual:
+        out, lse = r
+        return out, jax.lax.stop_gradient(jnp.asarray(lse, jnp.float32))
+    return r
+
+
+def _explain_fp4(query, key, value, bias, mask, implementation, emulate, kwargs):
+    from jaxflash.fp4 import frontend
+    others = {n: kwargs.get(n) for n in ("query_seq_lengths", "key_value_seq_lengths",
+                                         "local_window_size", "softcap", "alibi_slopes",
+                                         "q_segment_ids", "kv_segment_ids")}
+    _fp4_checks(query, key, value, bias, mask, implementation, others)
+    q, k, v, arrays, statics, _ = _prepare_abstract(
+        query, key, value, None, None, scale=kwargs.get("scale"),
+        is_causal=kwargs.get("is_causal", False))
+    problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
+    causal = bool(kwargs.get("is_causal", False))
+    text = frontend.explain_fp4(query, key, value, is_causal=causal, emulate=emulate)
+    route = frontend._route(emulate)
+    if route[0] == "emulated":
+        return dispatch.Plan(problem, "fp4 (emulated, jaxflash.fp4)", (), None, None,
+                             tuple(text.splitlines()))
+    return dispatch.Plan(problem, None, (("fp4", route[1]),), None, None,
+                         tuple(text.splitlines()))

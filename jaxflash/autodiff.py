@@ -17,6 +17,7 @@ import jax
 
 from jaxflash import sharding
 from jaxflash._types import AttentionArrays
+from jaxflash.fp8 import layout
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
@@ -51,3 +52,89 @@ def attention(backend, q, k, v, arrays, statics, plan):
     """Differentiable ``(out, lse)`` through `backend`'s own forward and backward, both
     following the call's `jaxflash.dispatch.Plan`."""
     return _attention(backend, q, k, v, arrays, statics, plan)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8. A backend's FP8 backward returns float32 gradients with respect to the dequantized
+# operands; the two wrappers below differ in what they hand the caller.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _fp8_given(backend, q8, k8, v8, arrays, statics, plan):
+    return sharding.forward(backend, q8, k8, v8, arrays, statics, plan)
+
+
+def _fp8_given_fwd(backend, q8, k8, v8, arrays, statics, plan):
+    out, lse = sharding.forward(backend, q8, k8, v8, arrays, statics, plan)
+    return (out, lse), (q8, k8, v8, arrays, out, lse)
+
+
+def _fp8_given_bwd(backend, statics, plan, res, cts):
+    q8, k8, v8, arrays, out, lse = res
+    dout, _ = cts
+    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q8, k8, v8, arrays, statics, plan,
+                                                  out, lse, dout)
+    spec = statics.fp8
+    dq8, dqs = layout.fp8_cotangents(q8, arrays.q_scale, spec.q_block, dq)
+    dk8, dks = layout.fp8_cotangents(k8, arrays.k_scale, spec.k_block, dk)
+    dv8, dvs = layout.fp8_cotangents(v8, arrays.v_scale, spec.v_block, dv)
+    darrays = AttentionArrays(
+        bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
+        alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32),
+        q_scale=dqs, k_scale=dks, v_scale=dvs)
+    return dq8, dk8, dv8, darrays
+
+
+_fp8_given.defvjp(_fp8_given_fwd, _fp8_given_bwd)
+
+
+def fp8_attention(backend, q8, k8, v8, arrays, statics, plan):
+    """FP8 operands given by the caller (scales in `arrays`): differentiable ``(out, lse)``.
+    The gradients are the chain rule through dequantization (`jaxflash.fp8.layout`): an FP8
+    cotangent for each FP8 operand and a float32 one for each scale."""
+    return _fp8_given(backend, q8, k8, v8, arrays, statics, plan)
+
+
+def _quantize_all(q, k, v, statics):
+    spec = statics.fp8
+    g = spec.granularity
+    q8, qs = layout.quantize_canonical(q, spec.q_dtype, g[0], spec.q_block)
+    k8, ks = layout.quantize_canonical(k, spec.k_dtype, g[1], spec.k_block)
+    v8, vs = layout.quantize_canonical(v, spec.v_dtype, g[2], spec.v_block)
+    return q8, k8, v8, (qs, ks, vs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _fp8_quantized(backend, q, k, v, arrays, statics, plan):
+    return _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan)[0]
+
+
+def _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan):
+    q8, k8, v8, (qs, ks, vs) = _quantize_all(q, k, v, statics)
+    arr8 = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
+    out, lse = sharding.forward(backend, q8, k8, v8, arr8, statics, plan)
+    zero = lambda x: jax.numpy.zeros((), x.dtype)
+    return (out, lse), (q8, k8, v8, arr8, out, lse, (zero(q), zero(k), zero(v)))
+
+
+def _fp8_quantized_bwd(backend, statics, plan, res, cts):
+    q8, k8, v8, arr8, out, lse, dtypes = res
+    dout, _ = cts
+    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q8, k8, v8, arr8, statics, plan,
+                                                  out, lse, dout)
+    darrays = AttentionArrays(
+        bias=None if arr8.bias is None else dbias.astype(arr8.bias.dtype),
+        alibi_slopes=None if arr8.alibi_slopes is None else dalibi.astype(jax.numpy.float32))
+    qd, kd, vd = (d.dtype for d in dtypes)
+    return dq.astype(qd), dk.astype(kd), dv.astype(vd), darrays
+
+
+_fp8_quantized.defvjp(_fp8_quantized_fwd, _fp8_quantized_bwd)
+
+
+def fp8_quantized_attention(backend, q, k, v, arrays, statics, plan):
+    """precision="fp8" on float q, k, v: quantized here by ``statics.fp8`` (amax scales, the
+    rules of `jaxflash.quantize`), run in FP8, differentiable ``(out, lse)`` with
+    straight-through gradients (the FP8 backward's, with respect to the dequantized operands,
+    returned in the inputs' dtypes)."""
+    return _fp8_quantized(backend, q, k, v, arrays, statics, plan)

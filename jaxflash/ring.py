@@ -38,9 +38,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxflash import api, dispatch
+from jaxflash import api, dispatch, precision as prec, quantize
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem
 from jaxflash.backends.base import Backend
+from jaxflash.fp8 import layout as fp8_layout
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -75,7 +76,10 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                    is_causal: bool = False, softcap: Optional[float] = None,
                    query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
                    kv_segment_ids=None, implementation: Optional[str] = None,
-                   return_residual: bool = False):
+                   return_residual: bool = False, precision: Optional[str] = None,
+                   q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
+                   hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
+                   dout_dtype=None):
     """Self-attention with the sequence sharded over ``mesh`` axis ``seq_axis`` (ring).
 
     query ``[B, T, N, H]``, key ``[B, T, K, H]``, value ``[B, T, K, Hv]`` (one batch dim; T the
@@ -91,7 +95,22 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
     ``mesh=None`` it is called from inside the caller's own `jax.shard_map` instead: q, k, v
     (and segment ids) are then this device's blocks along `seq_axis` (in `layout` order), and
     sequence lengths are still global.
+
+    FP8 as in `jaxflash.flash_attention`: FP8 query / key / value with ``q_scale`` /
+    ``k_scale`` / ``v_scale`` (per tensor or per (batch, head): replicated over the ring; per
+    block of ``scale_block`` rows: sharded with the sequence, in the arrays' layout order, a
+    device's blocks within its own chunks), or ``precision="fp8"`` (Hadamard on Q and K, then
+    per-block quantization of each device's blocks). Key / value scales travel with their
+    blocks. Scale blocks must not straddle a chunk (``scale_block`` divides the chunk length).
     """
+    if precision == "fp4":
+        raise NotImplementedError("precision='fp4' has no ring attention (jaxflash.fp4 is "
+                                  "single-device)")
+    req = prec.fp8_request(query, key, value, precision=precision, q_scale=q_scale,
+                           k_scale=k_scale, v_scale=v_scale, out_dtype=out_dtype,
+                           hadamard=hadamard, hadamard_seed=hadamard_seed,
+                           scale_block=scale_block, emulate=False,
+                           implementation=implementation, dout_dtype=dout_dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
     shapes = (f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}")
@@ -101,7 +120,8 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
         query, key, value, None, None, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=None, softcap=softcap, alibi_slopes=None, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, implementation=implementation, deterministic=False)
+        kv_segment_ids=kv_segment_ids, implementation=implementation, deterministic=False,
+        allow_fp8=req is not None and req.spec.source == "fp8")
     B, T, N, _ = q.shape
     S, K = k.shape[1], k.shape[2]
     if S != T:
@@ -144,22 +164,32 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
 
     platform = dispatch.current_platform()
     L = T_global // nseq
+    scales, scale_specs = None, None
+    if req is not None:
+        statics, scales, scale_specs = _fp8_setup(req, statics, q, k, L, layout, nseq, mesh,
+                                                  q_scale, k_scale, v_scale, batch_axis,
+                                                  head_axis, seq_axis, shapes)
+        if req.spec.source == "quantized" and req.spec.hadamard:
+            q = quantize.hadamard(q, req.hadamard_seed)
+            k = quantize.hadamard(k, req.hadamard_seed)
     nh = lambda n: n // (mesh_shape[head_axis] if head_axis else 1)
     nb = B // (mesh_shape[batch_axis] if batch_axis else 1)
     # The backend is chosen once, for the first step's (largest) block problem; every other
     # block problem is the same but smaller or non-causal.
     probe = Problem(batch=nb, q_len=L, kv_len=L, num_heads=nh(N), num_kv_heads=nh(K),
-                    head_dim=q.shape[-1], head_dim_v=v.shape[-1], dtype=str(q.dtype),
+                    head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                    dtype=statics.fp8.q_dtype if statics.fp8 else str(q.dtype),
                     statics=statics, has_q_seqlen=arrays.q_seqlen is not None,
                     has_kv_seqlen=arrays.kv_seqlen is not None,
                     has_segments=arrays.q_segment_ids is not None, platform=platform)
     backend, _ = dispatch.select(probe, implementation)
     cfg = _Ring(axis=seq_axis, size=nseq, zigzag=layout == "zigzag", backend=backend,
-                statics=statics, platform=platform)
+                statics=statics, platform=platform,
+                quantize=req is not None and req.spec.source == "quantized")
 
     extras = (arrays.q_seqlen, arrays.kv_seqlen, arrays.q_segment_ids, arrays.kv_segment_ids)
     if mesh is None:
-        out, lse = _ring(cfg, q, k, v, extras)
+        out, lse = _ring(cfg, q, k, v, extras, scales)
         return out if not return_residual else (out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2)))
     spec4 = P(batch_axis, seq_axis, head_axis, None)
     ext_specs = (P(batch_axis), P(batch_axis), P(batch_axis, seq_axis), P(batch_axis, seq_axis))
@@ -167,15 +197,18 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
     # empty int32 array there, and XLA's Shardy pass then crashes on the zero-sized operand.
     present = tuple(x is not None for x in extras)
 
-    def body(q, k, v, given):
+    def body(q, k, v, given, *sc):
         it = iter(given)
-        return _ring(cfg, q, k, v, tuple(next(it) if p else None for p in present))
+        return _ring(cfg, q, k, v, tuple(next(it) if p else None for p in present),
+                     sc[0] if sc else None)
 
+    sc_args = () if scales is None else (scales,)
+    sc_specs = () if scales is None else (scale_specs,)
     fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(spec4, spec4, spec4,
-                                 tuple(s for s, p in zip(ext_specs, present) if p)),
+                                 tuple(s for s, p in zip(ext_specs, present) if p)) + sc_specs,
                        out_specs=(spec4, P(batch_axis, head_axis, seq_axis)), check_vma=False)
-    out, lse = fn(q, k, v, tuple(x for x in extras if x is not None))
+    out, lse = fn(q, k, v, tuple(x for x in extras if x is not None), *sc_args)
     if not return_residual:
         return out
     return out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2))
@@ -189,6 +222,7 @@ class _Ring:
     backend: Backend
     statics: AttentionStatics
     platform: str
+    quantize: bool = False  # precision="fp8": quantize each device's float blocks here
 
     @property
     def perm(self):
@@ -283,21 +317,42 @@ def _merge(out, lse, out_b, lse_b):
     return out * wa + out_b.astype(jnp.float32) * wb, new_lse
 
 
-def _forward(cfg: _Ring, q, k, v, extras):
+def _fp8_arrays(cfg, arrays, scales, qs, ks):
+    """The block call's arrays with its slices of the FP8 scales (None for float calls)."""
+    if scales is None:
+        return arrays
+    sp = cfg.statics.fp8
+    q_s, k_s, v_s = scales
+    return arrays._replace(q_scale=_scale_slice(q_s, qs, sp.q_block),
+                           k_scale=_scale_slice(k_s, ks, sp.k_block),
+                           v_scale=_scale_slice(v_s, ks, sp.v_block))
+
+
+def _scale_slice(s, sl: slice, block: int):
+    """The blocks of canonical scale `s` [B, h, nb] that rows `sl` read (one block: all)."""
+    if s.shape[-1] == 1:
+        return s
+    return lax.slice_in_dim(s, sl.start // block, -(-sl.stop // block), axis=2)
+
+
+def _forward(cfg: _Ring, q, k, v, extras, scales=None):
     q_len, kv_len, q_seg, kv_seg = extras
     B, L, N, _ = q.shape
     Hv = v.shape[-1]
     me = lax.axis_index(cfg.axis)
     out = jnp.zeros((B, L, N, Hv), jnp.float32)
     lse = jnp.full((B, N, L), -jnp.inf, jnp.float32)
+    kv_sc = None if scales is None else scales[1:]
 
     for step in range(cfg.size):
         src = (me - step) % cfg.size
 
-        def run(case, out, lse, k=k, v=v, kv_seg=kv_seg, src=src):
+        def run(case, out, lse, k=k, v=v, kv_seg=kv_seg, src=src, kv_sc=kv_sc):
             if case is None:
                 return out, lse
             qs, ks, arrays = _slices(cfg, case, me, src, L, q_len, kv_len, q_seg, kv_seg)
+            arrays = _fp8_arrays(cfg, arrays, None if scales is None else
+                                 (scales[0],) + kv_sc, qs, ks)
             qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
             statics, plan = _block_plan(cfg, case, qb, kb, vb, arrays)
             out_b, lse_b = cfg.backend.forward(qb, kb, vb, arrays, statics, plan)
@@ -311,11 +366,12 @@ def _forward(cfg: _Ring, q, k, v, extras):
             out, lse = lax.cond(me >= step, functools.partial(run, hi),
                                 functools.partial(run, lo), out, lse)
         if step + 1 < cfg.size:  # pass the key/value block on (overlaps the next compute)
-            k, v, kv_seg = lax.ppermute((k, v, kv_seg), cfg.axis, cfg.perm)
-    return out.astype(q.dtype), lse
+            k, v, kv_seg, kv_sc = lax.ppermute((k, v, kv_seg, kv_sc), cfg.axis, cfg.perm)
+    odt = cfg.statics.fp8.out_dtype if cfg.statics.fp8 else q.dtype
+    return out.astype(odt), lse
 
 
-def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout):
+def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout, scales=None):
     q_len, kv_len, q_seg, kv_seg = extras
     L = q.shape[1]
     me = lax.axis_index(cfg.axis)
@@ -323,14 +379,17 @@ def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout):
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
+    kv_sc = None if scales is None else scales[1:]
 
     for step in range(cfg.size):
         src = (me - step) % cfg.size
 
-        def run(case, dq, dk, dv, k=k, v=v, kv_seg=kv_seg, src=src):
+        def run(case, dq, dk, dv, k=k, v=v, kv_seg=kv_seg, src=src, kv_sc=kv_sc):
             if case is None:
                 return dq, dk, dv
             qs, ks, arrays = _slices(cfg, case, me, src, L, q_len, kv_len, q_seg, kv_seg)
+            arrays = _fp8_arrays(cfg, arrays, None if scales is None else
+                                 (scales[0],) + kv_sc, qs, ks)
             qb, kb, vb = q[:, qs], k[:, ks], v[:, ks]
             statics, plan = _block_plan(cfg, case, qb, kb, vb, arrays)
             gq, gk, gv, _, _ = cfg.backend.backward(qb, kb, vb, arrays, statics, plan,
@@ -347,27 +406,83 @@ def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout):
                                   functools.partial(run, lo), dq, dk, dv)
         # dK/dV travel with their block; after the last step they are one hop from home.
         if step + 1 < cfg.size:
-            k, v, kv_seg, dk, dv = lax.ppermute((k, v, kv_seg, dk, dv), cfg.axis, cfg.perm)
+            k, v, kv_seg, kv_sc, dk, dv = lax.ppermute((k, v, kv_seg, kv_sc, dk, dv), cfg.axis,
+                                                       cfg.perm)
         else:
             dk, dv = lax.ppermute((dk, dv), cfg.axis, cfg.perm)
+    if scales is not None:  # float32 gradients w.r.t. the dequantized operands
+        return dq, dk, dv
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg, q, k, v, extras):
-    return _forward(cfg, q, k, v, extras)
+def _ring(cfg, q, k, v, extras, scales):
+    return _ring_fwd(cfg, q, k, v, extras, scales)[0]
 
 
-def _ring_fwd(cfg, q, k, v, extras):
-    out, lse = _forward(cfg, q, k, v, extras)
-    return (out, lse), (q, k, v, extras, out, lse)
+def _quantized(cfg, q, k, v, scales):
+    """(q, k, v, scales) the ring computes on: precision="fp8" quantizes this device's blocks."""
+    if not cfg.quantize:
+        return q, k, v, scales
+    sp = cfg.statics.fp8
+    q8, qs = fp8_layout.quantize_canonical(q, sp.q_dtype, "block", sp.q_block)
+    k8, ks = fp8_layout.quantize_canonical(k, sp.k_dtype, "block", sp.k_block)
+    v8, vs = fp8_layout.quantize_canonical(v, sp.v_dtype, "block", sp.v_block)
+    return q8, k8, v8, (qs, ks, vs)
+
+
+def _ring_fwd(cfg, q, k, v, extras, scales):
+    q8, k8, v8, sc = _quantized(cfg, q, k, v, scales)
+    out, lse = _forward(cfg, q8, k8, v8, extras, sc)
+    zero = lambda x: jnp.zeros((), x.dtype)
+    return (out, lse), (q8, k8, v8, extras, sc, out, lse, (zero(q), zero(k), zero(v)))
 
 
 def _ring_bwd(cfg, res, cts):
-    q, k, v, extras, out, lse = res
+    q, k, v, extras, sc, out, lse, dts = res
     dout, _ = cts  # LSE carries no gradient (as in jaxflash.flash_attention)
-    dq, dk, dv = _backward(cfg, q, k, v, extras, out, lse, dout)
-    return dq, dk, dv, tuple(None for _ in extras)
+    dq, dk, dv = _backward(cfg, q, k, v, extras, out, lse, dout, sc)
+    none = tuple(None for _ in extras)
+    if sc is None:
+        return dq, dk, dv, none, None
+    if cfg.quantize:  # straight-through to the float inputs
+        return dq.astype(dts[0].dtype), dk.astype(dts[1].dtype), dv.astype(dts[2].dtype), none, None
+    sp = cfg.statics.fp8
+    dq8, dqs = fp8_layout.fp8_cotangents(q, sc[0], sp.q_block, dq)
+    dk8, dks = fp8_layout.fp8_cotangents(k, sc[1], sp.k_block, dk)
+    dv8, dvs = fp8_layout.fp8_cotangents(v, sc[2], sp.v_block, dv)
+    # Scales replicated over the ring (one block): each device returns its share; the
+    # shard_map's transpose sums the shares of an input it did not split.
+    return dq8, dk8, dv8, none, (dqs, dks, dvs)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _fp8_setup(req, statics, q, k, L, layout, nseq, mesh, q_scale, k_scale, v_scale,
+               batch_axis, head_axis, seq_axis, shapes):
+    """(statics with the ring's Fp8Spec, canonical scales or None, their shard_map specs)."""
+    spec = req.spec
+    C = L // 2 if layout == "zigzag" else L
+    blk = lambda g, b: L if g != "block" else b
+    g = spec.granularity
+    if spec.source == "quantized":
+        if g != ("block",) * 3:
+            raise ValueError("ring_attention with precision='fp8' quantizes per block of each "
+                             "device's sequence (scale_granularity 'block')")
+    for name, gg, b in zip(("q", "k", "v"), g, (spec.q_block, spec.k_block, spec.v_block)):
+        if gg == "block" and C % b:
+            raise ValueError(f"{name} scale blocks of {b} rows straddle the ring's chunks of "
+                             f"{C} rows ({layout} layout over {nseq} devices); pick a "
+                             f"scale_block that divides {C} ({shapes})")
+    spec = dataclasses.replace(spec, q_block=blk(g[0], spec.q_block),
+                               k_block=blk(g[1], spec.k_block), v_block=blk(g[2], spec.v_block))
+    statics = dataclasses.replace(statics, fp8=spec)
+    if spec.source == "quantized":
+        return statics, None, None
+    B, N, K = q.shape[0], q.shape[2], k.shape[2]
+    scales = prec.canonical_scales(req, q_scale, k_scale, v_scale, (B,), N, K)
+    if mesh is None:
+        return statics, scales, None
+    specs = tuple(P(batch_axis, head_axis, seq_axis if gg == "block" else None) for gg in g)
+    return statics, scales, specs

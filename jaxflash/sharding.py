@@ -25,8 +25,9 @@ heads, e.g. MQA): those are summed over the shards with `psum`.
 With mods (`jaxflash.mods`), each shard's mods must still see global batch rows and heads:
 `partition` hands the backend the shard's offsets (``arrays.mod_offsets``, from the mesh axis
 indices); aux arrays are replicated and their gradients summed over the shards; a block mask
-is split with the batch / head dims it has. (A rank-0 aux leaf has no dim to name in the rule;
-such calls run whole.)
+is split with the batch / head dims it has. Backends that do not read the offsets
+(``Backend.shards_mods`` False), and calls with a rank-0 aux leaf (no dim to name in the rule),
+run whole.
 
 Calls that need none of this skip it entirely (no second trace, nothing in the HLO): a process
 with a single device, eager calls, and calls traced under `vmap` (custom_partitioning has no
@@ -81,7 +82,7 @@ _register_batching()
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v) or _scalar_aux(arrays):
+    if not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
         return backend.forward(q, k, v, arrays, statics, plan)
     op = _op("fwd", _Layout.of(q, k, v, arrays, statics))
     return op(backend, q, k, v, arrays, statics, plan)
@@ -89,15 +90,20 @@ def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v) or _scalar_aux(arrays):
+    if not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
         return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
     op = _op("bwd", _Layout.of(q, k, v, arrays, statics))
     return op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
 
 
-def _scalar_aux(arrays) -> bool:
-    """A rank-0 aux leaf has no dim for the sharding rule to name: such calls run whole."""
-    return any(x.ndim == 0 for x in arrays.mod_aux)
+def _mods_ok(backend, statics, arrays) -> bool:
+    """Whether a call with mods can be partitioned: its backend must give the mods the shard's
+    global indices (``backend.shards_mods``), and a rank-0 aux leaf has no dim for the rule to
+    name. Otherwise the call runs whole (correct, gathered)."""
+    if getattr(statics, "mods", None) is None:
+        return True
+    return getattr(backend, "shards_mods", False) and not any(x.ndim == 0
+                                                              for x in arrays.mod_aux)
 
 
 def _wanted(*xs) -> bool:
@@ -115,6 +121,7 @@ class _Layout(NamedTuple):
     kv_seqlen: bool
     alibi: bool
     segments: bool
+    fp8: bool = False  # FP8 scales [B, N, nq], [B, K, nk], [B, K, nv] ride along (batch, heads)
     # With mods: (aux leaves' ranks, which leaves get gradients, the block mask's
     # (batch dim full, head dim full, block, seq_lens) or None); None without mods.
     mods: Optional[tuple] = None
@@ -139,7 +146,8 @@ class _Layout(NamedTuple):
         return cls(group=N // k.shape[2], bias=dense(arrays.bias), mask=dense(arrays.mask),
                    q_seqlen=arrays.q_seqlen is not None, kv_seqlen=arrays.kv_seqlen is not None,
                    alibi=arrays.alibi_slopes is not None,
-                   segments=arrays.q_segment_ids is not None, mods=mods)
+                   segments=arrays.q_segment_ids is not None,
+                   fp8=arrays.q_scale is not None, mods=mods)
 
     def rule(self, kind: str):
         """Shardy rule (einsum string, need_replication factors, factor sizes)."""
@@ -166,6 +174,9 @@ class _Layout(NamedTuple):
         ops += ["b"] if self.kv_seqlen else []
         ops += [nq] if self.alibi else []
         ops += ["b t", "b s"] if self.segments else []
+        if self.fp8:  # the scale-block dims stay whole, like the sequence dims they index
+            ops += [f"b {nq} qsb", "b k ksb", "b k vsb"]
+            repl += ["qsb", "ksb", "vsb"]
         aux_ops = []
         if self.mods is not None:
             # aux leaves: replicated (every shard reads them whole); block mask: split with the
@@ -304,6 +315,9 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
         alibi_slopes=ns("n") if layout.alibi else None,
         q_segment_ids=ns("b", None) if layout.segments else None,
         kv_segment_ids=ns("b", None) if layout.segments else None,
+        q_scale=ns("b", "n", None) if layout.fp8 else None,
+        k_scale=ns("b", "k", None) if layout.fp8 else None,
+        v_scale=ns("b", "k", None) if layout.fp8 else None,
         mod_aux=aux, block_mask=bm)
     out, lse = q, ns("b", "n", None)
     if kind == "fwd":

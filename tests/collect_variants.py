@@ -51,6 +51,9 @@ class _Recorder:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--lower", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="also call FUNCTION of MODULE, which lowers (traces, never runs) the "
+                        "programs of tests too large to run here, recording their launches")
     a, pytest_args = p.parse_known_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ[ENV] = "1"
@@ -61,8 +64,14 @@ def main(argv=None) -> int:
 
     from jaxflash import aot
     rec = _Recorder()
-    pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args],
-                plugins=[rec])
+    if pytest_args:
+        pytest.main(["-q", "-p", "no:cacheprovider", *pytest_args], plugins=[rec])
+    if a.lower:
+        import importlib
+        rec.pytest_sessionstart(None)
+        for ref in a.lower:
+            mod, _, fn = ref.partition(":")
+            getattr(importlib.import_module(mod), fn)()
     launches = list(rec.launches.values())
     print(f"{len(launches)} variants reached:")
     for launch in launches:

@@ -167,13 +167,13 @@ def runtime_only(monkeypatch, kernel_dir=None, forbid_compile=True):
         monkeypatch.setenv(cache.ENV_KERNEL_DIR, str(kernel_dir))
 
 
-def ptxas_report(ptx: str, tmp_path):
+def ptxas_report(ptx: str, tmp_path, arch: str = "sm_90a"):
     """ptxas -v output for the PTX (None if no usable ptxas): the DSL emits a newer PTX ISA
     than the CUDA 13.0 ptxas reads; the kernel uses nothing newer, so the version is lowered."""
     if shutil.which("ptxas") is None:
         return None
     src = re.sub(r"^\.version .*$", ".version 9.0", ptx, count=1, flags=re.M)
     (tmp_path / "k.ptx").write_text(src)
-    r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+    r = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(tmp_path / "k.ptx"), "-o",
                         str(tmp_path / "k.cubin")], capture_output=True, text=True)
     return r.stdout + r.stderr if r.returncode == 0 else None

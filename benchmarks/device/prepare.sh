@@ -20,9 +20,16 @@ if [ "${STAGES:-all}" = all ]; then
 "$PY" -m devtools.bwd_devrun build --out .device/kernels
 "$PY" -m examples.lm.build_kernels --out .device/kernels --size full --batch 16 --mesh 1,1
 fi
+# FP8=1: the FP8 forward variants of run.sh's fp8 stage (benchmarks.fp8_bench build, ~10 min)
+if [ "${FP8:-0}" = 1 ]; then
+"$PY" -m benchmarks.fp8_bench build --out .device/kernels
+fi
 "$PY" -m devtools.gpu_selftest artifacts/ffi_selftest
 # one kernel directory for the whole GPU test run
 cp -r artifacts/ffi_selftest/kernels/. .device/kernels/
 # whatever the GPU tests reach through dispatch (recorded by running them once here)
 "$PY" -m tests.collect_variants --out .device/kernels -m gpu tests | tail -3
+# the extremes' programs are too large to run here: traced only
+JAXFLASH_PLATFORM=cuda "$PY" -m tests.collect_variants --out .device/kernels \
+  --lower tests.extremes.test_large_gpu:lower_cute_programs | tail -2
 du -sh .device artifacts

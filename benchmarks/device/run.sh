@@ -12,6 +12,22 @@
 #   grid      the anchor grid, every implementation (a call of its own)            (~9 min)
 #   kbench    kernel-level forward and backward timings beside cuDNN               (~4 min)
 #   lm        examples.lm.compare: cute against xla, 400 steps                     (~4 min)
+#   extremes  tensors past 2^31 elements, B past the grid limit, one 2^20-token causal
+#             sequence forward+backward (tests/extremes/test_large_gpu.py; time and peak
+#             memory by benchmarks.long_context)                                  (~6 min)
+#   fp8       the Hopper FP8 forward against its emulated contract and float64
+#             (tests/kernels/test_fp8_gpu.py), then ours FP8 / ours bf16 / cuDNN FP8 over the
+#             grid (benchmarks.fp8_bench; FP8_QUICK=1: D 128/256 x S 4k/16k; FP8_TILES=1 adds
+#             the FP8 variants' comparison, +2.5 min; needs `fp8_bench build` in prepare)  (~4 min)
+#   mods      score / mask mods in the CuTe kernels and the Triton-compiled Pallas kernels
+#             against the float32 reference (tests/kernels/test_mods_gpu.py,
+#             tests/mods/test_mods_gpu.py)                                        (~4 min)
+#   mbench    the mods' speed: benchmarks.mods_kernel_bench (mod vs built-in, sparse vs dense)
+#             and benchmarks.mods_bench (cute / pallas / cuDNN / xla on the issue's mods)
+#   lmprec    examples LM with bf16 / FP8 / emulated FP4 attention, 400 steps each
+#             (benchmarks.lm_precision), FP8 accuracy (benchmarks.fp8_accuracy)
+#   ring1m    (nvidia-h200-x2) the 2^20-token causal GQA 8:1 sequence by ring_attention over
+#             two GPUs beside one GPU (benchmarks.ring_scaling)                    (~4 min)
 # A variant not yet checked on a GPU is admitted here (JAXFLASH_CUTE_UNVERIFIED=1): these runs
 # are what checks it; `gated` below runs a new feature's checks, sanitizers and bench at once.
 # Results go to $OUT (the device tool returns a few files per call): copy them into
@@ -84,5 +100,38 @@ lm)
   # LM_BASELINES=1 (one xla run instead of two) fits a call into ~4 min of device time
   timeout 330 python3 -m examples.lm.compare --out $OUT/lm --baseline-runs ${LM_BASELINES:-2} \
     --candidate cute --size full --steps 400 --batch 16 --mesh 1,1 2>&1 | grep -v "^step" | tail -12 ;;
+extremes)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+    timeout ${EXTREMES_TIMEOUT:-420} python3 -m pytest -m gpu -rA -s \
+    -p no:cacheprovider tests/extremes/test_large_gpu.py ${EXTREMES_K:+-k "$EXTREMES_K"} 2>&1 \
+    | tee $OUT/gpu-extremes-$D.log | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^d|^cute|^pallas|\{" | tail -30
+  [ "${EXTREMES_LONG:-1}" = 1 ] && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 python3 -m benchmarks.long_context --s 1048576 \
+    --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
+    2>&1 | grep -v -i warn | tail -25 ;;
+fp8)
+  timeout ${FP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
+    2>&1 | tee $OUT/gpu-fp8-tests-$D.log | grep -v -i warn | tail -25
+  timeout ${FP8_BENCH_TIMEOUT:-150} python3 -m benchmarks.fp8_bench run ${FP8_QUICK:+--quick} --out $OUT \
+    2>&1 | grep -v -i warn | tail -45
+  # FP8_TILES=1: the FP8 variants compared (key tiles, persistent loop, 192 rows at hd 64)
+  [ "${FP8_TILES:-0}" = 1 ] && timeout 150 python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
+    2>&1 | grep -v -i warn | tail -14 ;;
+mods)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+    timeout ${MODS_TIMEOUT:-280} python3 -m pytest -m gpu -rA -p no:cacheprovider \
+    tests/kernels/test_mods_gpu.py tests/mods/test_mods_gpu.py 2>&1 | tee $OUT/gpu-mods-tests-$D.log \
+    | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" | tail -40 ;;
+mbench)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 python3 -m benchmarks.mods_kernel_bench \
+    --out $OUT/mods-kernel-bench-h200-$D.json 2>&1 | grep -v -i warn | tail -20
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m benchmarks.mods_bench --out $OUT \
+    --budget-s 150 2>&1 | grep -v -i warn | tail -20 ;;
+lmprec)
+  timeout 280 python3 -m benchmarks.lm_precision --out $OUT --budget-s 150 2>&1 | grep -v -i warn | tail -30
+  timeout 120 python3 -m benchmarks.fp8_accuracy --out $OUT 2>&1 | grep -v -i warn | tail -20 ;;
+ring1m)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m benchmarks.ring_scaling --s 1048576 \
+    --heads 8 --kv-heads 1 --impl cute --reps 1 --out $OUT/ring-1m-h200x2-$D.json 2>&1 \
+    | grep -v -i warn | tail -20 ;;
 *) echo "unknown stage $stage" ;;
 esac; done

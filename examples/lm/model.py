@@ -32,6 +32,7 @@ class LMConfig:
     softcap: Optional[float] = None
     dtype: str = "float32"               # compute dtype; parameters are float32
     implementation: Optional[str] = None  # jaxflash backend: None = best available
+    attention_precision: Optional[str] = None  # None (the compute dtype) or "fp8"
 
     def check_mesh(self, model_axis: int):
         for name, n in (("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads),
@@ -65,7 +66,8 @@ class Block(nnx.Module):
             cfg.n_heads, cfg.d_model, num_kv_heads=cfg.n_kv_heads, is_causal=True, rope=True,
             rope_theta=cfg.rope_theta,
             local_window_size=None if cfg.local_window is None else (cfg.local_window, 0),
-            softcap=cfg.softcap, implementation=cfg.implementation, use_bias=False, dtype=dt,
+            softcap=cfg.softcap, implementation=cfg.implementation,
+            attention_precision=cfg.attention_precision, use_bias=False, dtype=dt,
             kernel_init=_sharded(init, None, "model", None),
             out_kernel_init=_sharded(out_init, "model", None, None), rngs=rngs)
         self.norm2 = nnx.RMSNorm(cfg.d_model, dtype=dt, rngs=rngs)

@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--softcap", type=float, default=None)
     p.add_argument("--implementation", choices=["cute", "pallas", "xla"], default=None,
                    help="jaxflash backend (default: best available)")
+    p.add_argument("--attention-precision", choices=["bf16", "fp8"], default="bf16",
+                   help="attention in the compute dtype (bf16: no change) or FP8 "
+                        "(flash_attention precision='fp8')")
     p.add_argument("--mesh", default=None,
                    help="DATA,MODEL mesh shape (default: all devices on data, model 1)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -73,7 +76,9 @@ def config_from_args(args) -> LMConfig:
                                   n_kv_heads=args.kv_heads, dtype=args.dtype,
                                   local_window=args.window, softcap=args.softcap).items()
             if v is not None}
-    cfg = dataclasses.replace(SIZES[args.size], implementation=args.implementation, **over)
+    prec = None if args.attention_precision == "bf16" else args.attention_precision
+    cfg = dataclasses.replace(SIZES[args.size], implementation=args.implementation,
+                              attention_precision=prec, **over)
     if "d_model" in over and "d_ff" not in over:
         cfg = dataclasses.replace(cfg, d_ff=3 * cfg.d_model)
     return cfg
@@ -138,7 +143,8 @@ def describe_backend(cfg: LMConfig, batch: int, mesh) -> str:
     kv = jax.ShapeDtypeStruct((b, cfg.seq_len, cfg.n_kv_heads, hd), dt)
     window = None if cfg.local_window is None else (cfg.local_window, 0)
     return str(jaxflash.explain(q, kv, kv, is_causal=True, local_window_size=window,
-                                softcap=cfg.softcap, implementation=cfg.implementation))
+                                softcap=cfg.softcap, implementation=cfg.implementation,
+                                precision=cfg.attention_precision))
 
 
 def _checkpoint_manager(path, save_every):

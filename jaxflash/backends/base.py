@@ -13,6 +13,9 @@ class Backend(abc.ABC):
     """One attention implementation in canonical form (see `jaxflash._types`)."""
 
     name: str = ""
+    # Whether forward / backward honour ``arrays.mod_offsets`` (a shard's global batch / head
+    # offsets, which mods see); calls with mods are partitioned only over backends that do.
+    shards_mods: bool = False
 
     @abc.abstractmethod
     def plan(self, problem: Problem):

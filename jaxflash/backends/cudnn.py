@@ -163,6 +163,11 @@ class CudnnBackend(Backend):
 
     def plan(self, problem):
         p, s = problem, problem.statics
+        if s.fp8 is not None:
+            raise NotImplementedError(
+                "cuDNN's FP8 attention (reachable only through a private jax function) takes "
+                "per-tensor scales, returns FP8, and its backward passes the scales in the wrong "
+                "order; it is not wired in")
         if p.platform not in ("cuda", "gpu"):
             raise NotImplementedError(f"cuDNN attention runs on NVIDIA GPUs only "
                                       f"(platform {p.platform})")

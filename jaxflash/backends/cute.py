@@ -3,14 +3,14 @@
 Planning (which variant, whether its binary can be had, which backward) lives in
 `jaxflash.kernels.plan`; this adapter refuses non-CUDA platforms, runs the plan's launches
 (`jaxflash.kernels.call`) and, where the plan has no CuTe backward, runs our Pallas backward on
-the CuTe forward's (out, lse) (same math). Score / mask mods are translated into the kernels
-(`jaxflash.kernels.variants.mod_program`); what cannot be is refused by the plan with the
-primitive's name.
+the CuTe forward's (out, lse) (same math). FP8 calls: the FP8 forward kernel, and the FP8
+contract's emulated backward on its (out, lse). Score / mask mods are translated into the
+kernels (`jaxflash.kernels.variants.mod_program`); what cannot be is refused by the plan with
+the primitive's name.
 """
 from __future__ import annotations
 
 from jaxflash.backends.base import Backend
-
 
 
 class CuteBackend(Backend):
@@ -29,9 +29,15 @@ class CuteBackend(Backend):
 
     def forward(self, q, k, v, arrays, statics, plan):
         from jaxflash.kernels import call
+        if plan.detail.fp8:
+            return call.forward_fp8(plan.detail.fwd, q, k, v, arrays, statics)
         return call.forward(plan.detail.fwd, q, k, v, arrays, statics)
 
     def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
+        if plan.detail.fp8:
+            # FP8 gradients by the numerics contract's backward (no FP8 backward kernel yet)
+            from jaxflash.fp8 import emulated
+            return emulated.backward(q, k, v, arrays, statics, out, lse, dout)
         if plan.detail.bwd is None:
             from jaxflash import pallas_fallback
             return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,

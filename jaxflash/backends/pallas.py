@@ -10,11 +10,29 @@ from jaxflash.backends.base import Backend
 
 class PallasBackend(Backend):
     name = "pallas"
+    shards_mods = True
 
     def plan(self, problem):
+        if problem.statics.fp8 is not None:
+            raise NotImplementedError("the Pallas kernels have no FP8 path")
         from jaxflash import pallas_fallback
         pallas_fallback.check(problem)
-        return None
+        if problem.mods is None:
+            return None
+        # What `explain` says about a call with mods (the plan is otherwise empty).
+        notes = ["mods: score_mod / mask_mod evaluated in the kernels from their jaxprs "
+                 f"(key {problem.mods.key[:12]})"]
+        if problem.mods.has_score and any(d.startswith(("float", "bfloat"))
+                                          for _, d in problem.mods.aux_avals):
+            notes.append("aux gradients: XLA, blockwise over query rows (one more Q K^T and "
+                         "dO V^T, the score_mod's VJP over every pair)")
+        if problem.block_sparse is not None:
+            notes.append(f"block mask {problem.block_sparse}: empty tiles skipped, full ones "
+                         f"run without the mask_mod")
+        return tuple(notes)
+
+    def notes(self, detail):
+        return detail or ()
 
     def forward(self, q, k, v, arrays, statics, plan):
         from jaxflash import pallas_fallback

@@ -1,5 +1,6 @@
 """``implementation="xla"``: the reference; its backward is JAX's VJP of it (recomputed, so no
-T x S residual is kept between the passes). Serves every valid call."""
+T x S residual is kept between the passes). Serves every valid call. FP8 calls run the emulated
+FP8 path (`jaxflash.fp8.emulated`, the FP8 kernels' numerics contract) instead."""
 from __future__ import annotations
 
 import jax
@@ -7,18 +8,24 @@ import jax.numpy as jnp
 
 from jaxflash import reference
 from jaxflash.backends.base import Backend
+from jaxflash.fp8 import emulated
 
 
 class XlaBackend(Backend):
     name = "xla"
+    shards_mods = True
 
     def plan(self, problem):
         return None
 
     def forward(self, q, k, v, arrays, statics, plan):
+        if statics.fp8 is not None:
+            return emulated.forward(q, k, v, arrays, statics)
         return reference.attention(q, k, v, arrays, statics)
 
     def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
+        if statics.fp8 is not None:
+            return emulated.backward(q, k, v, arrays, statics, out, lse, dout)
         # Like a flash backward, this honours the given (out, lse): they may be the merged result
         # of this block and others (ring attention), out = sum_b exp(lse_b - lse) * out_b. The
         # block's share of the gradient is then the VJP of (out_b, lse_b) with cotangents

@@ -134,6 +134,9 @@ def _batch(args, dims, *, launch, out_avals):
     """Fold mapped axes into dim 0 (the kernel's batch) of every tensor; see `_can_fold`."""
     n_t = len(launch.inputs)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    if size == 0:  # a vmap over an empty axis: empty outputs, and no launch on an empty grid
+        outs = [jnp.zeros((0,) + tuple(s), dt) for s, dt in out_avals]
+        return outs, [0] * len(outs)
     if _can_fold(launch, args, dims, out_avals):
         folded = []
         for a, d, t in zip(args[:n_t], dims[:n_t], launch.inputs):

@@ -21,7 +21,8 @@ from typing import Any, Optional
 # Bumped whenever the launcher ABI in `compiler.py` changes in a way its source hash would miss.
 BRIDGE_ABI = 1
 
-_DTYPES = ("float32", "float16", "bfloat16", "int32", "int8", "uint8", "bool", "int64")
+_DTYPES = ("float32", "float16", "bfloat16", "int32", "int8", "uint8", "bool", "int64",
+           "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,11 +96,13 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                  force_fp32_for_softmax: bool = False, einsum_dot_general=None,
                  qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                  implementation: Optional[str] = None, scale: Optional[float] = None,
-                 softcap: Optional[float] = None, local_window_size=None, **unknown):
+                 softcap: Optional[float] = None, local_window_size=None,
+                 attention_precision: Optional[str] = None, **unknown):
     """Flax-compatible attention on jaxflash. See the module docstring for what each keyword does.
 
-    Extra (jaxflash) keywords: ``implementation``, ``scale``, ``softcap``, ``local_window_size``;
-    bind them with `make_attention_fn` to hand the result to a Flax module. A keyword this
+    Extra (jaxflash) keywords: ``implementation``, ``scale``, ``softcap``, ``local_window_size``,
+    ``attention_precision`` (None or "fp8": `jaxflash.flash_attention`'s ``precision``, named
+    apart from Flax's ``precision``, the einsums' `jax.lax.Precision`); bind them with `make_attention_fn` to hand the result to a Flax module. A keyword this
     function does not know (a future Flax's) is accepted when it asks for nothing (None / False);
     with any other value it raises NotImplementedError rather than being silently ignored.
     """
@@ -115,6 +117,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
             mask = mask != 0  # Flax masks are often float 0/1; Flax treats nonzero as "attend"
+    if attention_precision not in (None, "fp8"):
+        raise ValueError(f"attention_precision must be None or 'fp8'; got {attention_precision!r}")
     extra = dict(scale=scale, softcap=softcap, local_window_size=local_window_size)
 
     det = _static_bool(deterministic)
@@ -132,7 +136,11 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     if not reasons:
         _record(None)
         return flash_attention(q, k, v, bias, mask, is_causal=is_causal,
-                                        implementation=implementation, **extra)
+                               implementation=implementation, precision=attention_precision,
+                               **extra)
+    if attention_precision is not None:
+        reasons.append(f"(attention_precision={attention_precision!r} not applied: the weights "
+                       f"path is float)")
     _record(", ".join(reasons))
     if want_dropout and dropout_rng is None:
         raise ValueError(f"attention dropout (rate {dropout_rate}, deterministic="
@@ -146,9 +154,9 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
 
 def make_attention_fn(implementation: Optional[str] = None, **options):
     """`attention_fn` with jaxflash options bound (``implementation``, ``scale``, ``softcap``,
-    ``local_window_size``), e.g. ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(
+    ``local_window_size``, ``attention_precision``), e.g. ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(
     implementation="pallas"))``. Keeps an inspectable signature (Linen filters keywords by it)."""
-    allowed = {"scale", "softcap", "local_window_size"}
+    allowed = {"scale", "softcap", "local_window_size", "attention_precision"}
     bad = set(options) - allowed
     if bad:
         raise ValueError(f"make_attention_fn: unknown options {sorted(bad)}; allowed: "

@@ -22,7 +22,9 @@ class AttentionOptions:
 
     ``local_window_size``: int w (= (w, w)) or (left, right); ``rope``: rotate q and k by their
     positions (GPT-NeoX half-split layout) with wavelength base ``rope_theta``; ``scale``: None
-    means 1/sqrt(head_dim); ``implementation``: None (best available), "cute", "pallas", "xla".
+    means 1/sqrt(head_dim); ``implementation``: None (best available), "cute", "pallas", "xla";
+    ``attention_precision``: None or "fp8" (`jaxflash.flash_attention`'s ``precision``: named
+    apart from Flax's ``precision``, the einsums' `jax.lax.Precision`).
     """
 
     is_causal: bool = False
@@ -32,10 +34,12 @@ class AttentionOptions:
     rope: bool = False
     rope_theta: float = 10000.0
     implementation: Optional[str] = None
+    attention_precision: Optional[str] = None
 
     @classmethod
     def make(cls, *, is_causal=False, local_window_size=None, softcap=None, scale=None,
-             rope=False, rope_theta=10000.0, implementation=None) -> "AttentionOptions":
+             rope=False, rope_theta=10000.0, implementation=None,
+             attention_precision=None) -> "AttentionOptions":
         w = local_window_size
         if w is not None:
             if isinstance(w, numbers.Integral) and not isinstance(w, bool):
@@ -48,12 +52,16 @@ class AttentionOptions:
         if implementation is not None and implementation not in dispatch.IMPLEMENTATIONS:
             raise ValueError(f"implementation must be None or one of {dispatch.IMPLEMENTATIONS}; "
                              f"got {implementation!r}")
+        if attention_precision not in (None, "fp8"):
+            raise ValueError(f"attention_precision must be None or 'fp8'; got "
+                             f"{attention_precision!r}")
         if rope and not rope_theta > 0:
             raise ValueError(f"rope_theta must be positive; got {rope_theta!r}")
         return cls(is_causal=bool(is_causal), local_window_size=w,
                    softcap=None if softcap is None else float(softcap),
                    scale=None if scale is None else float(scale), rope=bool(rope),
-                   rope_theta=float(rope_theta), implementation=implementation)
+                   rope_theta=float(rope_theta), implementation=implementation,
+                   attention_precision=attention_precision)
 
 
 def check_heads(num_heads: int, num_kv_heads: Optional[int], qkv_features: int):
@@ -112,7 +120,7 @@ def attend(q, k, v, opts: AttentionOptions, *, mask=None, q_segment_ids=None,
         q, k, v, mask=_as_bool_mask(mask), scale=opts.scale, is_causal=opts.is_causal,
         local_window_size=opts.local_window_size, softcap=opts.softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        implementation=opts.implementation)
+        implementation=opts.implementation, precision=opts.attention_precision)
 
 
 def attend_sequence(q, k, v, opts: AttentionOptions, *, self_attn: bool, mask=None,
@@ -171,7 +179,8 @@ def attend_cached(q, cached_key, cached_value, index, opts: AttentionOptions, *,
     index = jnp.asarray(index, jnp.int32)
     user_mask = _as_bool_mask(mask)
     written = index + t
-    common = dict(scale=opts.scale, softcap=opts.softcap, implementation=opts.implementation)
+    common = dict(scale=opts.scale, softcap=opts.softcap, implementation=opts.implementation,
+                  precision=opts.attention_precision)
     if t == 1 and opts.local_window_size is None and user_mask is None:
         # One new token: "key written" is exactly "key visible" (causal or not), and a
         # kv_seq_lengths operand keeps the backends on their mask-free fast path.

@@ -32,6 +32,7 @@ class FlashMultiHeadAttention(nn.Module):
     normalize_qk: bool = False
     decode: bool = False
     implementation: Optional[str] = None
+    attention_precision: Optional[str] = None  # None or "fp8" (flash_attention's precision)
     dtype: Any = None
     param_dtype: Any = jnp.float32
     use_bias: bool = True
@@ -56,7 +57,7 @@ class FlashMultiHeadAttention(nn.Module):
         opts = core.AttentionOptions.make(
             is_causal=self.is_causal, local_window_size=self.local_window_size,
             softcap=self.softcap, scale=self.scale, rope=self.rope, rope_theta=self.rope_theta,
-            implementation=self.implementation)
+            implementation=self.implementation, attention_precision=self.attention_precision)
 
         def dense(heads, name):
             return nn.DenseGeneral(features=(heads, head_dim), axis=-1, dtype=self.dtype,

@@ -33,6 +33,8 @@ class FlashMultiHeadAttention(nnx.Module):
       normalize_qk: LayerNorm (no bias) on q and k per head, as ``nnx.MultiHeadAttention``.
       decode: default for ``__call__``'s ``decode`` (incremental decoding with the KV cache).
       implementation: None (best available), "cute", "pallas", "xla".
+      attention_precision: None or "fp8" (FP8 attention: `jaxflash.flash_attention`'s
+        ``precision``).
       dtype, param_dtype, use_bias, kernel_init, out_kernel_init, bias_init, out_bias_init,
       kernel_metadata, out_kernel_metadata, bias_metadata: as for ``nnx.MultiHeadAttention``
       (wrap an init with ``nnx.with_partitioning`` to shard parameters; meshes with Auto axes:
@@ -49,7 +51,8 @@ class FlashMultiHeadAttention(nnx.Module):
                  local_window_size=None, softcap: Optional[float] = None,
                  scale: Optional[float] = None, rope: bool = False, rope_theta: float = 10000.0,
                  normalize_qk: bool = False, decode: bool = False,
-                 implementation: Optional[str] = None, dtype=None, param_dtype=jnp.float32,
+                 implementation: Optional[str] = None, attention_precision: Optional[str] = None,
+                 dtype=None, param_dtype=jnp.float32,
                  use_bias: bool = True, kernel_init=default_kernel_init, out_kernel_init=None,
                  bias_init=initializers.zeros_init(), out_bias_init=None,
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -65,7 +68,8 @@ class FlashMultiHeadAttention(nnx.Module):
                                                             self.qkv_features)
         self.opts = core.AttentionOptions.make(
             is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
-            scale=scale, rope=rope, rope_theta=rope_theta, implementation=implementation)
+            scale=scale, rope=rope, rope_theta=rope_theta, implementation=implementation,
+            attention_precision=attention_precision)
         if rope and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim; got {self.head_dim}")
         self.normalize_qk = normalize_qk

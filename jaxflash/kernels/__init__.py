@@ -1,7 +1,9 @@
-"""CuTe DSL kernels (Hopper sm_90a; Blackwell sm_100a to come), run through `jaxflash.ffi`.
+"""CuTe DSL kernels (Hopper sm_90a; Blackwell sm_100a, gated), run through `jaxflash.ffi`.
 
 Layout:
 - ``sm90/``: the Hopper device kernels and their private parts.
+- ``sm100/``: the Blackwell forward (compiled and instruction-checked only; gated in
+  ``policy/verified.py`` until a Blackwell run).
 - ``common/``: device building blocks every architecture's kernels share (masks, online
   softmax, layouts, pipelines, launch arguments, tile order, segment summaries).
 - ``variants/``: the DSL-free configs (what a binary *is*) and launch descriptions.
@@ -51,6 +53,12 @@ KERNELS: dict[str, Kernel] = {
                        "jaxflash.kernels.variants.fwd_launch:fwd_launch",
                        (("main", "jaxflash.kernels.sm90.fwd:FlashFwdSm90"),),
                        ("sm_90a",)),
+    # FP8 (e4m3) forward for Hopper: the forward's mainloop with FP8 wgmma, V transposed in
+    # shared memory by the producer warpgroup, 16-bit output.
+    "sm90_fwd_fp8": Kernel("jaxflash.kernels.variants.fwd_fp8:Fp8FwdConfig",
+                           "jaxflash.kernels.variants.fwd_fp8_launch:fwd_fp8_launch",
+                           (("main", "jaxflash.kernels.sm90.fwd_fp8:FlashFwdSm90Fp8"),),
+                           ("sm_90a",)),
     # FlashAttention backward for Hopper: dQ, dK, dV; head dims 192 / 256 split the head dim
     # over the consumer warpgroups (`BwdConfig.split`).
     "sm90_bwd": Kernel("jaxflash.kernels.variants.bwd:BwdConfig",
@@ -58,4 +66,10 @@ KERNELS: dict[str, Kernel] = {
                        (("main", "jaxflash.kernels.sm90.bwd:FlashBwdSm90"),
                         ("wide", "jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide")),
                        ("sm_90a",)),
+    # FlashAttention forward for Blackwell: tcgen05 MMAs with S, P and O in tensor memory.
+    # Compiled and instruction-checked only; dispatch gates it until a Blackwell run.
+    "sm100_fwd": Kernel("jaxflash.kernels.variants.sm100_fwd:Sm100FwdConfig",
+                        "jaxflash.kernels.variants.fwd_launch:sm100_fwd_launch",
+                        (("main", "jaxflash.kernels.sm100.fwd:FlashFwdSm100"),),
+                        ("sm_100a",)),
 }

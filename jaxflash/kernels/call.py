@@ -15,6 +15,7 @@ from jaxflash.kernels.common.segments import block_summaries
 from jaxflash.kernels.variants.bwd import ALIBI_PARTS
 from jaxflash.kernels.variants.bwd_launch import (dq_acc_shape, dq_from_flat, num_k_blocks,
                                                   num_q_blocks, padded_len)
+from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_inputs
 from jaxflash.kernels.variants.fwd_launch import fwd_inputs, fwd_scalars
 from jaxflash.kernels import mod_blocks
 
@@ -28,6 +29,23 @@ def forward(launch, q, k, v, arrays, statics):
     inputs += mod_inputs(launch.config, arrays, q, k, backward=False)
     fs, is_ = fwd_scalars(statics)
     out_shapes = [jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), q.dtype),
+                  jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
+    out, lse = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
+    return out, lse
+
+
+def forward_fp8(launch, q8, k8, v8, arrays, statics):
+    """(out [B, T, N, Hv] out_dtype, lse [B, N, T] float32) by the FP8 forward `launch`, with
+    the canonical scales (`jaxflash._types.AttentionArrays`, [B, heads, nb]: one block, or the
+    128-row blocks the plan matched to the kernel's tiles)."""
+    B, T, N, _ = q8.shape
+    cfg = launch.config
+    descales = [getattr(arrays, n) for n in ("q_scale", "k_scale", "v_scale")]
+    inputs = fwd_fp8_inputs(cfg, q8, k8, v8, *descales, q_seqlen=arrays.q_seqlen,
+                            kv_seqlen=arrays.kv_seqlen, q_segment_ids=arrays.q_segment_ids,
+                            kv_segment_ids=arrays.kv_segment_ids)
+    fs, is_ = fwd_scalars(statics)
+    out_shapes = [jax.ShapeDtypeStruct((B, T, N, v8.shape[-1]), jnp.dtype(cfg.out_dtype)),
                   jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
     out, lse = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
     return out, lse
@@ -85,8 +103,66 @@ def bwd_finish(dq_acc, T: int, cfg, scale: float, dtype):
     return (dq_acc * jnp.float32(scale)).astype(dtype)
 
 
+# CUDA limits a launch grid's y and z extents to 65535; the backward's grid is (key blocks,
+# kv heads, batch), so larger batches and head counts are split into several launches.
+GRID_YZ_MAX = 65535
+
+
 def backward(launch, q, k, v, arrays, statics, out, lse, dout):
-    """(dq, dk, dv, None, dslopes or None) by the backward `launch`."""
+    """(dq, dk, dv, None, dslopes or None) by the backward `launch`; batches or kv-head counts
+    past the grid's y/z limit run as several launches over slices."""
+    B, _, N, _ = q.shape
+    K = k.shape[2]
+    if max(B, K) > GRID_YZ_MAX and statics.mods is not None:
+        # A mod reads the batch / head index: slices would renumber them.
+        raise NotImplementedError(f"score / mask mods with batch {B} or kv heads {K} past the "
+                                  f"launch grid's {GRID_YZ_MAX}: split the call")
+    if B > GRID_YZ_MAX:
+        parts = [backward(launch, *_batch_slice(b, b + GRID_YZ_MAX, q, k, v, arrays, out, lse,
+                                                dout, statics))
+                 for b in range(0, B, GRID_YZ_MAX)]
+        return _join(parts, batch=True)
+    if K > GRID_YZ_MAX:
+        g = N // K
+        parts = [backward(launch, *_head_slice(h, min(h + GRID_YZ_MAX, K), g, q, k, v, arrays,
+                                               out, lse, dout, statics))
+                 for h in range(0, K, GRID_YZ_MAX)]
+        return _join(parts, batch=False)
+    return _backward(launch, q, k, v, arrays, statics, out, lse, dout)
+
+
+def _batch_slice(b0, b1, q, k, v, arrays, out, lse, dout, statics):
+    per_batch = {f: getattr(arrays, f)[b0:b1] for f in
+                 ("q_seqlen", "kv_seqlen", "q_segment_ids", "kv_segment_ids")
+                 if getattr(arrays, f) is not None}
+    return (q[b0:b1], k[b0:b1], v[b0:b1], arrays._replace(**per_batch), statics,
+            out[b0:b1], lse[b0:b1], dout[b0:b1])
+
+
+def _head_slice(h0, h1, g, q, k, v, arrays, out, lse, dout, statics):
+    n0, n1 = h0 * g, h1 * g
+    upd = {}
+    if arrays.alibi_slopes is not None:
+        upd["alibi_slopes"] = jnp.reshape(arrays.alibi_slopes, (-1,))[n0:n1]
+    return (q[:, :, n0:n1], k[:, :, h0:h1], v[:, :, h0:h1],
+            arrays._replace(**upd), statics, out[:, :, n0:n1], lse[:, n0:n1],
+            dout[:, :, n0:n1])
+
+
+def _join(parts, batch: bool):
+    axis = 0 if batch else 2
+    dq, dk, dv = (jnp.concatenate([p[i] for p in parts], axis=axis) for i in range(3))
+    slopes = [p[4] for p in parts]
+    if slopes[0] is None:
+        dslopes = None
+    elif batch:  # d(slope) sums over the batch
+        dslopes = sum(slopes[1:], slopes[0])
+    else:
+        dslopes = jnp.concatenate(slopes)
+    return dq, dk, dv, None, dslopes
+
+
+def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
     B, T, N, H = q.shape
     cfg = launch.config
     Tp = padded_len(T, cfg)

@@ -16,9 +16,19 @@ from jaxflash.kernels import KERNELS
 from jaxflash.kernels.policy import choose
 from jaxflash.kernels.policy.verified import require_verified
 
-# Which registered kernel serves each direction, per architecture.
-FORWARD = {"sm_90a": "sm90_fwd"}
+# Which registered kernel serves each direction, per architecture, and which function of
+# `policy.choose` picks its variant. sm_100a has a forward only (the backward then runs the
+# Pallas kernels on its (out, lse)); its variants stay gated (`policy.verified`) until a
+# Blackwell run. An architecture not listed has no CuTe kernel (Hopper kernels never serve
+# another architecture, nor the Blackwell ones Hopper).
+FORWARD = {"sm_90a": "sm90_fwd", "sm_100a": "sm100_fwd"}
 BACKWARD = {"sm_90a": "sm90_bwd"}
+FORWARD_FP8 = {"sm_90a": "sm90_fwd_fp8"}
+# Until an FP8 backward kernel exists, FP8 gradients come from the contract's own backward.
+FP8_BWD_REASON = ("no CuTe FP8 backward yet: the emulated FP8 backward (XLA, "
+                  "jaxflash.fp8.emulated) runs on the kernel's (out, lse)")
+PICKS = {"sm90_fwd": choose.forward_config, "sm100_fwd": choose.sm100_forward_config,
+         "sm90_bwd": choose.backward_config, "sm90_fwd_fp8": choose.fp8_forward_config}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +39,14 @@ class CutePlan:
     fwd: Launch
     bwd: Optional[Launch]
     bwd_reason: str = ""
+    fp8: bool = False
 
     @property
     def note(self) -> str:
+        if self.fp8 and self.bwd is None:
+            cls = self.fwd.kernel.rpartition(":")[2]
+            return (f"forward: CuTe FP8 kernel {cls} ({self.fwd.config.key}); "
+                    f"backward: {self.bwd_reason}")
         if self.bwd is None:
             return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
         cls = self.bwd.kernel.rpartition(":")[2]
@@ -45,7 +60,7 @@ def _module_present(name: str) -> bool:
         return False
 
 
-def _launch(table: dict, what: str, problem, pick, arch: str) -> Launch:
+def _launch(table: dict, what: str, problem, arch: str) -> Launch:
     name = table.get(arch)
     if name is None:
         raise NotImplementedError(
@@ -53,7 +68,7 @@ def _launch(table: dict, what: str, problem, pick, arch: str) -> Launch:
             "the target comes from $CUTE_DSL_ARCH, else the local GPU)")
     entry = KERNELS[name]
     try:
-        config = pick(problem)  # runs the config's can_implement
+        config = PICKS[name](problem)  # runs the config's can_implement
     except ValueError as e:
         raise NotImplementedError(f"the CuTe {what} kernel cannot serve this call: {e}") from e
     require_verified(config, what)
@@ -74,18 +89,24 @@ def _launch(table: dict, what: str, problem, pick, arch: str) -> Launch:
 
 def forward_launch(problem, arch: Optional[str] = None) -> Launch:
     """The launch serving `problem`'s forward (NotImplementedError with the reason if none)."""
-    return _launch(FORWARD, "forward", problem, choose.forward_config, arch or current_arch())
+    return _launch(FORWARD, "forward", problem, arch or current_arch())
 
 
 def backward_launch(problem, arch: Optional[str] = None) -> Launch:
     """The launch serving `problem`'s backward (NotImplementedError with the reason if none)."""
-    return _launch(BACKWARD, "backward", problem, choose.backward_config,
-                   arch or current_arch())
+    return _launch(BACKWARD, "backward", problem, arch or current_arch())
+
+
+def fp8_forward_launch(problem, arch: Optional[str] = None) -> Launch:
+    """The launch serving an FP8 `problem`'s forward (NotImplementedError if none)."""
+    return _launch(FORWARD_FP8, "FP8 forward", problem, arch or current_arch())
 
 
 def plan(problem, arch: Optional[str] = None) -> CutePlan:
     """The CuTe plan of `problem`; NotImplementedError if the forward cannot run."""
     arch = arch or current_arch()
+    if problem.statics.fp8 is not None:
+        return CutePlan(fp8_forward_launch(problem, arch), None, FP8_BWD_REASON, fp8=True)
     fwd = forward_launch(problem, arch)
     try:
         return CutePlan(fwd, backward_launch(problem, arch))

@@ -84,7 +84,8 @@ def _lists(kind):
     return out
 
 
-def create_block_mask(mask_mod, B: int, H: int, T: int, S: int, block=(128, 128), aux=()) -> BlockMask:
+def create_block_mask(mask_mod, B: int, H: int, T: int, S: int, block=(128, 128),
+                      aux=()) -> BlockMask:
     """The `BlockMask` of `mask_mod` for batch `B` and heads `H` (1 each when the mask does
     not depend on them: it then broadcasts), T queries, S keys and tiles ``block = (tm, tn)``.
 

@@ -27,6 +27,7 @@ from jaxflash.pallas_fallback.tiles import Spec
 
 _GPU_PLATFORMS = ("cuda", "gpu")
 _INT32_MAX = 2**31 - 1
+_GRID_YZ_MAX = 65535  # CUDA limit of a launch grid's y and z extents
 
 
 def check(problem):
@@ -43,13 +44,77 @@ def check(problem):
         if d > _config.MAX_HEAD_DIM:
             raise NotImplementedError(f"{name} {d} > {_config.MAX_HEAD_DIM}: the tiles would "
                                       f"not fit in shared memory")
-    biggest = max(p.batch * p.q_len * p.num_heads * max(p.head_dim, p.head_dim_v),
-                  p.batch * p.kv_len * p.num_kv_heads * max(p.head_dim, p.head_dim_v),
-                  (p.batch * p.num_heads * p.q_len * p.kv_len) if p.bias_shape or p.has_mask
-                  else 0)
-    if biggest > _INT32_MAX:
-        raise NotImplementedError(f"an operand has {biggest} elements; the Triton kernels index "
-                                  f"with int32 (limit {_INT32_MAX})")
+    per_head = _per_head_elements(p.q_len, p.kv_len, p.num_heads // p.num_kv_heads,
+                                  max(p.head_dim, p.head_dim_v),
+                                  p.bias_shape is not None or p.has_mask)
+    if per_head > _INT32_MAX:
+        raise NotImplementedError(
+            f"one kv head of one batch element spans {per_head} elements; the Triton kernels "
+            f"index with int32 (limit {_INT32_MAX}), and larger calls are split only by batch "
+            f"and kv head")
+
+
+def _per_head_elements(T, S, G, H, dense) -> int:
+    """Elements of the largest operand slice one (batch element, kv head) contributes: the
+    unit the calls are split by (see `_pieces`)."""
+    return max(T * G * H, S * H, G * T * S if dense else 0)
+
+
+def _pieces(q, k, v, arrays):
+    """(b0, b1, h0, h1) slices over batch and kv heads, each a separate kernel launch whose
+    operands stay within int32 indexing and whose grid stays within the 65535 limit of the
+    y / z launch dimensions (the Triton grid is (query blocks, batch, heads)). One piece, the
+    whole call, when it fits."""
+    B, T, N, H = q.shape
+    _, S, K, Hv = v.shape
+    G = N // K
+    dense = arrays.bias is not None or arrays.mask is not None
+    per_head = _per_head_elements(T, S, G, max(H, Hv), dense)
+    heads = max(1, min(K, _INT32_MAX // per_head, _GRID_YZ_MAX // G))
+    batch = max(1, min(B, _GRID_YZ_MAX, _INT32_MAX // (per_head * K))) if heads == K else 1
+    return [(b, min(b + batch, B), h, min(h + heads, K))
+            for b in range(0, B, batch) for h in range(0, K, heads)]
+
+
+def _slice(x, b0, b1, n0, n1, *, full_b, full_n):
+    """`x` restricted to batch [b0, b1) and heads [n0, n1) along dims 0 and 1 where they are
+    not broadcast (size 1)."""
+    if x.shape[0] == full_b and full_b > 1:
+        x = x[b0:b1]
+    if x.ndim > 1 and x.shape[1] == full_n and full_n > 1:
+        x = x[:, n0:n1]
+    return x
+
+
+def _piece_inputs(q, k, v, arrays, piece):
+    b0, b1, h0, h1 = piece
+    B, _, N, _ = q.shape
+    G = N // k.shape[2]
+    n0, n1 = h0 * G, h1 * G
+    upd = {f: getattr(arrays, f)[b0:b1] for f in
+           ("q_seqlen", "kv_seqlen", "q_segment_ids", "kv_segment_ids")
+           if getattr(arrays, f) is not None}
+    for f in ("bias", "mask"):
+        if getattr(arrays, f) is not None:
+            upd[f] = _slice(getattr(arrays, f), b0, b1, n0, n1, full_b=B, full_n=N)
+    if arrays.alibi_slopes is not None:
+        upd["alibi_slopes"] = arrays.alibi_slopes[n0:n1]
+    return (q[b0:b1, :, n0:n1], k[b0:b1, :, h0:h1], v[b0:b1, :, h0:h1],
+            arrays._replace(**upd), (b0, b1, n0, n1))
+
+
+def _join(parts, pieces, axis_b, axis_n):
+    """Reassemble per-piece results (batch-major piece order) along the given axes."""
+    rows, row, last_b = [], [], None
+    for part, (b0, _, _, _) in zip(parts, pieces):
+        if last_b is not None and b0 != last_b:
+            rows.append(row)
+            row = []
+        row.append(part)
+        last_b = b0
+    rows.append(row)
+    cat = lambda xs, ax: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=ax)
+    return cat([cat(r, axis_n) for r in rows], axis_b)
 
 
 def _spec(q, k, v, arrays, statics) -> Spec:
@@ -138,6 +203,20 @@ def _choose(q, arrays, spec, interpret):
 
 def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
     """(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32). `config` overrides the tuned table."""
+    pieces = _pieces(q, k, v, arrays)
+    if len(pieces) > 1 and statics.mods is not None:
+        # A mod reads the batch / head index: slices would renumber them.
+        raise NotImplementedError("score / mask mods on a call too large for one launch "
+                                  "(past int32 indexing or the 65535 grid limit)")
+    if len(pieces) > 1:
+        parts = [_forward(*_piece_inputs(q, k, v, arrays, p)[:4], statics, interpret, config)
+                 for p in pieces]
+        return (_join([o for o, _ in parts], pieces, 0, 2),
+                _join([l for _, l in parts], pieces, 0, 1))
+    return _forward(q, k, v, arrays, statics, interpret, config)
+
+
+def _forward(q, k, v, arrays, statics, interpret, config):
     spec = _spec(q, k, v, arrays, statics)
     cfg = config or _choose(q, arrays, spec, interpret)
     return _fwd.forward(q, k, v, _operands(arrays, spec), spec, cfg.fwd, interpret=interpret,
@@ -146,6 +225,45 @@ def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
 
 def backward(q, k, v, arrays, statics, out, lse, dout, *, interpret=False, config=None):
     """(dq, dk, dv, dbias or None, dalibi [N] or None)."""
+    pieces = _pieces(q, k, v, arrays)
+    if len(pieces) > 1 and statics.mods is not None:
+        # A mod reads the batch / head index: slices would renumber them.
+        raise NotImplementedError("score / mask mods on a call too large for one launch "
+                                  "(past int32 indexing or the 65535 grid limit)")
+    if len(pieces) == 1:
+        return _backward(q, k, v, arrays, statics, out, lse, dout, interpret, config)
+    parts = []
+    for p in pieces:
+        pq, pk, pv, pa, (b0, b1, n0, n1) = _piece_inputs(q, k, v, arrays, p)
+        parts.append(_backward(pq, pk, pv, pa, statics, out[b0:b1, :, n0:n1],
+                               lse[b0:b1, n0:n1], dout[b0:b1, :, n0:n1], interpret, config))
+    dq, dk, dv = (_join([r[i] for r in parts], pieces, 0, 2) for i in range(3))
+    dbias = None
+    if arrays.bias is not None:
+        dbias = _join_reduced([r[3] for r in parts], pieces, arrays.bias.shape, q.shape)
+    dalibi = None
+    if arrays.alibi_slopes is not None:  # [N]: heads concatenated, batch pieces summed
+        dalibi = _join_reduced([r[4][None] for r in parts], pieces, (1, q.shape[2]),
+                               q.shape)[0]
+    return dq, dk, dv, dbias, dalibi
+
+
+def _join_reduced(parts, pieces, shape, qshape):
+    """Join per-piece gradients of an operand with dims (batch, heads, ...) that may be
+    broadcast (size 1): concatenated along real dims, summed over broadcast ones."""
+    B, N = qshape[0], qshape[2]
+    acc = {}
+    for part, (b0, b1, h0, h1) in zip(parts, pieces):
+        key = (b0 if shape[0] == B and B > 1 else 0, h0 if shape[1] == N and N > 1 else 0)
+        acc[key] = part if key not in acc else acc[key] + part
+    bkeys = sorted({k[0] for k in acc})
+    hkeys = sorted({k[1] for k in acc})
+    rows = [jnp.concatenate([acc[(b, h)] for h in hkeys], axis=1) if len(hkeys) > 1
+            else acc[(b, hkeys[0])] for b in bkeys]
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=0)
+
+
+def _backward(q, k, v, arrays, statics, out, lse, dout, interpret, config):
     spec = _spec(q, k, v, arrays, statics)
     cfg = config or _choose(q, arrays, spec, interpret)
     ops = _operands(arrays, spec)

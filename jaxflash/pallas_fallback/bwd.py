@@ -114,7 +114,8 @@ def _dkdv_kernel(*refs, spec: Spec, cfg: PassConfig, names):
 
         if spec.sparse:
             tm, tn = spec.sparse
-            return tiles.run_sparse(r, "bmt_", *tiles.sparse_bh(spec, b, n), tiles.block_row(j, tn // bk),
+            return tiles.run_sparse(r, "bmt_", *tiles.sparse_bh(spec, b, n),
+                                    tiles.block_row(j, tn // bk),
                                     body, carry, sub=tm // bq)
         lo, a, bb, hi = tiles.q_block_range(k_lo, bq, bk, spec, q_len=q_len, kv_len=kv_len)
         return tiles.run_split(lo, a, bb, hi, body, carry, static_masks=spec.static_masks,
@@ -216,7 +217,8 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
     carry = (jnp.zeros((bq, spec.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
     if spec.sparse:
         tm, tn = spec.sparse
-        dq, dal = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+        dq, dal = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n),
+                                   tiles.block_row(i, tm // bq),
                                    body, carry, sub=tn // bk)
     else:
         lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,

@@ -33,8 +33,9 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
         s = kb.s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # A row with nothing visible so far keeps m = -inf; exponentiate against 0 instead so
-        # no inf - inf appears (its p and alpha are then exactly 0).
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        # no inf - inf appears (its p and alpha are then exactly 0). A +inf logit is treated
+        # the same way, as the reference does: its row's LSE is +inf (not NaN), the row NaN.
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
@@ -47,7 +48,8 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
              jnp.zeros((bq,), jnp.float32))
     if spec.sparse:
         tm, tn = spec.sparse
-        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n), tiles.block_row(i, tm // bq),
+        acc, m, l = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n),
+                                     tiles.block_row(i, tm // bq),
                                      body, carry, sub=tn // bk)
     else:
         lo, a, bb, hi = tiles.k_block_range(q_lo, bq, bk, spec, q_len=qt.q_len,
@@ -58,7 +60,7 @@ def _kernel(*refs, spec: Spec, cfg: PassConfig, names: tuple[str, ...]):
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     tiles.store(r["o"], acc / l_safe[:, None], tiles.tile_mask(qt.rows, qt.hv))
-    m_use = jnp.where(m == -jnp.inf, 0.0, m)
+    m_use = jnp.where(jnp.isfinite(m), m, 0.0)
     lse = jnp.where(empty, -jnp.inf, (m_use + jnp.log2(l_safe)) * tiles.LN2)
     tiles.store(r["lse"], lse, qt.rows)
 

@@ -15,6 +15,7 @@ Replaying the jaxpr, rather than vmapping the user's function, keeps the kernel 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -184,9 +185,11 @@ def _order(name):
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
+@functools.lru_cache(maxsize=256)
 def check(spec) -> None:
     """Raise NotImplementedError (naming the operation) if these kernels cannot run `spec`'s
-    mods: the jaxprs are replayed abstractly on a small tile, as the kernels will."""
+    mods: the jaxprs are replayed abstractly on a small tile, as the kernels will (once per
+    spec: a refusal is not cached, a pass is)."""
     for shape, dtype in spec.aux_avals:
         if jnp.dtype(dtype) == jnp.bool_:
             raise NotImplementedError(f"a boolean aux array {shape}: the Triton kernels have "

@@ -12,7 +12,6 @@ never contributes. Batch elements are independent, so each case is checked on it
 Known deviations (strict xfails; each names what fixing it takes):
 - a NaN or Inf in v at a key that is masked for some query row still reaches that row's output
   (p = 0 exactly, and 0 * NaN = NaN in P @ V) in the reference and in the Pallas kernels;
-- the LSE of a row with a +inf logit is +inf in the reference, NaN in the Pallas kernels;
 - gradients: a NaN in a masked key's k (and, in the reference, in a masked query row's q)
   reaches dq (dk) through the same 0 * NaN.
 """
@@ -65,9 +64,6 @@ NAMES = list(CASES)
 LEAK_V = "the reference and the Pallas kernels multiply a masked key's value by its weight 0 " \
          "(0 * NaN = NaN, 0 * inf = NaN): fixing it needs P @ V to skip masked pairs (or zero " \
          "v where no row may see it) in jaxflash/reference.py and jaxflash/pallas_fallback"
-LSE_POSINF = "for a row with a +inf logit the Pallas forward subtracts its running max +inf " \
-             "from it (inf - inf: LSE NaN); the reference replaces a non-finite max by 0 " \
-             "(LSE log(inf) = +inf); jaxflash/pallas_fallback/fwd.py would need the same guard"
 GRAD_LEAK = "the backward multiplies dS = 0 of a masked pair by a NaN k (dq) or q (dk): " \
             "0 * NaN = NaN"
 
@@ -121,8 +117,6 @@ def _assert_same_pattern(got, want, what):
 def _marks(impl, name, where):
     if name in ("v_nan_masked", "v_inf_masked", "v_nan_beyond_len") and where == "out":
         return [pytest.mark.xfail(strict=True, reason=LEAK_V)]
-    if impl == "pallas" and name in ("bias_posinf", "q_posinf") and where == "lse":
-        return [pytest.mark.xfail(strict=True, reason=LSE_POSINF)]
     return []
 
 

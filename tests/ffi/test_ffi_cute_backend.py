@@ -64,8 +64,10 @@ def test_refusals_name_the_reason(monkeypatch):
     b = jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.float32)
     assert "bias" in _why(bias=b)[1]  # the kernel's can_implement
     assert "head dim" in _why(qkv=_qkv(H=80))[1]
-    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
-    assert "no CuTe forward kernel for sm_100a" in _why()[1]
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")
+    assert "no CuTe forward kernel for sm_120a" in _why()[1]
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")  # compiled, gated until a Blackwell run
+    assert "gated until a Blackwell run" in _why()[1]
 
 
 def test_runtime_only_refuses_without_artifact_and_serves_with_one(tmp_path, monkeypatch):

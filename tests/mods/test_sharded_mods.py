@@ -40,8 +40,10 @@ def test_batch_x_heads_sharded_mods_equal_unsharded():
     sharded = grad(put(q), put(k), put(v), table)
     # Unsharded: every dim replicated (one shard, offsets 0), the same program otherwise.
     whole = grad(q, k, v, table)
-    for name, a, b in zip(["loss", "dq", "dk", "dv", "dtable"], [sharded[0], *sharded[1]],
-                          [whole[0], *whole[1]]):
-        assert_close(np.atleast_1d(a), np.atleast_1d(b), 2e-6, name)
+    # The loss sums ~17k terms of both signs and dtable is summed over shards: their own
+    # rounding, in another order, bounds them; the per-element gradients match closely.
+    for name, a, b, tol in zip(["loss", "dq", "dk", "dv", "dtable"], [sharded[0], *sharded[1]],
+                               [whole[0], *whole[1]], [1e-4, 2e-6, 2e-6, 2e-6, 2e-5]):
+        assert_close(np.atleast_1d(a), np.atleast_1d(b), tol, name)
     text = grad.lower(put(q), put(k), put(v), table).compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text

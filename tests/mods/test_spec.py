@@ -66,13 +66,15 @@ def test_changing_aux_never_recompiles():
 
 
 def test_explain_names_who_cannot_serve_mods():
+    """On CUDA: cuDNN refuses mods by name; cute serves them or says why not (here, without a
+    GPU: its variant with the mods is not yet checked on one); pallas is next in line."""
     with jaxflash.target_platform("cuda"):
         plan = jaxflash.explain(_Q, _K, _K, score_mod=mods.softcap(5.0), mask_mod=mods.causal())
     text = str(plan)
-    assert plan.backend == "pallas"
-    # the CuTe kernels translate mods; their variants are pending until the GPU check clears them
-    assert "'cute' refused" in text and "not yet checked on a GPU" in text
+    assert plan.backend in ("cute", "pallas"), text
     assert "'cudnn' refused: score_mod / mask_mod" in text
+    if plan.backend == "pallas":
+        assert "'cute' refused: " in text and "mod" in text.split("'cute' refused: ")[1]
     assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
 
 

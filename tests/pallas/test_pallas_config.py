@@ -46,7 +46,9 @@ def _problem(**kw):
     (dict(platform="rocm"), "platform 'rocm' is not supported"),
     (dict(head_dim=320), "head_dim 320 > 256"),
     (dict(head_dim_v=512), "head_dim_v 512 > 256"),
-    (dict(batch=1 << 16, q_len=1 << 12, num_heads=16, head_dim=128), "int32"),
+    # one (batch, kv head) slice past int32 indexing (larger calls are split, not refused)
+    (dict(batch=1, q_len=1 << 24, kv_len=1 << 24, num_heads=1, num_kv_heads=1,
+          head_dim=128), "int32"),
 ])
 def test_check_refuses_with_reason(kw, msg):
     with pytest.raises(NotImplementedError, match=msg):

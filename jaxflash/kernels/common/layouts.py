@@ -42,6 +42,41 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, a)
 
 
+def acc_as_fp8_operand_a(acc: cute.Tensor) -> cute.Tensor:
+    """View an sm_90 accumulator ((2, 2, V), M, N) as the values of an FP8 RS A operand, in
+    the A fragment's value order (((2, 2), 2, 2), 1, V / 4).
+
+    The 8-bit A fragment of a 32-wide k-block holds, per thread, 4 consecutive k positions per
+    row (rows r and r + 8) for k and k + 16. The accumulator's columns of one thread are not
+    consecutive ({2q, 2q+1, 2q+8, 2q+9} per 16), so the A positions are given the thread's own
+    columns in that order (pair, then 8-column group), and V's keys are permuted to match when
+    V is transposed (`jaxflash.kernels.sm90.v_transpose`). V splits as (2, 2, V/4): the first 2
+    joins the column pair (A's 4 consecutive positions), the second is the k + 16 half.
+    """
+    s, d = acc.layout.shape, acc.layout.stride
+    v, dv = s[0][2], d[0][2]
+    assert isinstance(v, int) and v % 4 == 0, (
+        "accumulator width must be a multiple of 32 to feed an FP8 RS wgmma")
+    assert s[1] == 1 and s[2] == 1, f"one MMA tile per warpgroup expected: {acc.layout}"
+    a = cute.make_layout(
+        (((s[0][0], 2), s[0][1], 2), 1, v // 4),
+        stride=(((d[0][0], dv), d[0][1], 2 * dv), 0, 4 * dv),
+    )
+    return cute.make_tensor(acc.iterator, a)
+
+
+def fp8_operand_a_values(frag: cute.Tensor) -> cute.Tensor:
+    """View an FP8 RS A fragment ((4, 2, 2), M, K) as (((2, 2), 2, 2), M, K): the shape of
+    `acc_as_fp8_operand_a`, so a converted accumulator can be stored into it."""
+    s, d = frag.layout.shape, frag.layout.stride
+    assert s[0][0] == 4 and isinstance(d[0][0], int), f"not an FP8 A fragment: {frag.layout}"
+    a = cute.make_layout(
+        (((2, 2), s[0][1], s[0][2]), s[1], s[2]),
+        stride=(((d[0][0], 2 * d[0][0]), d[0][1], d[0][2]), d[1], d[2]),
+    )
+    return cute.make_tensor(frag.iterator, a)
+
+
 def smem_layout(dtype, rows: int, cols: int, stages: int | None = None,
                 atom_cols: int | None = None, swizzle: bool = True):
     """Swizzled K-major (row-major) shared-memory layout for a rows x cols tile (x stages).

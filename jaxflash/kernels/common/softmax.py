@@ -62,9 +62,14 @@ class OnlineSoftmax(Carried):
 
     _dynamic = ("scale_log2", "row_max", "row_sum")
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    def __init__(self, scale_log2: Float32, num_rows: int, p_shift_log2: int = 0):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
+        # Probabilities come out scaled by 2**p_shift_log2 (static). The FP8 forward uses 8: P
+        # then spans e4m3's range up to 256 (<= 448) instead of [0, 1], so small probabilities
+        # keep normal precision; the row sum carries the same factor (it cancels in O) and the
+        # LSE takes it out.
+        self.p_shift_log2 = p_shift_log2
         self.row_max = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
         self.row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
 
@@ -85,6 +90,8 @@ class OnlineSoftmax(Carried):
             if m == -Float32.inf:
                 m_safe = Float32(0.0)
             neg_max_scaled = -m_safe * self.scale_log2
+            if cutlass.const_expr(self.p_shift_log2 != 0):
+                neg_max_scaled = neg_max_scaled + Float32(self.p_shift_log2)
             for c in cutlass.range_constexpr(ncol):
                 s[r, c] = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled,
                                          fastmath=True)
@@ -128,6 +135,8 @@ class OnlineSoftmax(Carried):
             moved = moved | grow
             ref = Float32(cutlass.select_(ref == -Float32.inf, Float32(0.0), ref))
             neg_ref_scaled = -ref * self.scale_log2
+            if cutlass.const_expr(self.p_shift_log2 != 0):
+                neg_ref_scaled = neg_ref_scaled + Float32(self.p_shift_log2)
             for c in cutlass.range_constexpr(ncol):
                 s[r, c] = cute.math.exp2(s[r, c] * self.scale_log2 + neg_ref_scaled,
                                          fastmath=True)
@@ -150,6 +159,8 @@ class OnlineSoftmax(Carried):
             if total > Float32(0.0):
                 inv_r = cute.arch.rcp_approx(total)
                 lse_r = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                if cutlass.const_expr(self.p_shift_log2 != 0):
+                    lse_r = lse_r - Float32(self.p_shift_log2 * LN2)
             inv[r] = inv_r
             lse_out[r] = lse_r
         return inv

@@ -13,7 +13,11 @@ from jaxflash.kernels.variants.bwd import TILE_M128_HEAD_DIMS, BwdConfig
 from jaxflash.kernels.variants.bwd import can_implement as bwd_can_implement
 from jaxflash.kernels.variants.fwd import FwdConfig
 from jaxflash.kernels.variants.fwd import can_implement as fwd_can_implement
+from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
+from jaxflash.kernels.variants.fwd_fp8 import can_implement as fp8_can_implement
 from jaxflash.kernels.variants.mod_program import spec_texts
+from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
+from jaxflash.kernels.variants.sm100_fwd import can_implement as sm100_can_implement
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches, the 4k ones did not.
@@ -51,6 +55,48 @@ def forward_config(problem) -> FwdConfig:
                                                 plain=tuned, softcap=st.softcap is not None))
 
 
+def fp8_forward_config(problem) -> Fp8FwdConfig:
+    """The FP8 forward variant serving an FP8 `Problem` (``statics.fp8`` set; ValueError if
+    none can). One tile per CTA, 128 x 128 tiles (the contract's 128-key softmax tiles), causal
+    diagonal blocks masked by select as in the bf16 picks."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
+    spec = problem.statics.fp8
+    if spec is None:
+        raise ValueError("not an FP8 call")
+    dtypes = {spec.q_dtype, spec.k_dtype, spec.v_dtype}
+    if dtypes != {"float8_e4m3fn"}:
+        raise ValueError(f"FP8 kernel operands are e4m3 only (got q/k/v {spec.q_dtype}, "
+                         f"{spec.k_dtype}, {spec.v_dtype})")
+    if spec.out_dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"the FP8 kernel writes bfloat16 / float16 output (out_dtype "
+                         f"{spec.out_dtype} asked)")
+    # Scales: one per (batch, head) (the block covers the sequence), or one per tile of rows
+    # (the contract's 128-row blocks: the kernel's 128 x 128 tiles).
+    tile = 128
+    blocks = {}
+    for name, block, length in (("q", spec.q_block, problem.q_len),
+                                ("k", spec.k_block, problem.kv_len),
+                                ("v", spec.v_block, problem.kv_len)):
+        blocks[f"{name}_blocks"] = block < length
+        if block < length and block != tile:
+            raise ValueError(f"{name} scales per {block}-row block: the FP8 kernel takes one "
+                             f"scale per {tile} rows or per (batch, head) only")
+    features = tuple(f for f in problem.features() if f != "fp8")
+    ok, why = fp8_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                                head_dim_v=problem.head_dim_v, features=features)
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    return Fp8FwdConfig(dtype=problem.dtype, out_dtype=spec.out_dtype,
+                        head_dim=problem.head_dim, head_dim_v=problem.head_dim_v,
+                        is_causal=st.is_causal, has_window=st.window is not None,
+                        has_softcap=st.softcap is not None, has_q_seqlen=problem.has_q_seqlen,
+                        has_kv_seqlen=problem.has_kv_seqlen, has_segments=problem.has_segments,
+                        mask_select=st.is_causal, **blocks)
+
+
 def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> dict:
     """A mod call's forward schedule: the plain call's pick on 128-row tiles (the mods'
     variants run there; a score_mod is treated as softcap, whose registers it needs too),
@@ -59,6 +105,25 @@ def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> d
     if sched.get("tile_m", 128) != 128:
         sched = {"mask_select": True} if causal else {}
     return sched
+
+
+def sm100_forward_config(problem) -> Sm100FwdConfig:
+    """The sm_100a forward variant for a problem (ValueError if none can). Nothing is measured
+    on Blackwell yet: the per-head-dim defaults of `Sm100FwdConfig` (FlashAttention-4's
+    rescale threshold 8, a quarter of the exp2 pairs on the FMA pipes)."""
+    if min(problem.batch, problem.q_len, problem.num_heads) == 0:
+        raise ValueError(f"empty problem (batch {problem.batch}, q_len {problem.q_len}, "
+                         f"heads {problem.num_heads}): nothing to launch")
+    ok, why = sm100_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                                  head_dim_v=problem.head_dim_v, features=problem.features())
+    if not ok:
+        raise ValueError(why)
+    st = problem.statics
+    return Sm100FwdConfig(dtype=problem.dtype, head_dim=problem.head_dim,
+                          head_dim_v=problem.head_dim_v, is_causal=st.is_causal,
+                          has_window=st.window is not None, has_softcap=st.softcap is not None,
+                          has_q_seqlen=problem.has_q_seqlen, has_kv_seqlen=problem.has_kv_seqlen,
+                          has_alibi=problem.has_alibi, has_segments=problem.has_segments)
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,

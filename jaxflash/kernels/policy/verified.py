@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 
 ENV = "JAXFLASH_CUTE_UNVERIFIED"
+BLACKWELL_PENDING = ("the sm_100a kernels (compiled and instruction-checked only, gated until a "
+                     "Blackwell run)")
 
 
 def allowed() -> bool:
@@ -27,13 +29,20 @@ def allowed() -> bool:
 # A feature is cleared (its rule removed) once its float64 check cases (`devtools.fwd_cases`,
 # `devtools.bwd_cases`) pass on the H200 with memcheck and racecheck clean; each cleared
 # feature's checks are listed in docs/design.md.
-# Pending: the score / mask mods (compiled and PTX-checked here; their GPU check is
-# tests/kernels/test_mods_gpu.py, run with the switch on).
+# Every bf16 / fp16 feature the configs can express has been cleared; a new one is named here
+# until then, e.g. "FwdConfig": (("a new mask", lambda c: c.new_mask),). The FP8 forward is
+# pending as a whole until its float64 / emulation checks (tests/kernels/test_fp8_gpu.py) pass;
+# the score / mask mods (compiled and PTX-checked here) until tests/kernels/test_mods_gpu.py
+# passes with the switch on.
 RULES: dict[str, tuple] = {
+    "Fp8FwdConfig": (("FP8 (e4m3 wgmma, V transposed in shared memory)", lambda c: True),),
     "FwdConfig": (("score_mod", lambda c: bool(c.score_mod)),
                   ("mask_mod", lambda c: bool(c.mask_mod))),
     "BwdConfig": (("score_mod", lambda c: bool(c.score_mod)),
                   ("mask_mod", lambda c: bool(c.mask_mod))),
+    # Every sm_100a variant: no Blackwell GPU has run them yet. Cleared by the first-run kit's
+    # float64 checks and sanitizers on a B200.
+    "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
 }
 
 

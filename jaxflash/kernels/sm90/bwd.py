@@ -63,7 +63,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
@@ -316,23 +316,30 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def zero_fill(self, t: cute.Tensor, stream: cuda.CUstream):
-        """Launch `zero_kernel` over a compact tensor (viewed flat)."""
-        total = cute.size(t.shape)
-        flat = cute.make_tensor(t.iterator, cute.make_layout(total))
+        """Launch `zero_kernel` over a compact tensor (viewed flat). The element count and the
+        offsets are 64-bit: the dQ accumulator passes 2^31 elements at long contexts (an Int32
+        count wraps negative and the launch fails)."""
+        total = Int64(1)
+        for i in cutlass.range_constexpr(cute.rank(t)):
+            total = total * Int64(cute.size(t, mode=[i]))
         per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
-        self.zero_kernel(flat, total).launch(
-            grid=[(total + per_cta - 1) // per_cta, 1, 1], block=[_ZERO_THREADS, 1, 1],
+        self.zero_kernel(t.iterator, total).launch(
+            grid=[Int32((total + per_cta - 1) // per_cta), 1, 1], block=[_ZERO_THREADS, 1, 1],
             stream=stream)
 
     @cute.kernel
-    def zero_kernel(self, flat: cute.Tensor, total: Int32):
+    def zero_kernel(self, base_ptr: cute.Pointer, total: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
-        base = bid * (_ZERO_THREADS * _ZERO_PER_THREAD) + tidx
+        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
+        start = Int64(bid) * per_cta
+        # This CTA's slice as its own tensor: the 64-bit offset goes into the pointer once and
+        # the per-thread indices stay 32-bit.
+        chunk = cute.make_tensor(base_ptr + start, cute.make_layout(per_cta))
         for k in cutlass.range_constexpr(_ZERO_PER_THREAD):
-            i = base + k * _ZERO_THREADS  # consecutive threads, consecutive words
-            if i < total:
-                flat[i] = flat.element_type(0)
+            i = tidx + k * _ZERO_THREADS  # consecutive threads, consecutive words
+            if start + i < total:
+                chunk[i] = chunk.element_type(0)
 
     @cute.kernel
     def kernel(

@@ -92,6 +92,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
             raise ValueError(why)
         self.cfg = config
         self.dtype = _DTYPES[config.dtype]
+        self.o_dtype = self.dtype  # the output's element type (the FP8 subclass: 16-bit)
         self.tile_m, self.tile_n = config.tile_m, config.tile_n
         self.hd, self.hdv = config.head_dim, config.head_dim_v
         self.num_stages = config.num_stages
@@ -648,7 +649,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
             self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
                         window_right, mods, seg_cmp, True, self.has_right, self.has_left, mm)
             softmax.step(acc_S, is_first=True)
-            tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+            self.convert_p(acc_S, tOrP)
             # Blocks cut by the right (causal/window) bound.
             n_right = self.mod_right(mods, blocks.n_block_min_right_mask(m_block, n_min))
             count = cutlass.max(n - n_right, 0)
@@ -714,9 +715,15 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         # P's registers are free only now that the PV GEMM reading them is done.
-        tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+        self.convert_p(acc_S, tOrP)
         self.rescale_o(acc_O, row_scale, moved)
         return kv_state
+
+    def convert_p(self, acc_S, tOrP):
+        """P (the exponentiated S accumulator) into the PV GEMM's A-operand registers: the
+        16-bit A fragment is a re-view of the accumulator. Plain Python (inlined while tracing);
+        the FP8 subclass reorders instead."""
+        tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
 
     def softmax_step(self, softmax, acc_S):
         """(row_scale, whether the warp must rescale O: None = always) of a non-first block.

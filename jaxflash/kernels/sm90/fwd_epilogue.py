@@ -1,5 +1,5 @@
 """The forward kernel's output epilogue: normalized O from registers to shared memory
-(stmatrix) and out with TMA stores. Mixin of `FlashFwdSm90` (reads ``dtype``, ``hdv``,
+(stmatrix) and out with TMA stores. Mixin of `FlashFwdSm90` (reads ``o_dtype``, ``hdv``,
 ``separate_o``, ``wg_epilogue``, ``num_mma_threads``); split from `sm90.fwd` to keep that
 module to the kernel's structure.
 
@@ -38,7 +38,7 @@ class FwdEpilogue:
                 if m_block * self.tile_m + tOcO.row(r) >= seqlen_q:
                     inv[r] = Float32(0.0)
                     lse[r] = -Float32.inf
-        rescale_rows(c.acc_O, inv)
+        rescale_rows(c.acc_O, self.output_scale(c, inv))
 
         if tOcO.base_col == 0:  # the thread holding column 0 of its rows writes LSE
             for r in cutlass.range_constexpr(num_rows):
@@ -49,15 +49,20 @@ class FwdEpilogue:
         self.store_o(c.acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx, warp_idx,
                      c.wg, blocks, m_block, head, batch)
 
+    def output_scale(self, c, inv):
+        """Per-row factor applied to O at the end: 1 / rowsum here (the FP8 subclass folds in
+        V's descale). Plain Python (inlined while tracing)."""
+        return inv
+
     @cute.jit
     def store_o(self, acc_O, mO, sO, tma_O, pipe_q, q_state, tiled_mma_pv, tidx: Int32,
                 warp_idx: Int32, wg: Int32, blocks, m_block: Int32, head: Int32, batch: Int32):
         """O (already normalized, float32 registers) of tile m_block to global memory; without
         a separate O buffer also hands Q's buffer back (O reuses it)."""
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        rO = cute.make_rmem_tensor_like(acc_O, self.o_dtype)
+        rO.store(acc_O.load().to(self.o_dtype))
         st_atom = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.o_dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
         if const_expr(self.wg_epilogue):
             # This warpgroup's rows only: its first warp issued (and waits for) its stores.

@@ -1,4 +1,5 @@
-"""How the bridge launches the Hopper forward kernel: its `jaxflash.ffi.Launch` (DSL-free).
+"""How the bridge launches the forward kernels (Hopper `FlashFwdSm90`, Blackwell `FlashFwdSm100`):
+their `jaxflash.ffi.Launch` (DSL-free). Both take the same tensors and scalars.
 
 Tensors are the canonical jaxflash layouts, row-major: q [B, T, N, H], k [B, S, K, H],
 v [B, S, K, Hv], optional q_seqlen / kv_seqlen [B] int32, optional alibi slopes [1, N] float32
@@ -19,9 +20,19 @@ from jaxflash.kernels import KERNELS
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, FwdConfig
 
 KERNEL_REF = KERNELS["sm90_fwd"].kernel_class()
+SM100_KERNEL_REF = KERNELS["sm100_fwd"].kernel_class()
 
 
 def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:
+    return _launch(KERNEL_REF, config, arch)
+
+
+def sm100_fwd_launch(config, arch: str = "sm_100a") -> Launch:
+    """The Blackwell forward's launch (`variants.sm100_fwd.Sm100FwdConfig`)."""
+    return _launch(SM100_KERNEL_REF, config, arch)
+
+
+def _launch(kernel_ref: str, config, arch: str) -> Launch:
     dt = config.dtype
     h, hv = config.head_dim, config.head_dim_v
     inputs = [TensorArg(dt, (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
@@ -37,7 +48,7 @@ def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:
                    TensorArg("int32", (None, None, 4)), TensorArg("int32", (None, None, 2))]
     inputs += mod_inputs(config)
     outputs = (TensorArg(dt, (None, None, None, hv)), TensorArg("float32", (None, None, None)))
-    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
+    return Launch(kernel=kernel_ref, config=config, inputs=tuple(inputs), outputs=outputs,
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
 
@@ -47,10 +58,12 @@ def mod_inputs(config) -> list:
     kernel's own indices (a shard's first global ones; zeros unsharded), the block range table
     [Bb, Hb, blocks, 4] int32 (with a mask_mod; `jaxflash.kernels.mod_blocks`), then the aux
     arrays at their fixed shapes."""
-    if not (config.score_mod or config.mask_mod):
+    # (configs without mods, the Blackwell forward's, have neither field)
+    score, mask = getattr(config, "score_mod", ""), getattr(config, "mask_mod", "")
+    if not (score or mask):
         return []
     ins = [TensorArg("int32", (2,))]
-    ins += [TensorArg("int32", (None, None, None, 4))] if config.mask_mod else []
+    ins += [TensorArg("int32", (None, None, None, 4))] if mask else []
     return ins + [TensorArg(dt, shape) for dt, shape in config.aux]
 
 

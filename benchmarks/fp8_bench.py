@@ -1,0 +1,289 @@
+"""FP8 forward speed on the H200: our FP8 kernel (`FlashFwdSm90Fp8`, e4m3 in, bf16 out, per-tensor
+scales) beside our bf16 forward, cuDNN's FP8 forward (JAX's private entry point, e4m3 in and
+out) and our ``precision="fp8"`` from bf16 (Hadamard + block quantization in XLA, then the
+kernel), all in one process, interleaved per grid point (`timing.time_interleaved`).
+
+    python -m benchmarks.fp8_bench build --out .device/kernels     # here: compile the variants
+    python -m benchmarks.fp8_bench run [--quick] [--out DIR]         # on the GPU
+    python -m benchmarks.fp8_bench run --tiles                       # key tiles compared
+
+Grid (FlashAttention-3's): B * S = 16384, N * D = 2048, D in 64 / 128 / 256, S in 1k / 4k / 16k,
+dense and causal. TFLOP/s = 4 B N S^2 D / time (halved when causal). ``build`` also compiles the
+variants of tests/kernels/test_fp8_gpu.py (by asking dispatch what it would run, as the GPU will).
+Results: ``fp8-fwd-bench-h200-<date>.json`` and ``.md`` in --out (default $OUT or
+benchmarks/results). The issue's targets are printed with the table: FP8 geomean >= 1.1x cuDNN
+FP8, >= 1200 TFLOP/s at D 256 S 16k dense, >= 1.5x our bf16 at S >= 4k (D 128 / 256).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+GRID = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
+QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, True)]
+# `run --tiles`: FP8 variants beside the pick (per-tensor scales: block scales need the
+# contract's 128-key tiles): wider key tiles (FlashAttention-3's FP8 choice at hd 128 is 224)
+# the persistent tile loop (the bf16 kernel's gain at S = 1k) and, at hd 64, 192-row tiles
+# (three consumer warpgroups, the bf16 hd 64 pick).
+TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
+TILE_VARIANTS = {
+    64: {"t128": {}, "t192": dict(tile_n=192), "t256": dict(tile_n=256),
+         "persistent": dict(persistent=True), "m192": dict(tile_m=192, mask_select=False)},
+    128: {"t128": {}, "t192": dict(tile_n=192), "t224": dict(tile_n=224),
+          "persistent": dict(persistent=True)},
+}
+
+
+def tile_launch(d, s, c, **change):
+    """The FP8 launch dispatch picks for grid point (d, s, c) with per-tensor scales, with the
+    config fields in `change` replaced."""
+    import dataclasses
+
+    from jaxflash._types import AttentionStatics, Fp8Spec, Problem
+    from jaxflash.kernels.policy.choose import fp8_forward_config
+    from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_launch
+    B, S, N, D = shapes(d, s)
+    spec = Fp8Spec(q_block=S, k_block=S, v_block=S, granularity=("tensor",) * 3)
+    st = AttentionStatics(scale=D ** -0.5, is_causal=c, fp8=spec)
+    p = Problem(batch=B, q_len=S, kv_len=S, num_heads=N, num_kv_heads=N, head_dim=D,
+                head_dim_v=D, dtype="float8_e4m3fn", statics=st, platform="cuda")
+    return fwd_fp8_launch(dataclasses.replace(fp8_forward_config(p), **change)), st
+
+
+def shapes(d, s):
+    return 16384 // s, s, 2048 // d, d  # B, S, N, D
+
+
+def _fp8_args(B, S, N, D, K=None, seed=0):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflash import quantize as Q
+    K = K or N
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (B, S, N, D), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, S, K, D), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, S, K, D), jnp.bfloat16)
+    q8, qs = Q.quantize(q, jnp.float8_e4m3fn, granularity="tensor")
+    k8, kss = Q.quantize(k, jnp.float8_e4m3fn, granularity="tensor")
+    v8, vs = Q.quantize(v, jnp.float8_e4m3fn, granularity="tensor")
+    return (q, k, v), (q8, k8, v8, qs, kss, vs)
+
+
+def build(out: str) -> int:
+    """Compile our FP8 and bf16 forward variants of the grid and the FP8 GPU test's cases."""
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    os.environ["JAXFLASH_PLATFORM"] = "cuda"
+    os.environ["JAXFLASH_CUTE_UNVERIFIED"] = "1"
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from jaxflash import aot
+    from tests.kernels.test_fp8_gpu import CASES, PRECISION_CASES
+    sds = jax.ShapeDtypeStruct
+    launches = {}
+
+    def add(plan):
+        launches.setdefault(plan.detail.fwd.name, plan.detail.fwd)
+
+    e4 = jnp.float8_e4m3fn
+    for d, s, c in GRID:
+        B, S, N, D = shapes(d, s)
+        x8 = sds((B, S, N, D), e4)
+        one = jnp.ones((), jnp.float32)
+        add(jaxflash.explain(x8, x8, x8, q_scale=one, k_scale=one, v_scale=one, is_causal=c,
+                             implementation="cute"))
+        xb = sds((B, S, N, D), jnp.bfloat16)
+        add(jaxflash.explain(xb, xb, xb, is_causal=c, implementation="cute"))
+        add(jaxflash.explain(xb, xb, xb, is_causal=c, precision="fp8", implementation="cute"))
+    for name, B, T, S, N, K, D, kw, gran in CASES:
+        kw = dict(kw)
+        if kw.pop("lengths", False):
+            kw.update(query_seq_lengths=jnp.full((B,), T, jnp.int32),
+                      key_value_seq_lengths=jnp.full((B,), S, jnp.int32))
+
+        def sc(h, L):
+            shape = {"tensor": (), "head": (B, h), "block": (B, h, -(-L // 128))}[gran]
+            return jnp.ones(shape, jnp.float32)
+
+        add(jaxflash.explain(sds((B, T, N, D), e4), sds((B, S, K, D), e4), sds((B, S, K, D), e4),
+                             q_scale=sc(N, T), k_scale=sc(K, S), v_scale=sc(K, S),
+                             implementation="cute", **kw))
+    for name, B, T, S, N, K, D, kw in PRECISION_CASES:
+        add(jaxflash.explain(sds((B, T, N, D), jnp.bfloat16), sds((B, S, K, D), jnp.bfloat16),
+                             sds((B, S, K, D), jnp.bfloat16), precision="fp8",
+                             implementation="cute", **kw))
+    for d, s_, c in TILE_POINTS:
+        for change in TILE_VARIANTS[d].values():
+            launch, _ = tile_launch(d, s_, c, **change)
+            launches.setdefault(launch.name, launch)
+    counts = aot.build(list(launches.values()), out, progress=True)
+    print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
+    return 0
+
+
+def run(points, out_dir: str) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from benchmarks import envinfo
+    from benchmarks.timing import time_interleaved
+    os.environ.setdefault("JAXFLASH_CUTE_UNVERIFIED", "1")
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except Exception as e:  # noqa: BLE001
+        fa = None
+        print(f"cuDNN FP8 entry point unavailable: {e}")
+    rows = []
+    for d, s, c in points:
+        B, S, N, D = shapes(d, s)
+        (q, k, v), (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
+        scale = D ** -0.5
+        args = (q, k, v, q8, k8, v8, qs, ks, vs)
+        fns = {
+            "ours_fp8": jax.jit(lambda q, k, v, q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
+                q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs, is_causal=c,
+                implementation="cute")),
+            "ours_bf16": jax.jit(lambda q, k, v, *_: jaxflash.flash_attention(
+                q, k, v, is_causal=c, implementation="cute")),
+            # precision="fp8" from bf16: Hadamard + 128-row block quantization (XLA) + kernel
+            "ours_fp8_e2e": jax.jit(lambda q, k, v, *_: jaxflash.flash_attention(
+                q, k, v, is_causal=c, precision="fp8", implementation="cute")),
+        }
+        if fa is not None:
+            params = {kk: jnp.full((1, 1, 1, 1), 1.0, jnp.float32) for kk in fa.fp8_params_keys}
+            mt = fa.MaskType.CAUSAL if c else fa.MaskType.NO_MASK
+            fns["cudnn_fp8"] = jax.jit(lambda q, k, v, q8, k8, v8, *_: fa.dot_product_attention(
+                q8, k8, v8, fp8_params=params, scale=scale, mask_type=mt, qkv_layout="BTNH",
+                use_fp8=True)[0])
+        ok = {}
+        for name, f in fns.items():
+            try:
+                jax.block_until_ready(f(*args))
+                ok[name] = f
+            except Exception as e:  # noqa: BLE001
+                print(f"d{d} s{s} c{int(c)} {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+        t = time_interleaved(ok, args, reps=5, min_rep_s=0.02)
+        fl = 4.0 * B * N * S * S * D / (2 if c else 1)
+        row = dict(D=d, S=s, causal=c, B=B, N=N)
+        for name in fns:
+            row[name] = fl / t[name].median_s / 1e12 if name in t else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    summary = _summary(rows)
+    print(json.dumps(summary))
+    date = datetime.date.today().isoformat()
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"fp8-fwd-bench-h200-{date}")
+    with open(base + ".json", "w") as f:
+        json.dump({"env": envinfo.collect(), "rows": rows, "summary": summary}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(_table(rows, summary))
+    print(_table(rows, summary))
+    return 0
+
+
+def run_tiles(out_dir: str) -> int:
+    """TFLOP/s of the FP8 kernel's variants (`TILE_VARIANTS`) on `TILE_POINTS`, interleaved."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import envinfo
+    from benchmarks.timing import time_interleaved
+    from jaxflash._types import AttentionArrays
+    from jaxflash.kernels import call
+    rows = []
+    for d, s, c in TILE_POINTS:
+        B, S, N, D = shapes(d, s)
+        _, (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
+        fns = {}
+        for name, change in TILE_VARIANTS[d].items():
+            launch, st = tile_launch(d, s, c, **change)
+            fns[name] = jax.jit(
+                lambda q8, k8, v8, qs, ks, vs, launch=launch, st=st: call.forward_fp8(
+                    launch, q8, k8, v8, AttentionArrays(
+                        q_scale=jnp.broadcast_to(qs, (B, N, 1)),
+                        k_scale=jnp.broadcast_to(ks, (B, N, 1)),
+                        v_scale=jnp.broadcast_to(vs, (B, N, 1))), st)[0])
+        args = (q8, k8, v8, qs, ks, vs)
+        ok = {}
+        for name, f in fns.items():
+            try:
+                jax.block_until_ready(f(*args))
+                ok[name] = f
+            except Exception as e:  # noqa: BLE001
+                print(f"d{d} s{s} c{int(c)} {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+        t = time_interleaved(ok, args, reps=5, min_rep_s=0.02) if ok else {}
+        fl = 4.0 * B * N * S * S * D / (2 if c else 1)
+        row = dict(D=d, S=s, causal=c, **{k: (fl / t[k].median_s / 1e12 if k in t else None)
+                                          for k in fns})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    date = datetime.date.today().isoformat()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"fp8-fwd-tiles-h200-{date}.json"), "w") as f:
+        json.dump({"env": envinfo.collect(), "rows": rows}, f, indent=1)
+    return 0
+
+
+def _gm(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def _summary(rows):
+    def ratio(r, a, b):
+        return r[a] / r[b] if r.get(a) and r.get(b) else None
+    vs_cudnn = [ratio(r, "ours_fp8", "cudnn_fp8") for r in rows]
+    vs_bf16 = [ratio(r, "ours_fp8", "ours_bf16") for r in rows if r["S"] >= 4096
+               and r["D"] in (128, 256)]
+    e2e = [ratio(r, "ours_fp8_e2e", "ours_bf16") for r in rows if r["S"] >= 4096]
+    d256 = [r["ours_fp8"] for r in rows if r["D"] == 256 and r["S"] == 16384 and not r["causal"]]
+    return {"geomean_fp8_vs_cudnn_fp8": _gm(vs_cudnn), "target_vs_cudnn": 1.1,
+            "min_fp8_vs_bf16_S>=4k_D128/256": min([x for x in vs_bf16 if x], default=None),
+            "geomean_fp8_vs_bf16_S>=4k_D128/256": _gm(vs_bf16), "target_vs_bf16": 1.5,
+            "d256_s16k_dense_tflops": d256[0] if d256 else None, "target_d256_tflops": 1200,
+            "min_fp8_e2e_vs_bf16_S>=4k": min([x for x in e2e if x], default=None),
+            "target_e2e_vs_bf16": 1.25}
+
+
+def _table(rows, summary):
+    f = lambda x: "" if x is None else f"{x:.0f}"
+    g = lambda x: "" if x is None else f"{x:.2f}"
+    lines = ["| D | S | causal | ours FP8 | ours bf16 | cuDNN FP8 | ours precision=fp8 from bf16 "
+             "| FP8/cuDNN FP8 | FP8/bf16 | e2e/bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b, c, e = r["ours_fp8"], r["ours_bf16"], r.get("cudnn_fp8"), r.get("ours_fp8_e2e")
+        lines.append(f"| {r['D']} | {r['S']} | {int(r['causal'])} | {f(a)} | {f(b)} | {f(c)} | "
+                     f"{f(e)} | {g(a / c if a and c else None)} | {g(a / b if a and b else None)} | "
+                     f"{g(e / b if e and b else None)} |")
+    lines.append("")
+    lines.append("TFLOP/s. " + ", ".join(f"{k}: {g(v) if isinstance(v, float) else v}"
+                                         for k, v in summary.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("build", "run"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="D 128 / 256, S 4k / 16k only")
+    ap.add_argument("--tiles", action="store_true",
+                    help="instead: FP8 variants compared (TILE_POINTS x TILE_VARIANTS)")
+    a = ap.parse_args(argv)
+    if a.mode == "build":
+        return build(a.out or ".device/kernels")
+    out = a.out or os.environ.get("OUT") or "benchmarks/results"
+    if a.tiles:
+        return run_tiles(out)
+    return run(QUICK if a.quick else GRID, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Static configuration of the Blackwell (sm_100a) forward kernel: `Sm100FwdConfig` (DSL-free).
+
+The feature fields carry the names of the Hopper `FwdConfig`'s, so the launch description, the
+XLA-side inputs (`fwd_launch.fwd_inputs`) and the segment summaries are shared. What differs is
+the machine: 128 query rows per CTA in tensor memory (`tmem_plan`), 3 warpgroups (softmax,
+correction + epilogue, and one holding the MMA and load warps), key tiles sized by shared memory.
+
+These kernels are compiled and instruction-checked here only: no Blackwell GPU has run them, so
+dispatch gates them (`policy.verified`) until one does.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxflash.kernels.variants import tmem_plan
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = ("bfloat16", "float16")
+SMEM_LIMIT_BYTES = 227 * 1024
+TILE_M = 128
+# Per head dim: (tile_n, K/V stages). Shared memory = Q + stages * (K + V): hd 64 3 x 32 KB + 16,
+# hd 128 2 x 64 + 32, hd 256 (64-key tiles) 2 x 64 + 64 KB. Tensor memory: 2 S buffers + O =
+# 320 / 384 / 384 columns.
+_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# Registers per thread after setmaxnreg, per warpgroup: (softmax, correction, MMA + load).
+# 384 threads launch at 168 (65536 / 384, in 8-register steps); the raise must be covered by
+# what the two others give back: 240 + 160 + 104 = 3 x 168.
+REGS = (240, 160, 104)
+LAUNCH_REGS = 168
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm100FwdConfig:
+    """One compiled variant of `FlashFwdSm100`.
+
+    Features as `FwdConfig` (dtype, head_dim, head_dim_v, is_causal, has_window, has_softcap,
+    has_q_seqlen, has_kv_seqlen, has_alibi, has_segments), plus:
+
+    tile_n / num_stages: key tile and K/V pipeline depth (None: the per-head-dim default).
+    ex2_poly_every: every this-many-th pair of scores of a row is exponentiated by the
+      polynomial on the FMA pipes instead of MUFU.EX2 (`exp2_poly`); 0: all on MUFU.
+    rescale_threshold: conditional rescaling (log2 units): a row's reference max moves (and the
+      correction warpgroup rescales its O row) only when the block max exceeds it by more than
+      this; probabilities then reach at most 2**threshold. FlashAttention-4 uses 8 for 16-bit
+      inputs; 0 rescales on any growth.
+    """
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    head_dim_v: int | None = None
+    is_causal: bool = False
+    has_window: bool = False
+    has_softcap: bool = False
+    has_q_seqlen: bool = False
+    has_kv_seqlen: bool = False
+    has_alibi: bool = False
+    has_segments: bool = False
+    tile_n: int | None = None
+    num_stages: int | None = None
+    ex2_poly_every: int = 4
+    rescale_threshold: float = 8.0
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        tn, st = _TILES.get(self.head_dim, (128, 2))
+        if self.tile_n is None:
+            object.__setattr__(self, "tile_n", tn)
+        if self.num_stages is None:
+            object.__setattr__(self, "num_stages", st)
+        ok, why = self.check()
+        if not ok:
+            raise ValueError(f"invalid Sm100FwdConfig {self}: {why}")
+
+    @property
+    def tile_m(self) -> int:
+        return TILE_M
+
+    def tmem_plan(self) -> tmem_plan.TmemPlan:
+        return tmem_plan.forward_plan(self.tile_n, self.head_dim_v)
+
+    def check(self) -> tuple[bool, str]:
+        if self.dtype not in SUPPORTED_DTYPES:
+            return False, f"dtype {self.dtype} not in {SUPPORTED_DTYPES}"
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.head_dim_v != self.head_dim:
+            return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
+        if self.tile_n not in (64, 128):
+            return False, f"tile_n {self.tile_n} must be 64 or 128"
+        if not 1 <= self.num_stages <= 4:
+            return False, f"num_stages {self.num_stages} must be in [1, 4]"
+        if self.ex2_poly_every < 0 or self.ex2_poly_every == 1:
+            return False, (f"ex2_poly_every {self.ex2_poly_every}: 0 (off) or >= 2 (one pair "
+                           "in that many on the FMA pipes)")
+        if not 0.0 <= self.rescale_threshold <= 16.0:
+            return False, (f"rescale_threshold {self.rescale_threshold} must be in [0, 16] "
+                           "(probabilities reach 2**threshold)")
+        if self.smem_bytes() > SMEM_LIMIT_BYTES:
+            return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
+                           f"(tile 128x{self.tile_n}, {self.num_stages} stages)")
+        if sum(REGS) > 3 * LAUNCH_REGS:
+            return False, f"register budgets {REGS} exceed 3 x {LAUNCH_REGS}"
+        return self.tmem_plan().check()
+
+    def smem_bytes(self) -> int:
+        q = TILE_M * self.head_dim * 2
+        kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * 2
+        return q + kv + 4096  # + barriers, per-row scales, alignment
+
+    @property
+    def key(self) -> str:
+        feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
+                                 ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
+                                 ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
+                                 ("seg", self.has_segments)) if on]
+        return (f"fwd_sm100_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
+                f"_t{TILE_M}x{self.tile_n}s{self.num_stages}_e{self.ex2_poly_every}"
+                f"_r{self.rescale_threshold:g}_{'-'.join(feats) or 'dense'}")
+
+
+def can_implement(config: Sm100FwdConfig | None = None, **problem) -> tuple[bool, str]:
+    """Whether the sm_100a forward serves a problem (a config, or keyword facts as
+    `variants.fwd.can_implement`)."""
+    if config is not None:
+        return config.check()
+    dtype = problem.get("dtype")
+    if dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {dtype} not supported (only {SUPPORTED_DTYPES})"
+    hd, hdv = problem.get("head_dim"), problem.get("head_dim_v", problem.get("head_dim"))
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dim {hd} not supported by the sm_100a forward (only {SUPPORTED_HEAD_DIMS})"
+    if hdv != hd:
+        return False, f"value head dim {hdv} != head dim {hd} not supported"
+    unsupported = [f for f in problem.get("features", ())
+                   if f not in ("causal", "window", "softcap", "seq_lengths", "alibi",
+                                "segment_ids")]
+    if unsupported:
+        return False, f"features {unsupported} not supported by the sm_100a forward kernel"
+    return True, ""

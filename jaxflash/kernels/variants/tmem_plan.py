@@ -1,0 +1,122 @@
+"""Tensor-memory plans of the sm_100a kernels, checked in Python before anything is traced.
+
+Blackwell's tensor memory (TMEM) is 128 lanes x 512 columns of 32 bits per SM; tcgen05 MMAs
+write their accumulators there and may read their A operand from it. The forward keeps two score
+buffers S0 / S1 (float32, one column per key: the QK MMA of block j + 1 fills one while the
+softmax reads the other), the output accumulator O (one column per value dim) and, over each
+S buffer, the 16-bit probabilities P the PV MMA reads (two per column: tile_n / 2 columns).
+
+P may only overlay columns of its own S buffer that the softmax has already read into registers
+("retired"): the other S buffer may be being written by the next QK MMA, and O is live across
+the whole key loop. `TmemPlan.check` proves that from the regions and the softmax's access
+order, and every config builds its plan in ``__post_init__``, so a bad plan never compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+TMEM_COLUMNS = 512
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """Columns [start, start + cols) of all 128 lanes. kind: "S" (float32 scores), "O" (float32
+    output accumulator) or "P" (16-bit probabilities overlaying S buffer ``buffer``)."""
+
+    name: str
+    kind: str
+    start: int
+    cols: int
+    buffer: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.cols
+
+    def overlaps(self, other: "Region") -> bool:
+        return self.start < other.end and other.start < self.end
+
+
+@dataclasses.dataclass(frozen=True)
+class TmemPlan:
+    """Regions plus the softmax's order of work on one S buffer: ``softmax_order`` is a tuple of
+    ("load", first_col, cols) / ("store", first_col, cols) steps relative to the buffer's first
+    column (tcgen05.ld of scores, tcgen05.st of probabilities)."""
+
+    regions: tuple[Region, ...]
+    softmax_order: tuple[tuple[str, int, int], ...]
+    alloc_cols: int = TMEM_COLUMNS
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def check(self) -> tuple[bool, str]:
+        a = self.alloc_cols
+        if a < 32 or a > TMEM_COLUMNS or a & (a - 1):
+            return False, f"allocation of {a} columns: a power of two in [32, {TMEM_COLUMNS}]"
+        for r in self.regions:
+            if r.start < 0 or r.cols <= 0 or r.end > a:
+                return False, (f"{r.name} [{r.start}, {r.end}) lies outside the {a} allocated "
+                               "columns")
+        live = [r for r in self.regions if r.kind != "P"]
+        for i, r in enumerate(live):
+            for q in live[i + 1:]:
+                if r.overlaps(q):
+                    return False, f"{r.name} and {q.name} overlap"
+        for p in (r for r in self.regions if r.kind == "P"):
+            s = [r for r in live if r.kind == "S" and r.buffer == p.buffer]
+            if len(s) != 1:
+                return False, f"{p.name} overlays S buffer {p.buffer}, which does not exist"
+            s = s[0]
+            for q in live:
+                if q is not s and p.overlaps(q):
+                    return False, f"{p.name} overlaps live {q.name}"
+            if p.start < s.start or p.end > s.end:
+                return False, f"{p.name} reaches outside {s.name}"
+            ok, why = self._retired_before_store(p, s)
+            if not ok:
+                return False, why
+        return True, ""
+
+    def _retired_before_store(self, p: Region, s: Region) -> tuple[bool, str]:
+        """Every column a P store writes was read by an earlier load of the same buffer."""
+        read: set[int] = set()
+        for op, first, cols in self.softmax_order:
+            cols_abs = range(s.start + first, s.start + first + cols)
+            if op == "load":
+                read.update(cols_abs)
+            elif op == "store":
+                hit = [c for c in cols_abs if c not in read]
+                if hit:
+                    return False, (f"{p.name} store to columns [{cols_abs.start}, "
+                                   f"{cols_abs.stop}) overwrites scores not read yet "
+                                   f"(first: {hit[0]})")
+                if cols_abs.start < p.start or cols_abs.stop > p.end:
+                    return False, f"a P store [{cols_abs.start}, {cols_abs.stop}) leaves {p.name}"
+            else:
+                return False, f"unknown softmax step {op!r}"
+        return True, ""
+
+    def describe(self) -> str:
+        return ", ".join(f"{r.name}[{r.start}:{r.end})" for r in self.regions)
+
+
+def forward_plan(tile_n: int, head_dim_v: int, load_cols: int = 32,
+                 p_offset: int | None = None) -> TmemPlan:
+    """The forward's plan: S0 | S1 | O, P_i over S_i at ``p_offset`` (default: the buffer's
+    first column). The softmax loads the whole S row in ``load_cols``-column steps, then stores
+    P (tile_n / 2 columns) in 32-column steps."""
+    p_cols = tile_n // 2
+    p_off = 0 if p_offset is None else p_offset
+    s0 = Region("S0", "S", 0, tile_n, 0)
+    s1 = Region("S1", "S", tile_n, tile_n, 1)
+    o = Region("O", "O", 2 * tile_n, head_dim_v)
+    regions = (s0, s1, o, Region("P0", "P", p_off, p_cols, 0),
+               Region("P1", "P", tile_n + p_off, p_cols, 1))
+    order = tuple(("load", c, min(load_cols, tile_n - c)) for c in range(0, tile_n, load_cols))
+    order += tuple(("store", p_off + c, min(32, p_cols - c)) for c in range(0, p_cols, 32))
+    return TmemPlan(regions, order)

@@ -1,0 +1,122 @@
+"""FP8 under batch / head sharding (`jaxflash.sharding`) and ring attention (`jaxflash.ring`) on
+the 8 host devices of tests/conftest.py: the scales are partitioned with their operands (no
+all-gather), and the sharded / ring results equal the unsharded FP8 call."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxflash
+from jaxflash import quantize as Q
+from jaxflash.ring import from_zigzag, to_zigzag
+
+
+def _mesh(shape, names):
+    n = int(np.prod(shape))
+    if jax.device_count() < n:
+        pytest.skip(f"needs {n} devices (tests/conftest.py forces 8 host devices)")
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+
+
+def _x(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def test_batch_x_heads_sharding_carries_the_scales():
+    mesh = _mesh((2, 4), ("data", "model"))
+    B, T, N, K, D = 2, 128, 8, 4, 64
+    q, w = _x((B, T, N, D), 0), _x((B, T, N, D), 3)
+    k, v = _x((B, T, K, D), 1), _x((B, T, K, D), 2)
+    q8, qs = Q.quantize(q, block_size=64)               # per block [B, N, 2]
+    k8, ks = Q.quantize(k, granularity="head")          # per (batch, head) [B, K]
+    v8, vs = Q.quantize(v, granularity="tensor")        # per tensor: replicated
+
+    def f(q8, k8, v8, qs, ks, vs, q, k, v):
+        def loss8(qs, ks, vs):
+            o = jaxflash.flash_attention(q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs,
+                                         is_causal=True, scale_block=64)
+            return jnp.sum(o.astype(jnp.float32) * w)
+
+        def lossq(q, k, v):
+            return jnp.sum(jaxflash.flash_attention(q, k, v, is_causal=True,
+                                                    precision="fp8") * w)
+        return (jax.value_and_grad(loss8, argnums=(0, 1, 2))(qs, ks, vs),
+                jax.value_and_grad(lossq, argnums=(0, 1, 2))(q, k, v))
+
+    args = (q8, k8, v8, qs, ks, vs, q, k, v)
+    want = jax.jit(f)(*args)
+    sh = lambda *spec: NamedSharding(mesh, P(*spec))
+    shards = (sh("data", None, "model"), sh("data", None, "model"), sh("data", None, "model"),
+              sh("data", "model", None), sh("data", "model"), sh(),
+              sh("data", None, "model"), sh("data", None, "model"), sh("data", None, "model"))
+    placed = [jax.device_put(a, s) for a, s in zip(args, shards)]
+    compiled = jax.jit(f).lower(*placed).compile()
+    got = compiled(*placed)
+    # Equal up to float32 summation order (which may flip an FP8 rounding here and there).
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert _rel(a, b) < 1e-3
+    text = compiled.as_text()
+    for op in ("all-gather", "all-to-all"):
+        assert not re.search(rf"\b{op}(-start)?\(", text), op
+
+
+def test_ring_carries_the_scales():
+    """Zigzag over 2 devices (chunks of 64 rows, scale blocks of 64): per-block q scales are
+    sharded with the sequence, k / v scales (per tensor / per head) replicated and passed
+    around with their blocks; precision="fp8" quantizes each device's blocks."""
+    mesh = _mesh((2,), ("seq",))
+    B, T, N, K, D = 1, 256, 2, 1, 64
+    q, w = _x((B, T, N, D), 5), _x((B, T, N, D), 6)
+    k, v = _x((B, T, K, D), 7), _x((B, T, K, D), 8)
+    fw, bk = (lambda x: to_zigzag(x, 2)), (lambda x: from_zigzag(x, 2))
+    fws = lambda s: jnp.swapaxes(fw(jnp.swapaxes(s, 1, 2)), 1, 2)   # scale blocks, same order
+    q8, qs = Q.quantize(q, block_size=64)
+    k8, ks = Q.quantize(k, granularity="tensor")
+    v8, vs = Q.quantize(v, granularity="head")
+
+    def f(q, k, v, qs, ks, vs):
+        def ring8(qs, ks, vs):
+            o = jaxflash.ring_attention(fw(q8), fw(k8), fw(v8), q_scale=fws(qs), k_scale=ks,
+                                        v_scale=vs, scale_block=64, mesh=mesh, seq_axis="seq",
+                                        layout="zigzag", is_causal=True)
+            o = bk(o).astype(jnp.float32)
+            return jnp.sum(o * o), o   # well conditioned for the scales (no cancellation)
+
+        def plain8(qs, ks, vs):
+            o = jaxflash.flash_attention(q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs,
+                                         scale_block=64, is_causal=True)
+            o = o.astype(jnp.float32)
+            return jnp.sum(o * o), o
+
+        def ringq(q, k, v):
+            o = jaxflash.ring_attention(fw(q), fw(k), fw(v), precision="fp8", scale_block=64,
+                                        mesh=mesh, seq_axis="seq", layout="zigzag",
+                                        is_causal=True)
+            return jnp.sum(bk(o) * w), bk(o)
+
+        def ref(q, k, v):
+            o = jaxflash.flash_attention(q, k, v, is_causal=True)
+            return jnp.sum(o * w), o
+
+        g = lambda fn, *a: jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True)(*a)
+        return g(ring8, qs, ks, vs), g(plain8, qs, ks, vs), g(ringq, q, k, v), g(ref, q, k, v)
+
+    ((_, o8), g8), ((_, p8), gp8), ((_, oq), gq), ((_, orf), gr) = jax.jit(f)(q, k, v, qs, ks,
+                                                                             vs)
+    # FP8 inputs: the ring equals the plain call up to the P rounding of its per-step running
+    # max; so do the scales' gradients (of sum(out^2)), within FP8 noise.
+    assert _rel(o8, p8) < 0.02
+    for what, a, b in zip(("dq_scale", "dk_scale", "dv_scale"), g8, gp8):
+        assert _rel(a, b) < 0.05, what
+    # precision="fp8": against the float reference, within the FP8 recipe's bounds.
+    assert _rel(oq, orf) < 0.08
+    for what, a, b in zip(("dq", "dk", "dv"), gq, gr):
+        assert _rel(a, b) < 0.12, what

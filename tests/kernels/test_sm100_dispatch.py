@@ -1,0 +1,109 @@
+"""Dispatch of the sm_100a forward on CPU, with the device's compute capability faked:
+
+- on 10.x the sm100 variants are gated like any unverified variant: `explain` says they are
+  compiled and instruction-checked only, gated until a Blackwell run, and another backend serves;
+- ``JAXFLASH_CUTE_UNVERIFIED=1`` admits them (the plan's forward is `FlashFwdSm100`, its
+  backward the Pallas kernels on its (out, lse));
+- on Hopper (9.0) they are never chosen, and on other architectures there is no CuTe kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxflash
+from jaxflash.ffi import variant
+from jaxflash.kernels.policy import verified
+
+pytestmark = pytest.mark.cpu
+
+
+@dataclasses.dataclass
+class _FakeGpu:
+    compute_capability: str
+    platform: str = "gpu"
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Make the local device report a compute capability (no $CUTE_DSL_ARCH override)."""
+    def fake(cc):
+        monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+        monkeypatch.setattr(jax, "devices", lambda *a, **k: [_FakeGpu(cc)])
+        variant._local_gpu_arch.cache_clear()
+    yield fake
+    variant._local_gpu_arch.cache_clear()
+
+
+def _qkv(H=128, dtype=jnp.bfloat16):
+    return (jax.ShapeDtypeStruct((2, 256, 4, H), dtype),
+            jax.ShapeDtypeStruct((2, 256, 2, H), dtype),
+            jax.ShapeDtypeStruct((2, 256, 2, H), dtype))
+
+
+def _explain(implementation=None, **kw):
+    with jaxflash.target_platform("cuda"):
+        return jaxflash.explain(*_qkv(kw.pop("H", 128)), implementation=implementation, **kw)
+
+
+def test_fake_capability_maps_to_the_arch(gpu):
+    gpu("10.0")
+    assert variant.current_arch() == "sm_100a"
+    gpu("9.0")
+    assert variant.current_arch() == "sm_90a"
+
+
+def test_blackwell_variants_are_gated_by_default(gpu, monkeypatch):
+    monkeypatch.delenv(verified.ENV, raising=False)
+    gpu("10.0")
+    plan = _explain("cute", is_causal=True)
+    why = dict(plan.refused).get("cute", "")
+    assert plan.backend is None
+    assert "compiled and instruction-checked only, gated until a Blackwell run" in why, why
+    assert verified.ENV in why and "fwd_sm100_" in why
+    # the default order goes on to another backend, never to the gated kernel
+    plan = _explain(is_causal=True)
+    assert plan.backend != "cute"
+    assert "gated until a Blackwell run" in str(plan)
+
+
+def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
+    pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
+    monkeypatch.setenv(verified.ENV, "1")
+    gpu("10.0")
+    for kw in (dict(is_causal=True), dict(local_window_size=(64, 0)), dict(softcap=20.0), dict(H=64),
+               dict(H=256)):
+        h = kw.pop("H", 128)
+        plan = _explain("cute", H=h, **kw)
+        assert plan.backend == "cute", plan
+        assert plan.detail.fwd.kernel.endswith(":FlashFwdSm100")
+        assert plan.detail.fwd.arch == "sm_100a"
+        assert plan.detail.bwd is None  # Pallas backward on the forward's (out, lse)
+
+
+def test_hopper_never_picks_the_blackwell_kernel(gpu, monkeypatch):
+    pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
+    monkeypatch.setenv(verified.ENV, "1")
+    gpu("9.0")
+    plan = _explain("cute", is_causal=True)
+    assert plan.backend == "cute"
+    assert plan.detail.fwd.kernel.endswith(":FlashFwdSm90")
+    from jaxflash.kernels import plan as kplan
+    assert "sm100" not in kplan.FORWARD["sm_90a"]
+
+
+def test_other_blackwell_parts_have_no_kernel(gpu, monkeypatch):
+    monkeypatch.setenv(verified.ENV, "1")
+    gpu("10.3")  # B300: sm_103a, not compiled for
+    why = dict(_explain("cute").refused).get("cute", "")
+    assert "no CuTe forward kernel for sm_103a" in why
+
+
+def test_blackwell_refuses_what_it_cannot_serve(gpu, monkeypatch):
+    monkeypatch.setenv(verified.ENV, "1")
+    gpu("10.0")
+    why = dict(_explain("cute", H=96).refused).get("cute", "")
+    assert "head dim 96 not supported by the sm_100a forward" in why
