@@ -52,14 +52,18 @@ def forward_fp8(launch, q8, k8, v8, arrays, statics):
 
 
 def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
-    """A mod variant's extra inputs: the mask_mod's block range table (from the call's
-    `BlockMask` where its blocks line up with the kernel's tiles, else computed here from the
-    same program) and the aux leaves."""
+    """A mod variant's extra inputs: the (batch, head) offsets of a shard (zeros unsharded),
+    the mask_mod's block range table (from the call's `BlockMask` where its blocks line up
+    with the kernel's tiles, else computed here from the same program) and the aux leaves."""
+    # (configs without mod fields, such as the Blackwell forward's, take no mod inputs)
+    if not (getattr(cfg, "score_mod", "") or getattr(cfg, "mask_mod", "")):
+        return []
     B, T, N, _ = q.shape
     _, S, K, _ = k.shape
     aux = tuple(arrays.mod_aux)
-    ins = []
-    if getattr(cfg, "mask_mod", ""):  # (the Blackwell forward's config has no mods)
+    off = arrays.mod_offsets
+    ins = [jnp.zeros((2,), jnp.int32) if off is None else jnp.asarray(off, jnp.int32)]
+    if cfg.mask_mod:
         rows, cols = (cfg.tile_n, cfg.tile_m) if backward else (cfg.tile_m, cfg.tile_n)
         table = None
         if arrays.block_mask is not None:
@@ -68,10 +72,10 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
                                                      K, n_cols)
         if table is None and backward:
             table = mod_blocks.backward_table(cfg.mask_mod, aux, B, N, K, T, S, cfg.tile_m,
-                                              cfg.tile_n)
+                                              cfg.tile_n, off)
         elif table is None:
             table = mod_blocks.forward_table(cfg.mask_mod, aux, B, N, T, S, cfg.tile_m,
-                                             cfg.tile_n)
+                                             cfg.tile_n, off)
         ins.append(table.astype(jnp.int32))
     return ins + [jnp.asarray(x, dt) for x, (dt, _) in zip(aux, getattr(cfg, "aux", ()))]
 

@@ -26,6 +26,7 @@ _LAX = {"neg": lax.neg, "abs": lax.abs, "sign": lax.sign, "floor": lax.floor,
         "ceil": lax.ceil, "exp": lax.exp, "exp2": lax.exp2, "log": lax.log,
         "log1p": lax.log1p, "expm1": lax.expm1, "tanh": lax.tanh, "logistic": lax.logistic,
         "sqrt": lax.sqrt, "rsqrt": lax.rsqrt, "square": lambda x: x * x,
+        "one_minus_square": lambda x: 1 - x * x,
         "add": lax.add, "sub": lax.sub, "mul": lax.mul, "div": lax.div, "rem": lax.rem,
         "max": lax.max, "min": lax.min, "and": lax.bitwise_and, "or": lax.bitwise_or,
         "xor": lax.bitwise_xor, "not": lax.bitwise_not, "eq": lax.eq, "ne": lax.ne,
@@ -69,13 +70,17 @@ def evaluate(prog, inputs: dict, aux=()) -> tuple:
 
 
 def _classes(prog, aux, Bb, Hb, rows: int, cols: int, row_tile: int, col_tile: int,
-             rows_are_keys: bool):
-    """(nonempty, full) [Bb, Hb, row blocks, col blocks] bool."""
+             rows_are_keys: bool, offsets=None):
+    """(nonempty, full) [Bb, Hb, row blocks, col blocks] bool; `offsets`: the global (batch,
+    head) of index 0 (a shard's), or None."""
     nr = -(-rows // row_tile)
     nc = -(-cols // col_tile)
     c = jnp.arange(nc * col_tile, dtype=jnp.int32)
     b = jnp.arange(Bb, dtype=jnp.int32)[:, None, None, None]
     h = jnp.arange(Hb, dtype=jnp.int32)[None, :, None, None]
+    if offsets is not None:
+        b = b + jnp.asarray(offsets, jnp.int32)[0]
+        h = h + jnp.asarray(offsets, jnp.int32)[1]
 
     def one(i):
         r = i * row_tile + jnp.arange(row_tile, dtype=jnp.int32)
@@ -117,21 +122,22 @@ def _dims(prog, B: int, N: int):
 
 
 def forward_table(mask_text: str, aux, B: int, N: int, T: int, S: int, tile_m: int,
-                  tile_n: int):
-    """[Bb, Hb, ceil(T / tile_m), 4] int32: per query tile, its key-block ranges."""
+                  tile_n: int, offsets=None):
+    """[Bb, Hb, ceil(T / tile_m), 4] int32: per query tile, its key-block ranges (`offsets`:
+    a shard's first global (batch, head), or None)."""
     prog = parse(mask_text)
     Bb, Hb = _dims(prog, B, N)
-    ne, full = _classes(prog, aux, Bb, Hb, T, S, tile_m, tile_n, False)
+    ne, full = _classes(prog, aux, Bb, Hb, T, S, tile_m, tile_n, False, offsets)
     return ranges(ne, full)
 
 
 def backward_table(mask_text: str, aux, B: int, N: int, K: int, T: int, S: int, tile_m: int,
-                   tile_n: int):
+                   tile_n: int, offsets=None):
     """[Bb, Kb, ceil(S / tile_n), 4] int32: per key block, its query-block ranges, the union
     over the query heads of each KV head's group."""
     prog = parse(mask_text)
     Bb, Hb = _dims(prog, B, N)
-    ne, full = _classes(prog, aux, Bb, Hb, S, T, tile_n, tile_m, True)
+    ne, full = _classes(prog, aux, Bb, Hb, S, T, tile_n, tile_m, True, offsets)
     if Hb > 1 and N != K:
         G = N // K
         ne = ne.reshape(Bb, K, G, *ne.shape[2:]).any(2)

@@ -220,3 +220,14 @@ def test_program_evaluated_in_xla_matches_numpy():
     want = np.array([mp.evaluate(prog, {n: el[n][i] for n in "sbhqk"}, [np.asarray(aux[0])])
                      for i in range(64)], np.float32)
     np.testing.assert_allclose(np.asarray(got[0]), want[:, 0], rtol=2e-5, atol=2e-5)
+
+
+def test_block_tables_of_a_shard_use_global_indices():
+    """A shard (batch rows 1.., heads 2..) gets the rows of the whole call's table: the mods
+    see global (batch, head) indices through `arrays.mod_offsets`."""
+    fn = lambda b, h, q, k: (q + 40 * h + 7 * b) >= k
+    text = mp.to_text(mp.mask_program(fn))
+    whole = np.asarray(mod_blocks.forward_table(text, (), 3, 4, 200, 200, 64, 32))
+    shard = np.asarray(mod_blocks.forward_table(text, (), 2, 2, 200, 200, 64, 32,
+                                                jnp.array([1, 2], jnp.int32)))
+    assert (shard == whole[1:3, 2:4]).all()

@@ -53,9 +53,9 @@ CASES = [
 # ptxas spill stores measured with this repo's ptxas (CUDA 13.0, PTX version lowered; the
 # built-in softcap backward at hd 128 spills 4 B there): (case, direction) -> bytes allowed.
 # Guards against growth; every other case must stay at 0. The score_mod backward holds S^T,
-# dP^T, dK and dV (hd 128: 192 floats a thread) while it evaluates the mod per element.
-SPILL_BUDGET = {("softcap-as-mod", "bwd"): 32, ("t5-bias", "fwd"): 12, ("t5-bias", "bwd"): 60,
-                ("user-written", "bwd"): 8}
+# dP^T, dK and dV (hd 128: 192 floats a thread) while it evaluates the mod per element; the T5
+# bucket (a log and ~20 operations per score, with a table load) is the heaviest mod here.
+SPILL_BUDGET = {("softcap-as-mod", "bwd"): 16, ("t5-bias", "fwd"): 48, ("t5-bias", "bwd"): 64}
 
 
 def _launch(direction, problem):

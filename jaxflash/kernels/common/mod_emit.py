@@ -97,6 +97,8 @@ def _emit(e, args, dts, aux, shapes):
         return _select(x, Boolean(False), Boolean(True)) if dts[0] == "bool" else ~x
     if p == "square":
         return x * x
+    if p == "one_minus_square":
+        return Float32(1.0) - x * x
     if p == "integer_pow":
         r = x
         for _ in range(abs(e.param) - 1):

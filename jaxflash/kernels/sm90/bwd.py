@@ -147,6 +147,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
             ins.append("alibi_slopes")
         if self.cfg.has_segments:
             ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
+        ins += ["mod_offsets"] * bool(self.cfg.score_mod or self.cfg.mask_mod)
         ins += ["mod_blocks"] * bool(self.cfg.mask_mod) + [f"aux{i}" for i in range(len(
             self.cfg.aux))]
         outs = ["dq_acc", "dk", "dv"]
@@ -165,9 +166,10 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
         mAlibi = a.maybe(self.cfg.has_alibi)
         seg = a.maybe(self.cfg.has_segments, 4)
-        # mods: (block range table or None, aux arrays)
+        # mods: (block range table or None, aux arrays, (batch, head) offsets or None)
+        mOff = a.maybe(self.has_mods)
         mods = (a.maybe(bool(self.cfg.mask_mod)), a.take(len(self.cfg.aux)) if len(
-            self.cfg.aux) > 1 else ((a.take(),) if self.cfg.aux else ()))
+            self.cfg.aux) > 1 else ((a.take(),) if self.cfg.aux else ()), mOff)
         mdQ, mdK, mdV = a.take(3)
         mdAlibi = a.maybe(self.cfg.has_alibi)
         mSem = a.maybe(self.cfg.deterministic)
@@ -186,7 +188,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                mKVBlk: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor], mdQ: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mdAlibi: Optional[cute.Tensor],
                mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, mods=(None, ())):
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, mods=(None, (), None)):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -531,6 +533,8 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
                 mKVBlk[batch, n_block, 0], mKVBlk[batch, n_block, 1])
         dslope = Float32(0.0)
         full = self.mod_full_range(mods[0], batch, kv_head, n_block)
+        if const_expr(mods[2] is not None):  # the mods' (batch, head) offsets, read once
+            mods = (mods[0], mods[1], (mods[2][0], mods[2][1]))
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)

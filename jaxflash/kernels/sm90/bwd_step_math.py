@@ -32,6 +32,10 @@ class BwdStepMath:
         return bool(self.cfg.score_mod)
 
     @property
+    def has_mods(self) -> bool:
+        return bool(self.cfg.score_mod) or bool(self.cfg.mask_mod)
+
+    @property
     def mod_dscore(self):
         """The score_mod's derivative by the score when it is a constant (an additive bias
         such as ALiBi or T5: 1), else None."""
@@ -86,6 +90,9 @@ class BwdStepMath:
         of that."""
         sp, mp, names, _ = kernel_programs(self.cfg.score_mod, self.cfg.mask_mod)
         aux = dict(zip(names, mods[1]))
+        if const_expr(self.has_mods):  # the mods see global indices (a shard's offsets)
+            batch = batch + mods[2][0]
+            head = head + mods[2][1]
         if const_expr(self.folds_dscore):
             warpgroup.wait_group(0)
             apply_score_mod(sp, aux, acc_S, coords, n_block * self.tile_n,

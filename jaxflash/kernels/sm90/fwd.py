@@ -145,6 +145,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
             ins.append("alibi_slopes")
         if self.cfg.has_segments:
             ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
+        ins += ["mod_offsets"] * bool(self.cfg.score_mod or self.cfg.mask_mod)
         ins += ["mod_blocks"] * bool(self.cfg.mask_mod) + [f"aux{i}" for i in range(len(
             self.cfg.aux))]
         return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
@@ -159,9 +160,10 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
         mAlibi = a.maybe(self.cfg.has_alibi)
         seg = a.maybe(self.cfg.has_segments, 4)
-        # mods: (block range table or None, aux arrays)
+        # mods: (block range table or None, aux arrays, (batch, head) offsets or None)
+        mOff = a.maybe(self.has_mods)
         mods = (a.maybe(bool(self.cfg.mask_mod)), a.take(len(self.cfg.aux)) if len(
-            self.cfg.aux) > 1 else ((a.take(),) if self.cfg.aux else ()))
+            self.cfg.aux) > 1 else ((a.take(),) if self.cfg.aux else ()), mOff)
         mO, mLSE, mFScalars = a.take(3)
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
@@ -175,7 +177,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
                mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
                mKVBlk: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor,
                mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, mods=(None, ())):
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, mods=(None, (), None)):
         for t in (mQ, mK, mV, mO):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -397,7 +399,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
                     cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED,
                                              number_of_threads=2 * 128)
             cargs = (mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v)
-            segs = (mAlibi, alibi_inv, mQSeg, mKVSeg, blk, mKVBlk, mods[1])
+            segs = (mAlibi, alibi_inv, mQSeg, mKVSeg, blk, mKVBlk, mods[1:])
             if const_expr(self.tile_pipe):
                 sTile = storage.tile_coords.get_tensor(cute.make_layout((4, 2)))
                 tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
@@ -479,7 +481,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
                    tiled_mma_pv, tidx: Int32, warp_idx: Int32, pre_scale: Float32,
                    scale_log2: Float32, window_left: Int32, window_right: Int32, T: Int32):
         mO, mLSE, sQ, sK, sV, sO, tma_O, pipe_q, pipe_k, pipe_v = cargs
-        mAlibi, alibi_inv, mQSeg, mKVSeg, blk, mKVBlk, aux = segs
+        mAlibi, alibi_inv, mQSeg, mKVSeg, blk, mKVBlk, (aux, mOff) = segs
         mQBlk = blk[0]
         n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, head, batch, mQ, mK,
                                                             mQSeqlen, mKVSeqlen, blk, blocks)
@@ -500,7 +502,8 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
             mods.S = mK.shape[0]
             dyn += ["rows", "kv_seg", "kv_blk", "S"]
         if const_expr(self.has_mods):
-            mods.batch, mods.head, mods.aux = batch, head, aux
+            # the mods see global indices (a shard's offsets added)
+            mods.batch, mods.head, mods.aux = batch + mOff[0], head + mOff[1], aux
             dyn += ["batch", "head", "aux"]
         if const_expr(self.has_mask_mod):
             _n0, mods.full_lo, mods.full_hi, _n1 = self.mod_row(blk[1], batch, head, m_block)

@@ -62,11 +62,17 @@ def _launch(kernel_ref: str, config, arch: str) -> Launch:
 
 
 def mod_inputs(config) -> list:
-    """A mod variant's extra inputs: the block range table [Bb, Hb, blocks, 4] int32 (with a
-    mask_mod; `jaxflash.kernels.mod_blocks`), then the aux arrays at their fixed shapes."""
+    """A mod variant's extra inputs: the (batch, head) offsets [2] int32 the mods add to the
+    kernel's own indices (a shard's first global ones; zeros unsharded), the block range table
+    [Bb, Hb, blocks, 4] int32 (with a mask_mod; `jaxflash.kernels.mod_blocks`), then the aux
+    arrays at their fixed shapes."""
     # (configs without mods, the Blackwell forward's, have neither field)
-    ins = [TensorArg("int32", (None, None, None, 4))] if getattr(config, "mask_mod", "") else []
-    return ins + [TensorArg(dt, shape) for dt, shape in getattr(config, "aux", ())]
+    score, mask = getattr(config, "score_mod", ""), getattr(config, "mask_mod", "")
+    if not (score or mask):
+        return []
+    ins = [TensorArg("int32", (2,))]
+    ins += [TensorArg("int32", (None, None, None, 4))] if mask else []
+    return ins + [TensorArg(dt, shape) for dt, shape in config.aux]
 
 
 def fwd_inputs(config: FwdConfig, q, k, v, q_seqlen=None, kv_seqlen=None, alibi_slopes=None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -40,7 +41,8 @@ import numpy as np
 DTYPES = {"float32": "f32", "int32": "i32", "bool": "bool"}
 # Element-wise primitives a kernel emits, by arity class.
 UNARY = ("neg", "abs", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p",
-         "expm1", "tanh", "logistic", "sqrt", "rsqrt", "not", "square", "integer_pow")
+         "expm1", "tanh", "logistic", "sqrt", "rsqrt", "not", "square", "integer_pow",
+         "one_minus_square")
 BINARY = ("add", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor")
 # Spellings of supported primitives (jvp jaxprs sum tangents with add_any).
 _ALIASES = {"add_any": "add"}
@@ -409,6 +411,8 @@ def _apply(e: Eqn, a: list, aux: dict):
             return np.logical_not(x) if x.dtype == np.bool_ else np.invert(x)
         if p == "square":
             return x * x
+        if p == "one_minus_square":
+            return np.float32(1) - x * x
         if p == "integer_pow":
             r = np.ones_like(x)
             for _ in range(abs(e.param)):
@@ -473,7 +477,7 @@ def _avals(aux) -> list:
 
 def score_program(fn, aux=(), with_grad: bool = False) -> Program:
     """`fn(score, b, h, q_idx, kv_idx, *aux)` as a Program; with_grad: two outputs, the value
-    and d(value)/d(score) (by `jax.jvp`, for the backward kernel). `aux`: arrays or
+    and d(value)/d(score) (`with_derivative`, for the backward kernel). `aux`: arrays or
     ShapeDtypeStructs (only shapes and dtypes are used)."""
     import jax
     import jax.numpy as jnp
@@ -483,12 +487,9 @@ def score_program(fn, aux=(), with_grad: bool = False) -> Program:
     def value(s, b, h, q, k, *xs):
         return jnp.asarray(fn(s, b, h, q, k, *xs), jnp.float32)
 
-    def value_and_grad(s, b, h, q, k, *xs):
-        return jax.jvp(lambda t: value(t, b, h, q, k, *xs), (s,), (jnp.ones_like(s),))
-
-    closed = jax.make_jaxpr(value_and_grad if with_grad else value)(
-        f32, i32, i32, i32, i32, *_avals(aux))
-    return program_from_jaxpr(closed, "score")
+    closed = jax.make_jaxpr(value)(f32, i32, i32, i32, i32, *_avals(aux))
+    prog = program_from_jaxpr(closed, "score")
+    return with_derivative(prog) if with_grad else prog
 
 
 def mask_program(fn, aux=()) -> Program:
@@ -553,8 +554,9 @@ def _spec_texts(spec) -> dict:
                                       "CuTe kernels read float32 / int32 aux arrays")
     out = {"score": "", "score_grad": "", "mask": ""}
     if spec.has_score:
-        out["score"] = to_text(program_from_jaxpr(mods.score_jaxpr(spec), "score"))
-        out["score_grad"] = to_text(program_from_jaxpr(mods.score_deriv_jaxpr(spec), "score"))
+        prog = program_from_jaxpr(mods.score_jaxpr(spec), "score")
+        out["score"] = to_text(prog)
+        out["score_grad"] = to_text(with_derivative(prog))
     if spec.has_mask:
         out["mask"] = to_text(program_from_jaxpr(mods.mask_jaxpr(spec), "mask"))
     return out
@@ -592,3 +594,119 @@ def factor_scales(p: Program) -> tuple:
     fix = lambda a: ren.get(a, a) if isinstance(a, str) else a
     eqns = tuple(dataclasses.replace(e, args=tuple(fix(a) for a in e.args)) for e in eqns)
     return Program(p.inputs, eqns, tuple(fix(a) for a in outs)), in_scale, out_scale
+
+
+# -- the derivative by the score, by forward-mode differentiation of the program ---------------
+def with_derivative(p: Program) -> Program:
+    """`p` (one value output) with a second output: d value / d s. Derived here from the
+    program, not from `jax.jvp`: jax's JVP rules change between versions (0.11 writes tanh's
+    as `one_minus_square`), the primal programs do not, and the text is the variant key a
+    machine without the CuTe DSL must reproduce. Ties of max / min / clamp follow jax (half
+    to each side at max / min ties, nothing at clamp bounds)."""
+    b = _Builder()
+    env, tan = {}, {}
+    for name, dt, shape in p.inputs:
+        env[name] = name
+        b.shapes[name] = shape
+        b.dtypes[name] = dt
+        if name in MASK_INPUTS:
+            b.ranges[name] = (0, _I32[1])
+    tan["s"] = (1.0, "f32")
+    f = lambda v: (float(v), "f32")
+    val = lambda a: env[a] if isinstance(a, str) else a
+    T = lambda a: tan.get(a) if isinstance(a, str) else None
+
+    def add(x, y):
+        return y if x is None else x if y is None else b.emit("add", (x, y), "f32")
+
+    def mul(x, y):
+        return None if x is None or y is None else b.emit("mul", (x, y), "f32")
+
+    def sel(pred, x, y):  # pred ? x : y, None as 0
+        if x is None and y is None:
+            return None
+        return b.emit("select_n", (pred, y if y is not None else f(0), x if x is not None
+                                   else f(0)), "f32")
+
+    for e in p.eqns:
+        args = tuple(val(a) for a in e.args)
+        out = b.emit(e.prim, args, e.dtype, e.param)
+        env[e.out] = out
+        if e.dtype != "f32" or e.prim == "ds":
+            continue
+        ts = [T(a) for a in e.args]
+        if all(t is None for t in ts):
+            continue
+        x = args[0]
+        y = args[1] if len(args) > 1 else None
+        ta = ts[0]
+        tb = ts[1] if len(ts) > 1 else None
+        pr = e.prim
+        if pr in ("add", "sub"):
+            t = add(ta, b.emit("neg", (tb,), "f32") if pr == "sub" and tb is not None else tb)
+        elif pr == "mul":
+            t = add(mul(ta, y), mul(x, tb))
+        elif pr == "div":
+            inv = b.emit("div", (f(1), y), "f32")
+            t = add(mul(ta, inv), mul(b.emit("neg", (mul(out, inv),), "f32"), tb))
+        elif pr == "neg":
+            t = b.emit("neg", (ta,), "f32")
+        elif pr == "abs":
+            t = sel(b.emit("ge", (x, f(0)), "bool"), ta, b.emit("neg", (ta,), "f32"))
+        elif pr in ("max", "min"):
+            win = b.emit("gt" if pr == "max" else "lt", (x, y), "bool")
+            lose = b.emit("lt" if pr == "max" else "gt", (x, y), "bool")
+            half = mul(add(ta, tb), f(0.5))
+            t = sel(win, ta, sel(lose, tb, half))
+        elif pr in ("floor", "ceil", "round", "sign"):
+            t = None
+        elif pr == "exp":
+            t = mul(out, ta)
+        elif pr == "exp2":
+            t = mul(mul(out, f(math.log(2.0))), ta)
+        elif pr == "expm1":
+            t = mul(b.emit("add", (out, f(1)), "f32"), ta)
+        elif pr == "log":
+            t = mul(ta, b.emit("div", (f(1), x), "f32"))
+        elif pr == "log1p":
+            t = mul(ta, b.emit("div", (f(1), b.emit("add", (x, f(1)), "f32")), "f32"))
+        elif pr == "tanh":
+            t = mul(b.emit("sub", (f(1), b.emit("mul", (out, out), "f32")), "f32"), ta)
+        elif pr == "one_minus_square":
+            t = mul(mul(x, f(-2)), ta)
+        elif pr == "logistic":
+            t = mul(mul(out, b.emit("sub", (f(1), out), "f32")), ta)
+        elif pr == "sqrt":
+            t = mul(ta, b.emit("div", (f(0.5), out), "f32"))
+        elif pr == "rsqrt":
+            t = mul(ta, mul(b.emit("div", (out, x), "f32"), f(-0.5)))
+        elif pr == "square":
+            t = mul(mul(x, f(2)), ta)
+        elif pr == "integer_pow":
+            n = e.param
+            t = mul(mul(f(n), b.emit("integer_pow", (x,), "f32", n - 1) if n != 1 else f(1)),
+                    ta)
+        elif pr == "convert_element_type":
+            t = ta
+        elif pr == "select_n":
+            t = None if all(v is None for v in ts[1:]) else b.emit(
+                "select_n", (x,) + tuple(v if v is not None else f(0) for v in ts[1:]), "f32")
+        elif pr == "clamp":  # clamp(lo, x, hi)
+            lo, xx, hi = args
+            tlo, tx, thi = ts
+            inside = b.emit("and", (b.emit("gt", (xx, lo), "bool"),
+                                    b.emit("lt", (xx, hi), "bool")), "bool")
+            t = add(add(sel(inside, tx, None), sel(b.emit("gt", (lo, xx), "bool"), tlo, None)),
+                    sel(b.emit("lt", (hi, xx), "bool"), thi, None))
+        elif pr == "rem":
+            q = b.emit("div", (x, y), "f32")
+            k = b.emit("mul", (b.emit("sign", (q,), "f32"),
+                               b.emit("floor", (b.emit("abs", (q,), "f32"),), "f32")), "f32")
+            t = add(ta, mul(b.emit("neg", (k,), "f32"), tb))
+        else:
+            raise NotImplementedError(f"no derivative rule for primitive '{pr}'")
+        if t is not None:
+            tan[e.out] = t
+    value = val(p.outs[0])
+    d = T(p.outs[0]) if isinstance(p.outs[0], str) else None
+    return _dce(Program(p.inputs, tuple(b.eqns), (value, d if d is not None else f(0))))
