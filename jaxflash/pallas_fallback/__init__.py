@@ -186,13 +186,24 @@ def _compiler_params(pc, interpret):
     return cls(num_warps=pc.num_warps, num_stages=pc.num_stages)
 
 
-def _choose(q, arrays, spec, interpret):
+# Shared memory per (query, key) element that Triton's layout conversions take for a score
+# mod reading a table per element (aux of rank >= 2, e.g. T5's bias table): three 32-bit
+# tiles (with the kernel's tiles halved that leaves room for what Triton asked for).
+# The stream estimate does not see them; on an H200 T5 + window + softcap at D = 64 asked for
+# 240 KB of the 227 KB there are without this reserve.
+_MOD_TABLE_SCRATCH_BYTES = 12
+
+
+def _choose(q, arrays, spec, interpret, mods=None):
     """The tuned tiles, shrunk to the GPU's shared memory given the dense operands streamed
-    per tile (bias in its dtype, mask as int8). Under a block mask the forward, dQ and dK / dV
-    tiles are at most its blocks (powers of two both, so each mask tile is whole kernel
-    blocks: the lists index mask tiles, the kernels walk their blocks)."""
+    per tile (bias in its dtype, mask as int8) and a table-reading score mod's scratch. Under a
+    block mask the forward, dQ and dK / dV tiles are at most its blocks (powers of two both,
+    so each mask tile is whole kernel blocks: the lists index mask tiles, the kernels walk
+    their blocks)."""
     dense = (0 if arrays.bias is None else jnp.dtype(arrays.bias.dtype).itemsize) + (
         0 if arrays.mask is None else 1)
+    if mods is not None and mods.has_score and any(len(s) >= 2 for s, _ in mods.aux_avals):
+        dense += _MOD_TABLE_SCRATCH_BYTES
     cfg = _config.choose(spec.H, spec.Hv, str(q.dtype), interpret=interpret,
                          dense_bytes=dense)
     if arrays.block_mask is not None:
@@ -218,7 +229,7 @@ def forward(q, k, v, arrays, statics, *, interpret=False, config=None):
 
 def _forward(q, k, v, arrays, statics, interpret, config):
     spec = _spec(q, k, v, arrays, statics)
-    cfg = config or _choose(q, arrays, spec, interpret)
+    cfg = config or _choose(q, arrays, spec, interpret, statics.mods)
     return _fwd.forward(q, k, v, _operands(arrays, spec), spec, cfg.fwd, interpret=interpret,
                         compiler_params=_compiler_params(cfg.fwd, interpret))
 
@@ -265,7 +276,7 @@ def _join_reduced(parts, pieces, shape, qshape):
 
 def _backward(q, k, v, arrays, statics, out, lse, dout, interpret, config):
     spec = _spec(q, k, v, arrays, statics)
-    cfg = config or _choose(q, arrays, spec, interpret)
+    cfg = config or _choose(q, arrays, spec, interpret, statics.mods)
     ops = _operands(arrays, spec)
     dout = dout.astype(q.dtype)
     # delta = rowsum(dO * O): see bwd's docstring for why this is plain XLA.

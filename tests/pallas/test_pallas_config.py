@@ -122,3 +122,30 @@ def test_target_arch_from_env(monkeypatch):
     assert config.target_arch() == (10, 0)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     assert config.target_arch() == (9, 0)
+
+
+def test_table_reading_score_mod_reserves_shared_memory(monkeypatch):
+    """A score mod that reads a table per element (T5's bias table) gets smaller tiles than the
+    same call without it (Triton's layout conversions for the gather take shared memory the
+    stream estimate does not count); a per-head aux (ALiBi slopes) does not."""
+    from jaxflash import mods
+    from jaxflash.mods.spec import make_spec
+    from jaxflash.pallas_fallback import _choose, _spec
+    from jaxflash._types import AttentionArrays
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    q = jax.ShapeDtypeStruct((1, 300, 4, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 333, 2, 64), jnp.bfloat16)
+    arrays = AttentionArrays()
+    st = AttentionStatics(scale=0.125)
+    spec = _spec(q, k, k, arrays, st)
+    t5, _ = make_spec(score_mod=mods.t5_bias(0), aux=(jnp.zeros((32, 4), jnp.float32),))
+    alibi, _ = make_spec(score_mod=mods.alibi(0), aux=(jnp.zeros((4,), jnp.float32),))
+    plain = _choose(q, arrays, spec, False)
+    assert _choose(q, arrays, spec, False, alibi) == plain
+
+    def elems(c):
+        return c.block_q * c.block_k * c.num_stages
+
+    reserved = _choose(q, arrays, spec, False, t5)
+    for kind in ("fwd", "dq", "dkdv"):
+        assert elems(getattr(reserved, kind)) < elems(getattr(plain, kind)), kind
