@@ -130,7 +130,9 @@ def main(argv=None):
                                                / (dense_flops / t["dense_fwdbwd"].median_s))
         print(json.dumps(row), flush=True)
         rows.append(row)
-    text = json.dumps({"device": str(jax.devices()[0]), "rows": rows}, indent=1)
+    from benchmarks import envinfo
+    text = json.dumps({"env": envinfo.collect(), "device": str(jax.devices()[0]), "rows": rows},
+                      indent=1)
     if a.out == "-":
         print(text)
     else:
