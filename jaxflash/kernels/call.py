@@ -70,6 +70,9 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
             n_cols = -(-(T if backward else S) // cols)
             table = mod_blocks.table_from_block_mask(arrays.block_mask, rows, cols, backward, N,
                                                      K, n_cols)
+        if table is None and off is None and not mod_blocks.reads_aux(cfg.mask_mod):
+            table = jnp.asarray(mod_blocks.constant_table(cfg.mask_mod, backward, B, N, K, T,
+                                                          S, cfg.tile_m, cfg.tile_n))
         if table is None and backward:
             table = mod_blocks.backward_table(cfg.mask_mod, aux, B, N, K, T, S, cfg.tile_m,
                                               cfg.tile_n, off)

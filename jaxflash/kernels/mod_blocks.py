@@ -11,12 +11,18 @@ Elements past the sequence ends are "don't care" (the kernels mask the key tail 
 store rows past T). Dims the program ignores are kept at size 1 (`FwdConfig` reads them
 broadcast). The backward's table (rows = key blocks) is the union over each GQA group's query
 heads, since one CTA walks them all with one range. Cost: the mask is evaluated once per
-element in XLA, blockwise (``lax.map`` over block rows), fused with the reductions.
+element in XLA, blockwise (``lax.map`` over block rows), fused with the reductions. A mask
+that reads no aux array (causal, windows, chunks, a fixed prefix) has the same table for every
+call of a shape: `constant_table` computes it once, while tracing, and the kernel gets it as a
+constant, so no call pays for the evaluation (with aux, the caller's `BlockMask` does that).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxflash.kernels.variants.mod_program import parse
@@ -181,3 +187,22 @@ def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: boo
         ne = ne.reshape(ne.shape[0], K, G, *ne.shape[2:]).any(2)
         full = full.reshape(full.shape[0], K, G, *full.shape[2:]).all(2)
     return ranges(ne, full)
+
+
+def reads_aux(mask_text: str) -> bool:
+    """Whether the mask program's output depends on an aux array."""
+    prog = parse(mask_text)
+    return any(prog.uses(n) for n, _, _ in prog.inputs if n.startswith("x"))
+
+
+@functools.lru_cache(maxsize=64)
+def constant_table(mask_text: str, backward: bool, B: int, N: int, K: int, T: int, S: int,
+                   tile_m: int, tile_n: int) -> np.ndarray:
+    """The table of a mask that reads no aux (`reads_aux` false), evaluated now (also inside a
+    trace) and kept per shape: a host array the caller embeds as a constant."""
+    with jax.ensure_compile_time_eval():
+        if backward:
+            t = backward_table(mask_text, (), B, N, K, T, S, tile_m, tile_n)
+        else:
+            t = forward_table(mask_text, (), B, N, T, S, tile_m, tile_n)
+        return np.asarray(t, np.int32)

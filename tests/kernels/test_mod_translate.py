@@ -231,3 +231,32 @@ def test_block_tables_of_a_shard_use_global_indices():
     shard = np.asarray(mod_blocks.forward_table(text, (), 2, 2, 200, 200, 64, 32,
                                                 jnp.array([1, 2], jnp.int32)))
     assert (shard == whole[1:3, 2:4]).all()
+
+
+def test_aux_free_masks_get_a_constant_table_once_per_shape():
+    """A mask_mod that reads no aux (causal, a window) has its table computed once, while
+    tracing, equal to the per-call one; a mask that reads aux does not qualify."""
+    from jaxflash.mods import library as L
+    causal = mp.to_text(mp.mask_program(L.causal()))
+    window = mp.to_text(mp.mask_program(L.sliding_window(40, 3)))
+    docs = jnp.asarray(np.repeat(np.arange(3), 100)[None], jnp.int32)
+    document = mp.to_text(mp.mask_program(L.document(), (docs,)))
+    assert not mod_blocks.reads_aux(causal) and not mod_blocks.reads_aux(window)
+    assert mod_blocks.reads_aux(document)
+    for text in (causal, window):
+        for backward in (False, True):
+            args = (text, backward, 2, 4, 2, 300, 333, 64, 32)
+            mod_blocks.constant_table.cache_clear()
+
+            @jax.jit
+            def traced(_):   # computed while tracing: a constant, not a program
+                return jnp.asarray(mod_blocks.constant_table(*args))
+
+            got = np.asarray(traced(0))
+            assert "while" not in jax.jit(traced).lower(0).as_text()
+            want = (mod_blocks.backward_table(text, (), 2, 4, 2, 300, 333, 64, 32) if backward
+                    else mod_blocks.forward_table(text, (), 2, 4, 300, 333, 64, 32))
+            assert (got == np.asarray(want)).all()
+            assert mod_blocks.constant_table.cache_info().misses == 1
+            mod_blocks.constant_table(*args)
+            assert mod_blocks.constant_table.cache_info().hits >= 1

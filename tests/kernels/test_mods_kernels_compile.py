@@ -89,10 +89,11 @@ def test_mod_variant_compiles_clean(case, direction, monkeypatch, tmp_path):
         assert spills and max(spills) <= budget, report
 
 
-def test_unverified_mod_variants_are_gated(monkeypatch):
-    """Until their GPU check (tests/kernels/test_mods_gpu.py) passes on the H200, the mods'
-    variants are pending: the plan refuses them without the switch."""
+def test_mod_variants_are_dispatched_without_the_switch(monkeypatch):
+    """The mods' variants passed their GPU checks (tests/kernels/test_mods_gpu.py on the H200):
+    the plan picks them with no switch set, forward and backward."""
     monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
-    spec, _ = make_spec(None, L.causal(), ())
-    with pytest.raises(NotImplementedError, match="mask_mod.*not\\s+yet checked on a GPU"):
-        _launch("fwd", _problem(spec))
+    spec, _ = make_spec(L.softcap(30.0), L.causal(), ())
+    for direction in ("fwd", "bwd"):
+        launch = _launch(direction, _problem(spec))
+        assert launch.config.mask_mod and launch.config.score_mod, launch.name

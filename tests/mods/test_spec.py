@@ -66,16 +66,21 @@ def test_changing_aux_never_recompiles():
 
 
 def test_explain_names_who_cannot_serve_mods():
-    """On CUDA: cuDNN refuses mods by name; cute serves them or says why not (here, without a
-    GPU: its variant with the mods is not yet checked on one); pallas is next in line."""
+    """On CUDA the CuTe kernels serve mods (translated into the kernels, checked on the H200);
+    cuDNN refuses them by name; a mod the kernels cannot translate falls to Pallas, and explain
+    says why."""
     with jaxflash.target_platform("cuda"):
         plan = jaxflash.explain(_Q, _K, _K, score_mod=mods.softcap(5.0), mask_mod=mods.causal())
-    text = str(plan)
-    assert plan.backend in ("cute", "pallas"), text
-    assert "'cudnn' refused: score_mod / mask_mod" in text
-    if plan.backend == "pallas":
-        assert "'cute' refused: " in text and "mod" in text.split("'cute' refused: ")[1]
-    assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
+        text = str(plan)
+        assert plan.backend == "cute" and "FlashBwdSm90" in text, text
+        assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
+        cudnn = str(jaxflash.explain(_Q, _K, _K, mask_mod=mods.causal(), implementation="cudnn"))
+        assert "'cudnn' refused: score_mod / mask_mod" in cudnn, cudnn
+        # a cumulative sum has no kernel translation: Pallas runs, and cute's refusal is named
+        odd = lambda s, b, h, qi, ki: s + jnp.cumsum(jnp.ones(3))[1]
+        plan = jaxflash.explain(_Q, _K, _K, score_mod=odd)
+        text = str(plan)
+    assert plan.backend in ("pallas", "xla") and "'cute' refused: " in text, text
 
 
 def test_pallas_refuses_what_it_cannot_translate():

@@ -31,14 +31,10 @@ def allowed() -> bool:
 # feature's checks are listed in docs/design.md.
 # Every bf16 / fp16 feature the configs can express has been cleared; a new one is named here
 # until then, e.g. "FwdConfig": (("a new mask", lambda c: c.new_mask),). The FP8 forward was
-# cleared by tests/kernels/test_fp8_gpu.py on the H200 (its log is in benchmarks/results);
-# the score / mask mods (compiled and PTX-checked here) until tests/kernels/test_mods_gpu.py
-# passes with the switch on.
+# cleared by tests/kernels/test_fp8_gpu.py on the H200, the score / mask mods by
+# tests/kernels/test_mods_gpu.py and tests/mods/test_mods_gpu.py, both without sanitizer runs
+# (their logs are in benchmarks/results).
 RULES: dict[str, tuple] = {
-    "FwdConfig": (("score_mod", lambda c: bool(c.score_mod)),
-                  ("mask_mod", lambda c: bool(c.mask_mod))),
-    "BwdConfig": (("score_mod", lambda c: bool(c.score_mod)),
-                  ("mask_mod", lambda c: bool(c.mask_mod))),
     # Every sm_100a variant: no Blackwell GPU has run them yet. Cleared by the first-run kit's
     # float64 checks and sanitizers on a B200.
     "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
