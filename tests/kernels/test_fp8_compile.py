@@ -44,6 +44,12 @@ MATRIX = [
     Fp8FwdConfig(head_dim=64, tile_m=192, is_causal=True),
     # FlashAttention-3's wider FP8 key tile at hd 128 (benchmarks/fp8_bench.py --tiles)
     Fp8FwdConfig(head_dim=128, tile_n=224, is_causal=True, mask_select=True),
+    # V^T from the XLA side: TMA straight into the V^T stages, no transpose in the kernel
+    Fp8FwdConfig(head_dim=128, v_transposed=True),
+    Fp8FwdConfig(head_dim=256, is_causal=True, mask_select=True, q_blocks=True, k_blocks=True,
+                 v_blocks=True, v_transposed=True),
+    Fp8FwdConfig(head_dim=64, has_window=True, has_softcap=True, has_kv_seqlen=True,
+                 v_transposed=True),
 ]
 
 
@@ -57,8 +63,11 @@ def test_fp8_variant_compiles_with_e4m3_wgmma_and_no_spills(cfg, tmp_path):
     for n in (cfg.tile_n, cfg.head_dim_v):  # S = Q K^T, O += P V^T
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3" in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # P to e4m3, two at a time
-    assert "prmt.b32" in ptx  # V's byte transpose
-    assert "ld.shared.b32" in ptx and "st.shared.b32" in ptx
+    if cfg.v_transposed:  # nothing transposed in the kernel
+        assert "prmt.b32" not in ptx and "st.shared.b32" not in ptx
+    else:
+        assert "prmt.b32" in ptx  # V's byte transpose
+        assert "ld.shared.b32" in ptx and "st.shared.b32" in ptx
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "ex2.approx" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     if cfg.has_softcap:
@@ -161,3 +170,38 @@ def test_kernel_constants_follow_the_contract():
     assert P_SHIFT_LOG2 == contract.P_SCALE_LOG2
     for c in MATRIX[:6]:  # the default tiles dispatch picks
         assert c.tile_n == contract.FWD_KV_TILE and c.tile_m % 128 == 0
+
+
+def test_pre_transposed_v_is_in_the_order_p_is_packed():
+    """`fp8_v_layout` puts key 16c + 2q + KEY_OFFSETS[i] at position 16c + 4q + i (the order
+    the in-kernel transpose writes and P's registers pack), zero-pads the keys to a multiple
+    of 16, and moves the keys last (contiguous)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxflash.kernels.sm90.v_transpose import KEY_OFFSETS
+    from jaxflash.kernels.variants.fwd_fp8_launch import fp8_v_layout
+    B, S, K, Hv = 2, 37, 3, 8
+    key = np.broadcast_to(np.arange(S)[None, :, None, None], (B, S, K, Hv)).astype(np.float32)
+    vt = np.asarray(fp8_v_layout(jnp.asarray(key + 1)))   # +1: padding shows as 0
+    assert vt.shape == (B, K, Hv, 48)
+    for p in range(48):
+        c, q, i = p // 16, (p % 16) // 4, p % 4
+        want = 16 * c + 2 * q + KEY_OFFSETS[i]
+        got = vt[:, :, :, p]
+        assert (got == (want + 1 if want < S else 0)).all(), (p, want, got.ravel()[:4])
+
+
+def test_pre_transposed_v_waits_for_its_gpu_check(monkeypatch):
+    """Dispatch picks the in-kernel transpose until the V^T variant is cleared; the switch
+    admits it."""
+    from jaxflash._types import AttentionStatics, Fp8Spec, Problem
+    from jaxflash.kernels.policy.choose import fp8_forward_config
+    spec = Fp8Spec(q_block=512, k_block=512, v_block=512, granularity=("tensor",) * 3)
+    p = Problem(batch=2, q_len=512, kv_len=512, num_heads=4, num_kv_heads=4, head_dim=128,
+                head_dim_v=128, dtype="float8_e4m3fn",
+                statics=AttentionStatics(scale=0.1, fp8=spec), platform="cuda")
+    monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
+    assert not fp8_forward_config(p).v_transposed
+    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
+    assert fp8_forward_config(p).v_transposed

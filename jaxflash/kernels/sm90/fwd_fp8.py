@@ -138,7 +138,11 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
             if const_expr(t.element_type != Float32):
                 raise TypeError("lse and the descales must be float32")
 
-        mQ, mK, mV, mO = [layouts.select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mQ, mK, mO = [layouts.select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
+        if const_expr(self.cfg.v_transposed):
+            mV = layouts.select_modes(mV, [2, 3, 1, 0])  # V^T [B, K, Hv, Sp] -> (Hv, Sp, K, B)
+        else:
+            mV = layouts.select_modes(mV, [1, 3, 2, 0])
         mLSE = layouts.select_modes(mLSE, [2, 1, 0])  # (T, N, B)
 
         K_ = cute.nvgpu.OperandMajorMode.K
@@ -160,8 +164,12 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         tma_Q, tma_mQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_layout, (self.tile_m, self.hd))
         tma_K, tma_mK = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.select(sK_layout, mode=[0, 1]), (self.tile_n, self.hd), 1)
-        tma_V, tma_mV = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdv), 1)
+        if const_expr(self.cfg.v_transposed):  # straight into the V^T stages
+            tma_V, tma_mV = cpasync.make_tiled_tma_atom(
+                g2s, mV, cute.select(sVt_layout, mode=[0, 1]), (self.hdv, self.tile_n), 1)
+        else:
+            tma_V, tma_mV = cpasync.make_tiled_tma_atom(
+                g2s, mV, cute.select(sV_layout, mode=[0, 1]), (self.tile_n, self.hdv), 1)
         tma_O, tma_mO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (self.tile_m, self.hdv))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
@@ -229,16 +237,21 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         pipes = TmaPipelines(self.num_mma_threads)
         pipe_q = pipes.make(storage.mbar_q.data_ptr(), 1, self.q_bytes)
         pipe_k = pipes.make(storage.mbar_k.data_ptr(), self.num_stages, self.k_bytes)
-        # loaded V: TMA -> the producer warpgroup's 4 warps
-        pipe_vr = TmaPipelines(128).make(storage.mbar_vr.data_ptr(), self.num_stages,
-                                         self.v_bytes)
-        # transposed V: the producer warpgroup's 128 threads -> the consumer threads
-        pipe_vt = pipeline.PipelineAsync.create(
-            num_stages=self.num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     self.num_mma_threads),
-            barrier_storage=storage.mbar_vt.data_ptr(), defer_sync=True)
+        pipe_vr = None
+        if const_expr(self.cfg.v_transposed):
+            # V^T from global memory: TMA -> the consumers, as K
+            pipe_vt = pipes.make(storage.mbar_vt.data_ptr(), self.num_stages, self.v_bytes)
+        else:
+            # loaded V: TMA -> the producer warpgroup's 4 warps
+            pipe_vr = TmaPipelines(128).make(storage.mbar_vr.data_ptr(), self.num_stages,
+                                             self.v_bytes)
+            # transposed V: the producer warpgroup's 128 threads -> the consumer threads
+            pipe_vt = pipeline.PipelineAsync.create(
+                num_stages=self.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         self.num_mma_threads),
+                barrier_storage=storage.mbar_vt.data_ptr(), defer_sync=True)
         pipes.init_done()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -288,7 +301,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
                       pipeline.make_pipeline_state(P.Producer, self.num_stages),  # V staged
                       pipeline.make_pipeline_state(P.Consumer, self.num_stages),  # V read
                       pipeline.make_pipeline_state(P.Producer, self.num_stages))  # V^T
-            pargs = (mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, sQ, sK, sVr, tma_Q, tma_K, tma_V,
+            sV_in = sVt if self.cfg.v_transposed else sVr  # where TMA puts V
+            pargs = (mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, sQ, sK, sV_in, tma_Q, tma_K, tma_V,
                      pipe_q, pipe_k, pipe_vr, pipe_vt, raw_words, vt_words, sV_layout,
                      sVt_layout, blocks, warp_idx, tidx)
             if const_expr(self.persistent):
@@ -342,10 +356,57 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         n_min, n_max, _sq, _sk = self.tile_bounds(m_block, head, batch, mQ, mK, mQSeqlen,
                                                   mKVSeqlen, (mQBlk, None), blocks)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
+        if const_expr(self.cfg.v_transposed):
+            # (with v_transposed the V slot of pargs holds the V^T stages)
+            return self.produce_fp8_vt(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q,
+                                       pipe_k, pipe_vt, m_block, head, kv_head, batch, n_min,
+                                       n_max, blocks, warp_idx, states)
         return self.produce_fp8(mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
                                 pipe_vr, pipe_vt, raw_words, vt_words, sV_layout, sVt_layout,
                                 m_block, head, kv_head, batch, n_min, n_max, blocks, warp_idx,
                                 tidx, states)
+
+    @cute.jit
+    def produce_fp8_vt(self, mQ, mK, mVt, sQ, sK, sVt, tma_Q, tma_K, tma_V, pipe_q, pipe_k,
+                       pipe_vt, m_block: Int32, head: Int32, kv_head: Int32, batch: Int32,
+                       n_min: Int32, n_max: Int32, blocks: BlockRange, warp_idx: Int32, states):
+        """The producer's tile when V arrives transposed (``v_transposed``): warp 0 TMA-loads K,
+        Q and V^T (straight into the consumers' V^T stages) in the consumers' order (right to
+        left), one block ahead; no transpose. Returns the advanced states."""
+        gQ = blocks.row_box(mQ[None, None, head, batch], m_block, self.hd)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], (self.tile_n, self.hd), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, kv_head, batch], (self.hdv, self.tile_n),
+                              (0, None))
+        q_state, k_state, vr_state, vr_read, vt_state = states
+        count = n_max - n_min
+        if warp_idx == 0:
+            tQsQ, tQgQ = layouts.tma_tiles(tma_Q, sQ, gQ)
+            tKsK, tKgK = layouts.tma_tiles(tma_K, sK, gK)
+            tVsV, tVgV = layouts.tma_tiles(tma_V, sVt, gVt)
+            if count > 0:
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_K, tKgK[None, n_max - 1], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                k_state.advance()
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if count > 0:
+                pipe_vt.producer_acquire(vt_state)
+                cute.copy(tma_V, tVgV[None, n_max - 1], tVsV[None, vt_state.index],
+                          tma_bar_ptr=pipe_vt.producer_get_barrier(vt_state))
+                vt_state.advance()
+            for i in cutlass.range(count - 1, unroll=1):
+                n = n_max - 2 - i
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_K, tKgK[None, n], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                k_state.advance()
+                pipe_vt.producer_acquire(vt_state)
+                cute.copy(tma_V, tVgV[None, n], tVsV[None, vt_state.index],
+                          tma_bar_ptr=pipe_vt.producer_get_barrier(vt_state))
+                vt_state.advance()
+        return q_state, k_state, vr_state, vr_read, vt_state
 
     @cute.jit
     def produce_fp8(self, mQ, mK, mV, sQ, sK, sVr, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_vr,

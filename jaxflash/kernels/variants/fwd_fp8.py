@@ -46,6 +46,10 @@ class Fp8FwdConfig(FwdConfig):
     tile_m: 128, or 192 at head dim 64 (three consumer warpgroups at 160 registers, as the bf16
     kernel's hd 64 picks). persistent: one CTA per SM loops over tiles (O in its own buffer, so only where it fits:
     up to hd 128): the producer warpgroup walks the same tile sequence.
+    v_transposed: V arrives as V^T [B, K, Hv, Sp] (keys contiguous, in the order P is packed
+    in: `fp8_v_layout`; Sp = S rounded up to 16), written by the XLA step before the launch
+    (fused into `precision="fp8"`'s quantization), and TMA loads it as the PV GEMM reads it:
+    the producer warpgroup transposes nothing.
     Other fields: `FwdConfig` (ALiBi, the tile pipe and 64/192/256-row tiles are refused;
     lazy_rescale not with v blocks).
     """
@@ -55,6 +59,7 @@ class Fp8FwdConfig(FwdConfig):
     q_blocks: bool = False
     k_blocks: bool = False
     v_blocks: bool = False
+    v_transposed: bool = False
 
     def __post_init__(self):
         tm, tn = _FP8_TILES.get(self.head_dim, (128, 128))
@@ -80,7 +85,7 @@ class Fp8FwdConfig(FwdConfig):
         if self.tile_n % 32 or not 32 <= self.tile_n <= 256:
             return False, (f"tile_n {self.tile_n} must be a multiple of 32 in [32, 256] (the "
                            "FP8 PV GEMM's k-block is 32 keys)")
-        if (self.tile_n // 32) * (self.head_dim_v // 16) % 4:
+        if not self.v_transposed and (self.tile_n // 32) * (self.head_dim_v // 16) % 4:
             return False, (f"tile_n {self.tile_n} x head dim {self.head_dim_v}: the V transpose "
                            "splits (tile_n / 32) x (hdv / 16) block groups over 4 warps")
         if self.tile_pipe or self.wg_epilogue or self.tile_order != "auto":
@@ -130,7 +135,7 @@ class Fp8FwdConfig(FwdConfig):
         blocks = "".join(n for n, on in (("q", self.q_blocks), ("k", self.k_blocks),
                                             ("v", self.v_blocks)) if on)
         base = base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
-        return base + (f"_sb{blocks}" if blocks else "")
+        return base + (f"_sb{blocks}" if blocks else "") + ("_vt" if self.v_transposed else "")
 
 
 def can_implement(config: Fp8FwdConfig | None = None, **problem) -> tuple[bool, str]:

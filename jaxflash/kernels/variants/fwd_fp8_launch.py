@@ -1,7 +1,8 @@
 """How the bridge launches the Hopper FP8 forward kernel: its `jaxflash.ffi.Launch` (DSL-free).
 
 Tensors: q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] float8_e4m3fn (row-major: V is
-transposed inside the kernel), then optional q_seqlen / kv_seqlen [B] int32 and the segment
+transposed inside the kernel; with ``v_transposed`` v is V^T [B, K, Hv, Sp] as `fp8_v_layout`
+writes it), then optional q_seqlen / kv_seqlen [B] int32 and the segment
 inputs (as `fwd_launch`), then q_descale [B, N, nq], k_descale [B, K, nk], v_descale [B, K, nv]
 float32 (nb = 1, or one per tile of rows with the config's q_blocks / k_blocks / v_blocks);
 outputs o [B, T, N, Hv] (``out_dtype``) and lse [B, N, T] float32. Scalars as `fwd_launch`.
@@ -20,6 +21,9 @@ KERNEL_REF = KERNELS["sm90_fwd_fp8"].kernel_class()
 def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
     hv = config.head_dim_v
     inputs = core_inputs(config)
+    if config.v_transposed:  # V^T [B, K, Hv, Sp], Sp a multiple of 16 (TMA row strides)
+        inputs[2] = TensorArg(config.dtype, (None, None, hv, None),
+                              divisibility=(None, None, None, 16))
     # descales: 4-byte aligned rows of any length (no TMA reads them)
     inputs += [TensorArg("float32", (None, None, None), align=4) for _ in range(3)]
     outputs = (TensorArg(config.out_dtype, (None, None, None, hv)),
@@ -27,6 +31,25 @@ def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
     return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
+
+
+def fp8_v_layout(v):
+    """V [B, S, K, Hv] -> V^T [B, K, Hv, Sp] for a ``v_transposed`` variant: keys contiguous
+    (FP8 wgmma reads its B operand K-major), zero-padded to Sp = a multiple of 16, and permuted
+    within each 16 so that position 16c + 4q + 2a + b holds key 16c + 8a + 2q + b: the order in
+    which a thread's score accumulator packs into the FP8 A operand
+    (`layouts.acc_as_fp8_operand_a`; `sm90.v_transpose` writes the same order in the kernel).
+    Keys past S are zeros the kernel masks. One XLA transpose (fused into a quantization that
+    produces V)."""
+    import jax.numpy as jnp
+    B, S, K, Hv = v.shape
+    Sp = -(-S // 16) * 16
+    if Sp != S:
+        v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
+    # key = 16c + 8a + 2q + b  ->  position 16c + 4q + 2a + b
+    v = v.reshape(B, Sp // 16, 2, 4, 2, K, Hv)                  # (B, c, a, q, b, K, Hv)
+    v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))                 # (B, K, Hv, c, q, a, b)
+    return v.reshape(B, K, Hv, Sp)
 
 
 def fwd_fp8_inputs(config: Fp8FwdConfig, q, k, v, q_descale, k_descale, v_descale,
@@ -40,7 +63,7 @@ def fwd_fp8_inputs(config: Fp8FwdConfig, q, k, v, q_descale, k_descale, v_descal
     from jaxflash.kernels.common.segments import block_summaries
     B, _, N, _ = q.shape
     K = k.shape[2]
-    ins = [q, k, v]
+    ins = [q, k, fp8_v_layout(v) if config.v_transposed else v]
     for flag, name, x in (("has_q_seqlen", "q_seqlen", q_seqlen),
                           ("has_kv_seqlen", "kv_seqlen", kv_seqlen),
                           ("has_segments", "q_segment_ids", q_segment_ids),
