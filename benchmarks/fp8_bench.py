@@ -28,13 +28,17 @@ QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, T
 # `run --tiles`: FP8 variants beside the pick (per-tensor scales: block scales need the
 # contract's 128-key tiles): wider key tiles (FlashAttention-3's FP8 choice at hd 128 is 224)
 # the persistent tile loop (the bf16 kernel's gain at S = 1k) and, at hd 64, 192-row tiles
-# (three consumer warpgroups, the bf16 hd 64 pick).
+# (three consumer warpgroups, the bf16 hd 64 pick); and V^T from the XLA side (`v_transposed`:
+# no transpose in the kernel, the XLA transpose of V inside the timed call).
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
+TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
     64: {"t128": {}, "t192": dict(tile_n=192), "t256": dict(tile_n=256),
-         "persistent": dict(persistent=True), "m192": dict(tile_m=192, mask_select=False)},
+         "persistent": dict(persistent=True), "m192": dict(tile_m=192, mask_select=False),
+         "vt": dict(v_transposed=True)},
     128: {"t128": {}, "t192": dict(tile_n=192), "t224": dict(tile_n=224),
-          "persistent": dict(persistent=True)},
+          "persistent": dict(persistent=True), "vt": dict(v_transposed=True)},
+    256: {"t128": {}, "vt": dict(v_transposed=True)},
 }
 
 
