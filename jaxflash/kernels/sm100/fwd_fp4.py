@@ -520,7 +520,9 @@ class FlashFwdFp4Sm100:
                 mx = cute.arch.fmax(mx, rS[base + i])
             # e_B = floor(y_max + log2 6 - 2), y_max = max * c - m log2 e  ("ocp" rule)
             e = dp.floor_s32(mx * c + (Float32(C.P_SCALE_OCP_OFFSET) - mc))
-            u = cutlass.max(e, Int32(-(1 << 20))) + Int32(C.E8M0_BIAS)
+            # (clamped first: cvt.rmi saturates +-inf to INT_MAX / INT_MIN)
+            u = cutlass.min(cutlass.max(e, Int32(-(1 << 20))), Int32(1 << 20)) \
+                + Int32(C.E8M0_BIAS)
             if const_expr(self.cfg.guard_shift is None):
                 zero = u < Int32(C.E8M0_MIN_BYTE)
                 u_work = cutlass.min(cutlass.max(u, Int32(C.E8M0_MIN_BYTE)),

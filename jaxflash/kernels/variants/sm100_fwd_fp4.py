@@ -147,9 +147,11 @@ class Sm100FwdFp4Config:
         return self.tmem_plan().check()
 
     def sf_bytes(self) -> tuple[int, int, int]:
-        """Bytes of one tile's Q, K and V scale chunks."""
+        """Bytes of one tile's Q, K and V scale chunks (V's Hv rows padded to a whole 128-row
+        atom: the scale-factor layouts come in atoms)."""
         qk = TILE_M * self.head_dim // C.QK_BLOCK
-        return qk, TILE_N * self.head_dim // C.QK_BLOCK, self.head_dim_v * TILE_N // C.V_BLOCK
+        v_rows = -(-self.head_dim_v // SF_ATOM_ROWS) * SF_ATOM_ROWS
+        return qk, TILE_N * self.head_dim // C.QK_BLOCK, v_rows * TILE_N // C.V_BLOCK
 
     def smem_bytes(self) -> int:
         q = TILE_M * self.head_dim // 2
