@@ -30,6 +30,11 @@ QK_BLOCK = 16                       # NVFP4 block of Q/K along the head dim
 V_BLOCK = 32                        # MXFP4 block of V along keys (PV MMA's K dimension)
 KEY_TILE = 128                      # key columns per S tile (4 N32 quarters)
 PV_OUTPUT_CORRECTION = 1.0 / 36.0   # P (alpha q / 6) x V (alpha_v q_v / 6): fixed 1/36
+# The kernel's PV MMA multiplies P's codes by 2^(u_B - 127) (Direct-P's p~ = alpha q / 6 without
+# the 1/6) and V's by its OCP MXFP4 scale (formats.mxfp4: v_hat = q 2^(u - 127), the emulator's
+# V), so the MMA sums 6 x sum p~ v_hat: O = acc / (KERNEL_PV_SCALE * L~).  (The paper's 1/36
+# holds when V, too, is stored in the alpha q / 6 convention.)
+KERNEL_PV_SCALE = 6.0
 
 # Block-exponent rule for P: how e_B is chosen from the block's max y (y_max = max_j y_ij).
 #   "ocp":  e_B = floor(y_max + LOG2_6 - 2): the block max lands in [4, 8) on the E2M1 grid

@@ -27,8 +27,9 @@ memory double buffering of S and mbarrier handshakes):
   layout replicated over the four lane quarters, which the row-owning warps cannot write
   themselves). The denominator term alpha'_B * (c_B / 6) is built from the same codes
   (`direct_p.code_sum2`: byte permutes, carry-free adds, one DP4A).
-- Epilogue: O * 1/(36 L) (MXFP4 P x MXFP4 V carry the fixed 1/36), LSE = m + L_shift ln 2 +
-  ln L, O in bfloat16 straight from registers.
+- Epilogue: O = acc / (6 L) (the MMA applies P's E8M0 scale without Direct-P's 1/6:
+  `constants.KERNEL_PV_SCALE`), LSE = m + L_shift ln 2 + ln L, O in bfloat16 straight from
+  registers.
 
 Not done here: two Q tiles per CTA (the paper's 16-warp ping-pong schedule), early publication
 of the first K64 half of P, the accurate policy's denominator in the correction warpgroup
@@ -567,7 +568,7 @@ class FlashFwdFp4Sm100:
     @cute.jit
     def epilogue(self, ct: Int32, tOtO, mbar, sFinal, mRef, mO, mLSE, m_block: Int32,
                  head: Int32, batch: Int32, count: Int32, seqlen_q: Int32):
-        """O / (36 L) in bfloat16, LSE = m + L_shift ln 2 + ln L (natural log, logit units)."""
+        """acc / (6 L) in bfloat16, LSE = m + L_shift ln 2 + ln L (natural log, logit units)."""
         chunk = 32
         tOtO_c = cute.make_tensor(tOtO.iterator,
                                   cute.composition(tOtO.layout, cute.make_layout((TILE_M, chunk))))
@@ -585,7 +586,7 @@ class FlashFwdFp4Sm100:
         inv = Float32(0.0)
         lse = Float32(-Float32.inf)
         if den > Float32(0.0):
-            inv = cute.arch.rcp_approx(den * Float32(1.0 / C.PV_OUTPUT_CORRECTION))
+            inv = cute.arch.rcp_approx(den * Float32(C.KERNEL_PV_SCALE))
             lse = m + Float32(self.shift * LN2) + cute.math.log2(den, fastmath=True) \
                 * Float32(LN2)
         cute.arch.mbarrier_wait(mbar + _O_FINAL, 0)
