@@ -506,16 +506,16 @@ class FlashFwdFp4Sm100:
         rS = cute.make_rmem_tensor(s_shape, Float32)
         cute.copy(tiled_ld, cute.make_tensor(tSt.iterator + shift, tSt.layout), rS)
         cute.arch.fence_view_async_tmem_load()
-        if const_expr(mask_tail):
-            limit = seqlen_k - j * TILE_N
-            for i in cutlass.range_constexpr(TILE_N):
-                rS[i] = Float32(cutlass.select_(i < limit, rS[i], -Float32.inf))
+        limit = seqlen_k - j * TILE_N   # keys past the sequence (last tile only): -inf
         rP = cute.make_rmem_tensor(p_shape, Int32)
         neg_inf = Float32(-Float32.inf)
         page = Int32(0)
         A, B = self.A, self.B
         for b in cutlass.range_constexpr(TILE_N // C.P_BLOCK):
             base = b * C.P_BLOCK
+            if const_expr(mask_tail):
+                for i in cutlass.range_constexpr(base, base + C.P_BLOCK):
+                    rS[i] = Float32(cutlass.select_(i < limit, rS[i], -Float32.inf))
             mx = rS[base]
             for i in cutlass.range_constexpr(1, C.P_BLOCK):
                 mx = cute.arch.fmax(mx, rS[base + i])
