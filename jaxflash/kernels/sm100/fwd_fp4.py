@@ -90,6 +90,12 @@ class FlashFwdFp4Sm100:
         off = config.tmem_offsets()
         self.off = off
         self.tmem_cols = config.tmem_plan().alloc_cols
+        # The PV MMA's A operand (P in TMEM) is addressed from the fragment's layout, i.e.
+        # relative to TMEM address 0 (the DSL's convention, as in `FlashFwdSm100`): right only
+        # when the CTA owns all 512 columns, so its allocation starts at lane 0, column 0.
+        if self.tmem_cols != 512:
+            raise ValueError(f"the FP4 forward allocates all 512 TMEM columns, not "
+                             f"{self.tmem_cols}")
         self.softmax_regs, self.correction_regs, self.other_regs = REGS
         self.num_threads = 384
         pol = config.params
