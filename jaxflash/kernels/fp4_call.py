@@ -28,6 +28,8 @@ def kernel_route(q, k, v, *, is_causal: bool = False, policy: str = "fast",
                        "the non-causal Direct-P forward has one"), None
     if any(np.dtype(x.dtype).name not in _FLOATS for x in (q, k, v)):
         return False, f"the FP4 kernel quantizes {_FLOATS} inputs itself", None
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return False, "the FP4 kernel needs at least one query and one key", None
     H, Hv = q.shape[-1], v.shape[-1]
     ok, why = can_implement(head_dim=H, head_dim_v=Hv)
     if not ok:

@@ -18,7 +18,7 @@ from jaxflash.fp4 import frontend
 from jaxflash.kernels import fp4_call
 from jaxflash.kernels.policy import verified
 
-B, T, S, N, K, H = 1, 256, 384, 4, 2, 128
+B, T, S, N, K, H = 1, 192, 320, 2, 1, 128   # T, S unlike any head dim
 
 
 @pytest.fixture

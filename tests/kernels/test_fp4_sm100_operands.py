@@ -39,12 +39,8 @@ def _inputs(seed=0, ones_v=False):
 
 def _unchunk(chunks, blocks):
     """[..., tiles, chunk] -> [..., tiles, 128, blocks] bytes (inverse of the chunk order)."""
-    c = np.asarray(chunks)
-    out = np.zeros(c.shape[:-1] + (128, blocks), np.uint8)
-    for r in range(128):
-        for b in range(blocks):
-            out[..., r, b] = c[..., scale_atom_offset(r, b)]
-    return out
+    off = np.array([[scale_atom_offset(r, b) for b in range(blocks)] for r in range(128)])
+    return np.asarray(chunks)[..., off]
 
 
 def _rows(chunks, rows, blocks):
