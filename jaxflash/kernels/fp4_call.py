@@ -43,7 +43,7 @@ def kernel_route(q, k, v, *, is_causal: bool = False, policy: str = "fast",
         return False, f"the sm_100a FP4 kernel cannot serve: {e}", None
     pending = verified.pending(cfg)
     if pending and not verified.allowed():
-        return False, (f"the sm_100a FP4 kernel {cfg.key} is {', '.join(pending)}; set "
+        return False, (f"the sm_100a FP4 kernel {cfg.key} is gated: {', '.join(pending)}; set "
                        f"{verified.ENV}=1 to run it"), cfg
     return True, (f"sm_100a FP4 Direct-P kernel {cfg.key} (compiled and instruction-checked "
                   f"only; admitted by {verified.ENV}=1)"), cfg
