@@ -169,7 +169,7 @@ class FlashFwdFp4Sm100:
         for lay, nbytes in ((sSFQ_l, self.sfq_bytes), (sSFK_l, self.sfk_bytes),
                             (sSFP_l, TILE_M * TILE_N // C.P_BLOCK),
                             (sSFV_l, self.sfv_bytes)):
-            if cute.cosize(lay) != nbytes * cute.size(lay, mode=[3]):
+            if const_expr(cute.cosize(lay) != nbytes * cute.size(lay, mode=[3])):
                 raise ValueError(f"scale-factor layout {lay} is not {nbytes} B a stage: the "
                                  "chunk order of variants.sm100_fwd_fp4 no longer matches")
 
