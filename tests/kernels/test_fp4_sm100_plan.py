@@ -30,7 +30,7 @@ def test_every_plan_fits_and_overlays_only_retired_s_columns(hd, policy):
     s0, s1, o = plan.region("S0"), plan.region("S1"), plan.region("O")
     for p, s in ((plan.region("P0"), s0), (plan.region("P1"), s1)):
         assert s.start <= p.start and p.end <= s.end
-        assert p.cols == V.P_PAYLOAD_COLS + V.P_PAGE_COLS == 20   # 16 code + 4 page columns
+        assert p.cols == V.P_PAYLOAD_COLS + V.P_HALVES * V.P_PAGE_COLS == 24  # 16 + 2 x 4
         assert not p.overlaps(o)
     # the scale sets (Q once, K / V double-buffered) have columns of their own
     sf = [r for r in plan.regions if r.kind == "SF"]

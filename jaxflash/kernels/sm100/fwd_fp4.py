@@ -14,16 +14,17 @@ memory double buffering of S and mbarrier handshakes):
 - MMA warp: scales SMEM -> TMEM by ``tcgen05.cp`` (32x128b, warpx4), then
   S_j = Q K_j^T by ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16`` (two K64 steps at
   D128) into one of two S buffers; O += P_j V_j by ``kind::mxf4nvf4.block_scale.block32`` with
-  the A operand P_j read from tensor memory and its E8M0 scale page (also in tensor memory,
-  over retired S columns).
+  the A operand P_j read from tensor memory and its E8M0 scale pages (also in tensor memory,
+  over retired S columns), one K64 half at a time as the softmax publishes it.
 - Softmax (Direct-P), per N32 block of its row: block max -> E8M0 byte u_B (zero block if it
   underflows; with the guard u' = max(u, L + 1) - L) -> per score pair ONE packed FMA
   (``fma.rn.f32x2``: score scale, row reference, e_B, log2 6, A and B folded into one
   coefficient pair) and ONE packed convert with the max(0, .) folded in
   (``cvt.rn.satfinite.relu.e2m1x2.f32``); the accurate policy sends every fourth pair through
-  the native EX2 instead. The codes (16 words a row) go to tensor memory over the S columns
-  already read (``tcgen05.st``); the row's four scale bytes go to a shared-memory page that the
-  MMA warp copies over retired S columns (``tcgen05.cp``: the MMA reads scale factors in a
+  the native EX2 instead. Each K64 half (two N32 blocks) is published on its own: its codes
+  (8 words a row) go to tensor memory over the S columns already read (``tcgen05.st``), the
+  row's scale bytes to that half's shared-memory page, which the MMA warp copies over retired
+  S columns (``tcgen05.cp``: the MMA reads scale factors in a
   layout replicated over the four lane quarters, which the row-owning warps cannot write
   themselves). The denominator term alpha'_B * (c_B / 6) is built from the same codes
   (`direct_p.code_sum2`: byte permutes, carry-free adds, one DP4A).
@@ -31,10 +32,10 @@ memory double buffering of S and mbarrier handshakes):
   `constants.KERNEL_PV_SCALE`), LSE = m + L_shift ln 2 + ln L, O in bfloat16 straight from
   registers.
 
-Not done here: two Q tiles per CTA (the paper's 16-warp ping-pong schedule), early publication
-of the first K64 half of P, the accurate policy's denominator in the correction warpgroup
-(here it stays in the softmax for both policies), a persistent tile loop. Nothing here has run
-on a Blackwell GPU: compiled and instruction-checked only.
+Not done here: two Q tiles per CTA (the paper's 16-warp ping-pong schedule), the accurate
+policy's denominator in the correction warpgroup (here it stays in the softmax for both
+policies), a persistent tile loop. Nothing here has run on a Blackwell GPU: compiled and
+instruction-checked only.
 """
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ from jaxflash.kernels.common import layouts
 from jaxflash.kernels.sm100 import direct_p as dp
 from jaxflash.kernels.sm100.fwd import _tmem_fence
 from jaxflash.kernels.variants.sm100_fwd import REGS, TILE_M
-from jaxflash.kernels.variants.sm100_fwd_fp4 import (P_PAYLOAD_COLS, TILE_N,
-                                                     Sm100FwdFp4Config)
+from jaxflash.kernels.variants.sm100_fwd_fp4 import (P_HALF_COLS, P_HALVES, P_PAGE_COLS,
+                                                     P_PAYLOAD_COLS, TILE_N, Sm100FwdFp4Config)
 
 FP4 = cutlass.Float4E2M1FN
 SF_QK = cutlass.Float8E4M3FN
@@ -67,10 +68,11 @@ LN2 = math.log(2.0)
 _MMA_WARP = 8
 _LOAD_WARP = 9
 _S_FULL = 0     # [2] S_j in TMEM (tcgen05.commit)
-_P_FULL = 2     # [2] P_j codes in TMEM + scale page in SMEM (128 softmax threads)
-_O_FINAL = 4    # the last PV complete (tcgen05.commit)
-_FINAL = 5      # row denominators in shared memory (128 softmax threads)
-_NUM_MBAR = 6
+_P_FULL = 2     # [2 x 2] half h of P_j: codes in TMEM + its scale page in SMEM (128 softmax
+                #         threads); index 2 (j % 2) + h
+_O_FINAL = 6    # the last PV complete (tcgen05.commit)
+_FINAL = 7      # row denominators in shared memory (128 softmax threads)
+_NUM_MBAR = 8
 
 
 class FlashFwdFp4Sm100:
@@ -163,7 +165,8 @@ class FlashFwdFp4Sm100:
         tP_l = sm100_helpers.make_smem_layout_a(pv_mma, pv_tiler, FP4, 1)
         sSFQ_l = bsl.make_smem_layout_sfa(qk_mma, qk_tiler, C.QK_BLOCK, 1)
         sSFK_l = bsl.make_smem_layout_sfb(qk_mma, qk_tiler, C.QK_BLOCK, self.num_stages)
-        sSFP_l = bsl.make_smem_layout_sfa(pv_mma, pv_tiler, C.V_BLOCK, 2)
+        # one page per S buffer and K64 half: stage 2 (j % 2) + h
+        sSFP_l = bsl.make_smem_layout_sfa(pv_mma, pv_tiler, C.V_BLOCK, 2 * P_HALVES)
         sSFV_l = bsl.make_smem_layout_sfb(pv_mma, pv_tiler, C.V_BLOCK, self.num_stages)
         # the host-side scale chunks are these layouts' bytes, one stage each
         for lay, nbytes in ((sSFQ_l, self.sfq_bytes), (sSFK_l, self.sfk_bytes),
@@ -230,7 +233,8 @@ class FlashFwdFp4Sm100:
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for i, count in ((_S_FULL, 1), (_S_FULL + 1, 1), (_P_FULL, 128),
-                                 (_P_FULL + 1, 128), (_O_FINAL, 1), (_FINAL, 128)):
+                                 (_P_FULL + 1, 128), (_P_FULL + 2, 128), (_P_FULL + 3, 128),
+                                 (_O_FINAL, 1), (_FINAL, 128)):
                     cute.arch.mbarrier_init(mbar + i, count)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         pipes = {}
@@ -251,10 +255,10 @@ class FlashFwdFp4Sm100:
         sSFK = smem.allocate_tensor(SF_QK, sSFK_l, byte_alignment=128)
         sSFV = smem.allocate_tensor(SF_PV, sSFV_l, byte_alignment=128)
         sSFP = smem.allocate_tensor(SF_PV, sSFP_l, byte_alignment=128)
-        # the P scale pages as 32-bit words: word (r % 32) * 4 + r // 32 of page b holds row
+        # the P scale pages as 32-bit words: word (r % 32) * 4 + r // 32 of a page holds row
         # r's four E8M0 bytes (the atom order of `variants.sm100_fwd_fp4.scale_atom_offset`)
         sSFP_w = cute.make_tensor(cute.recast_ptr(sSFP.iterator, dtype=Int32),
-                                  cute.make_layout((TILE_M, 2), stride=(1, TILE_M)))
+                                  cute.make_layout((TILE_M, 2 * P_HALVES), stride=(1, TILE_M)))
         sFinal = storage.row_final.get_tensor(cute.make_layout(TILE_M))
         smem_sf = (sSFQ.iterator, sSFK.iterator, sSFV.iterator)
 
@@ -431,30 +435,33 @@ class FlashFwdFp4Sm100:
 
     @cute.jit
     def gemm_pv(self, pv_mma, tOrP, tOrV, tOtO, sf, mbar, pv, v_state, j: Int32):
-        """O (+)= P_j V_j (MXFP4 x MXFP4, E8M0 scales per 32 keys), P_j and its scale page
-        (copied from shared memory over retired S columns) from tensor memory."""
+        """O (+)= P_j V_j (MXFP4 x MXFP4, E8M0 scales per 32 keys) in two K64 halves, each
+        issued as soon as the softmax publishes it: its codes in tensor memory, its scale page
+        copied from shared memory over retired S columns."""
         tmem, _, sSFP, sSFV, _, pv_tiler = sf
         o = self.off
         buf = j % 2
         over = buf * (o["P1"] - o["P0"])
-        tSFP = self._sf_tmem(tmem, o["P0"] + P_PAYLOAD_COLS + over, SF_PV,
-                             bsl.make_tmem_layout_sfa, pv_mma, pv_tiler, C.V_BLOCK, sSFP)
         tSFV = self._sf_tmem(tmem, o["SFV0"] + buf * (o["SFV1"] - o["SFV0"]), SF_PV,
                              bsl.make_tmem_layout_sfb, pv_mma, pv_tiler, C.V_BLOCK, sSFV)
-        cute.arch.mbarrier_wait(mbar + _P_FULL + buf, (j // 2) % 2)
-        _tmem_fence(after=True)
-        pv.consumer_wait(v_state)
-        self._s2t(sSFP, tSFP, buf)
-        self._s2t(sSFV, tSFV, v_state.index)
         # P_buf's first E2M1 element, relative to S0's column 0: eight per TMEM column
         tOrPj = cute.make_tensor(tOrP.iterator + 8 * (o["P0"] - o["S0"] + over), tOrP.layout)
         tOrVj = tOrV[None, None, None, v_state.index]
         mma = cute.make_tiled_mma(cute.make_mma_atom(pv_mma.op))
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            mma.set(tcgen05.Field.ACCUMULATE, (j > 0) | (k > 0))
-            mma.set(tcgen05.Field.SFA, tSFP[None, None, k].iterator)
-            mma.set(tcgen05.Field.SFB, tSFV[None, None, k].iterator)
-            cute.gemm(mma, tOtO, tOrPj[None, None, k], tOrVj[None, None, k], tOtO)
+        for h in cutlass.range_constexpr(P_HALVES):
+            tSFP = self._sf_tmem(tmem, o["P0"] + P_PAYLOAD_COLS + h * P_PAGE_COLS + over, SF_PV,
+                                 bsl.make_tmem_layout_sfa, pv_mma, pv_tiler, C.V_BLOCK, sSFP)
+            cute.arch.mbarrier_wait(mbar + _P_FULL + 2 * buf + h, (j // 2) % 2)
+            _tmem_fence(after=True)
+            if const_expr(h == 0):
+                pv.consumer_wait(v_state)
+                self._s2t(sSFV, tSFV, v_state.index)
+            self._s2t(sSFP, tSFP, 2 * buf + h)
+            # half h is MMA k-block h: its codes are columns 8h.., its scales bytes 2h, 2h + 1
+            mma.set(tcgen05.Field.ACCUMULATE, (j > 0) | (h > 0))
+            mma.set(tcgen05.Field.SFA, tSFP[None, None, h].iterator)
+            mma.set(tcgen05.Field.SFB, tSFV[None, None, h].iterator)
+            cute.gemm(mma, tOtO, tOrPj[None, None, h], tOrVj[None, None, h], tOtO)
         pv.consumer_release(v_state)
         v_state.advance()
         return v_state
@@ -470,16 +477,16 @@ class FlashFwdFp4Sm100:
         tSt = thr_ld.partition_S(tStS)
         cS = qk_thr.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         s_shape = thr_ld.partition_D(cS).shape
-        # P codes: 128 E2M1 a row = 16 columns, one tcgen05.st
+        # P codes: 128 E2M1 a row = 16 columns, one tcgen05.st of 8 columns per K64 half
         tStP = cute.make_tensor(tStS.iterator + (self.off["P0"] - self.off["S0"]),
                                 cute.composition(tStS.layout,
-                                                 cute.make_layout((TILE_M, P_PAYLOAD_COLS))))
-        st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(P_PAYLOAD_COLS)),
+                                                 cute.make_layout((TILE_M, P_HALF_COLS))))
+        st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(P_HALF_COLS)),
                                       Int32)
         tiled_st = tcgen05.make_tmem_copy(st_atom, tStP)
         thr_st = tiled_st.get_slice(row)
         tStP_t = thr_st.partition_D(tStP)
-        cP = cute.make_identity_tensor((TILE_M, P_PAYLOAD_COLS))
+        cP = cute.make_identity_tensor((TILE_M, P_HALF_COLS))
         p_shape = thr_st.partition_S(cP).shape
 
         # per-row constants: c = scale log2(e) / (G_q G_k); mc = m log2(e) (m: row reference)
@@ -514,7 +521,7 @@ class FlashFwdFp4Sm100:
         cute.copy(tiled_ld, cute.make_tensor(tSt.iterator + shift, tSt.layout), rS)
         cute.arch.fence_view_async_tmem_load()
         limit = seqlen_k - j * TILE_N   # keys past the sequence (last tile only): -inf
-        rP = cute.make_rmem_tensor(p_shape, Int32)
+        rP = [cute.make_rmem_tensor(p_shape, Int32) for _ in range(P_HALVES)]
         neg_inf = Float32(-Float32.inf)
         page = Int32(0)
         A, B = self.A, self.B
@@ -556,19 +563,27 @@ class FlashFwdFp4Sm100:
                     else:
                         v[2 * p], v[2 * p + 1] = cute.arch.fma_packed_f32x2(
                             (rS[i], rS[i + 1]), (ac, ac), (ab, ab))
-                rP[b * 4 + w] = dp.e2m1x8_relu(v)
-            c2 = dp.code_sum2(rP[b * 4], rP[b * 4 + 1], rP[b * 4 + 2], rP[b * 4 + 3])
+                rP[b // 2][(b % 2) * 4 + w] = dp.e2m1x8_relu(v)
+            words = rP[b // 2]
+            c2 = dp.code_sum2(words[(b % 2) * 4], words[(b % 2) * 4 + 1],
+                              words[(b % 2) * 4 + 2], words[(b % 2) * 4 + 3])
             byte = Int32(cutlass.select_(zero, Int32(0), u_pub))
             page = page | (byte << Int32(8 * b))
             # alpha' (c_B / 6) = 2^(u' - 127) * (2 c_B * 1/12): alpha' last, never alpha'/6
             alpha = dp.as_f32(byte << Int32(23))
             den = den + alpha * (Float32(c2) * Float32(1.0 / 12.0))
-        cute.copy(tiled_st, rP, cute.make_tensor(tStP_t.iterator + shift, tStP_t.layout))
-        sSFP_w[page_idx, buf] = page
-        cute.arch.fence_proxy("async.shared", space="cta")   # the page, for tcgen05.cp
-        cute.arch.fence_view_async_tmem_store()
-        _tmem_fence(after=False)
-        cute.arch.mbarrier_arrive(mbar + _P_FULL + buf)
+            if const_expr(b % 2 == 1):
+                # a K64 half is complete: publish its codes and its page (bytes 2h, 2h + 1 are
+                # the ones its MMA reads)
+                h = b // 2
+                cute.copy(tiled_st, rP[h],
+                          cute.make_tensor(tStP_t.iterator + shift + h * P_HALF_COLS,
+                                           tStP_t.layout))
+                sSFP_w[page_idx, 2 * buf + h] = page
+                cute.arch.fence_proxy("async.shared", space="cta")   # for tcgen05.cp
+                cute.arch.fence_view_async_tmem_store()
+                _tmem_fence(after=False)
+                cute.arch.mbarrier_arrive(mbar + _P_FULL + 2 * buf + h)
         return den
 
     # ---------------------------------------------------------------- epilogue warpgroup

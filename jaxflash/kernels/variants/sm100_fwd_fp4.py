@@ -37,8 +37,12 @@ SF_ATOM_ROWS = 128                   # one scale-factor atom: 128 rows x 4 block
 SF_ATOM_BLOCKS = 4
 SF_ATOM_BYTES = SF_ATOM_ROWS * SF_ATOM_BLOCKS
 # tensor-memory columns of the P overlay on its S buffer: 128 E2M1 codes a row = 64 bytes =
-# 16 columns, then the scale page (one atom: 4 columns, see `TmemPlan` below)
+# 16 columns, then one scale page (one atom: 4 columns) per K64 half of P; each half (its 8
+# code columns and its page) is published on its own, so PV's first half starts while the
+# softmax works on the second (the paper's "publish after two N32 blocks form a K64 operand")
 P_PAYLOAD_COLS = TILE_N * 4 // 32
+P_HALVES = 2
+P_HALF_COLS = P_PAYLOAD_COLS // P_HALVES
 P_PAGE_COLS = 4
 
 
@@ -104,8 +108,9 @@ class Sm100FwdFp4Config:
         return self.head_dim // C.QK_BLOCK, TILE_N // C.V_BLOCK
 
     def tmem_plan(self) -> tmem_plan.TmemPlan:
-        """S0 | S1 | O | SFQ | SFK0 | SFK1 | SFV0 | SFV1; P_i (payload + scale page) over the
-        first 20 columns of S_i, written only after the softmax has read all of S_i."""
+        """S0 | S1 | O | SFQ | SFK0 | SFK1 | SFV0 | SFV1; P_i over the first 24 columns of S_i
+        (codes 0-15, the two halves' scale pages 16-19 and 20-23), written only after the
+        softmax has read all of S_i, half by half."""
         n, hv = TILE_N, self.head_dim_v
         qk_cols, v_cols = self.sf_cols()
         regions = [tmem_plan.Region("S0", "S", 0, n, 0), tmem_plan.Region("S1", "S", n, n, 1),
@@ -115,11 +120,13 @@ class Sm100FwdFp4Config:
                            ("SFV0", v_cols), ("SFV1", v_cols)):
             regions.append(tmem_plan.Region(name, "SF", col, cols))
             col += cols
-        over = P_PAYLOAD_COLS + P_PAGE_COLS
+        over = P_PAYLOAD_COLS + P_HALVES * P_PAGE_COLS
         regions += [tmem_plan.Region("P0", "P", 0, over, 0),
                     tmem_plan.Region("P1", "P", n, over, 1)]
         order = tuple(("load", c, 32) for c in range(0, n, 32))
-        order += (("store", 0, P_PAYLOAD_COLS), ("store", P_PAYLOAD_COLS, P_PAGE_COLS))
+        for h in range(P_HALVES):
+            order += (("store", h * P_HALF_COLS, P_HALF_COLS),
+                      ("store", P_PAYLOAD_COLS + h * P_PAGE_COLS, P_PAGE_COLS))
         return tmem_plan.TmemPlan(tuple(regions), order)
 
     def tmem_offsets(self) -> dict:
@@ -157,7 +164,7 @@ class Sm100FwdFp4Config:
         q = TILE_M * self.head_dim // 2
         kv = self.num_stages * TILE_N * (self.head_dim + self.head_dim_v) // 2
         sfq, sfk, sfv = self.sf_bytes()
-        pages = 2 * SF_ATOM_BYTES
+        pages = 2 * P_HALVES * SF_ATOM_BYTES
         return q + kv + sfq + self.num_stages * (sfk + sfv) + pages + 4096
 
     def operand_shapes(self, B: int, T: int, S: int, N: int, K: int) -> dict:
