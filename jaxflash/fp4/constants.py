@@ -20,6 +20,7 @@ import math
 LOG2E = 1.4426950408889634          # log2(e)
 LN2 = 0.6931471805599453
 LOG2_6 = 2.584962500721156          # log2(6): x = log2(6 p / alpha)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitude by code 0..7
 E2M1_MAX = 6.0
 E8M0_BIAS = 127
 E8M0_MIN_BYTE = 1                   # u = 0 is reserved for a zero block (paper convention)

@@ -120,3 +120,14 @@ def test_operand_shapes_and_can_implement():
     assert V.can_implement(head_dim=128) == (True, "")
     assert not V.can_implement(head_dim=128, is_causal=True)[0]
     assert not V.can_implement(head_dim=96)[0]
+
+
+def test_a_block_exponent_rule_the_kernel_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(C, "P_SCALE_RULE", "ceil")
+    with pytest.raises(ValueError, match="'ocp' block-exponent rule"):
+        Sm100FwdFp4Config()
+
+
+def test_the_code_sum_table_is_the_formats_e2m1_table():
+    from jaxflash.fp4 import formats as F
+    assert F.E2M1_VALUES is C.E2M1_VALUES and max(C.E2M1_VALUES) == C.E2M1_MAX

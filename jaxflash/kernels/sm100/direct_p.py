@@ -23,9 +23,14 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-# byte table of 2 * E2M1 value by code 0..7 (PRMT's first source = bytes 0-3, second 4-7)
-_TWICE_E2M1_LO = 0x03020100          # 0, 1, 2, 3       (codes 0..3: 0, .5, 1, 1.5)
-_TWICE_E2M1_HI = 0x0C080604          # 4, 6, 8, 12      (codes 4..7: 2, 3, 4, 6)
+from jaxflash.fp4 import constants as C
+
+# byte table of 2 * E2M1 value by code 0..7 (PRMT's first source = bytes 0-3, second 4-7):
+# 0x03020100 (codes 0..3: 0, .5, 1, 1.5) and 0x0C080604 (codes 4..7: 2, 3, 4, 6)
+_TWICE = [int(2 * v) for v in C.E2M1_VALUES]
+_TWICE_E2M1_LO = sum(b << (8 * i) for i, b in enumerate(_TWICE[:4]))
+_TWICE_E2M1_HI = sum(b << (8 * i) for i, b in enumerate(_TWICE[4:]))
+assert (_TWICE_E2M1_LO, _TWICE_E2M1_HI) == (0x03020100, 0x0C080604)
 
 
 @dsl_user_op

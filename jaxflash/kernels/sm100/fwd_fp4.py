@@ -571,7 +571,7 @@ class FlashFwdFp4Sm100:
             page = page | (byte << Int32(8 * b))
             # alpha' (c_B / 6) = 2^(u' - 127) * (2 c_B * 1/12): alpha' last, never alpha'/6
             alpha = dp.as_f32(byte << Int32(23))
-            den = den + alpha * (Float32(c2) * Float32(1.0 / 12.0))
+            den = den + alpha * (Float32(c2) * Float32(1.0 / (2.0 * C.E2M1_MAX)))
             if const_expr(b % 2 == 1):
                 # a K64 half is complete: publish its codes and its page (bytes 2h, 2h + 1 are
                 # the ones its MMA reads)

@@ -136,6 +136,9 @@ class Sm100FwdFp4Config:
     def check(self) -> tuple[bool, str]:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if C.P_SCALE_RULE != "ocp":
+            return False, (f"the kernel implements the 'ocp' block-exponent rule, constants "
+                           f"say {C.P_SCALE_RULE!r}")
         if self.policy not in C.POLICIES:
             return False, f"policy {self.policy!r} not in {sorted(C.POLICIES)}"
         if self.guard_shift is not None:
