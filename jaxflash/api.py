@@ -452,12 +452,29 @@ def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_res
     _fp4_checks(query, key, value, bias, mask, implementation, others)
     if return_residual and is_causal:
         raise NotImplementedError("precision='fp4' returns the LSE only on its non-causal path")
-    r = frontend.fp4_attention(query, key, value, is_causal=is_causal, emulate=emulate,
-                               scale=scale, return_lse=bool(return_residual))
+    kernel = _fp4_kernel(query, key, value, is_causal, emulate)
+    if frontend._route(emulate, kernel and kernel[:2])[0] == "kernel":
+        from jaxflash.kernels import fp4_call
+        r = fp4_call.forward(kernel[2], query, key, value, scale=scale,
+                             return_lse=bool(return_residual))
+    else:
+        r = frontend.fp4_attention(query, key, value, is_causal=is_causal, emulate=emulate,
+                                   scale=scale, return_lse=bool(return_residual),
+                                   kernel=kernel and kernel[:2])
     if return_residual:
         out, lse = r
         return out, jax.lax.stop_gradient(jnp.asarray(lse, jnp.float32))
     return r
+
+
+def _fp4_kernel(query, key, value, is_causal, emulate):
+    """The sm_100a FP4 kernel's verdict (admitted, why, config), or None where no compute
+    capability 10.x GPU is visible or the emulation was asked for."""
+    from jaxflash.fp4 import frontend
+    if emulate or not frontend.has_sm100():
+        return None
+    from jaxflash.kernels import fp4_call
+    return fp4_call.kernel_route(query, key, value, is_causal=bool(is_causal))
 
 
 def _explain_fp4(query, key, value, bias, mask, implementation, emulate, kwargs):
@@ -471,10 +488,16 @@ def _explain_fp4(query, key, value, bias, mask, implementation, emulate, kwargs)
         is_causal=kwargs.get("is_causal", False))
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
     causal = bool(kwargs.get("is_causal", False))
-    text = frontend.explain_fp4(query, key, value, is_causal=causal, emulate=emulate)
-    route = frontend._route(emulate)
+    kernel = _fp4_kernel(query, key, value, causal, emulate)
+    kernel = kernel and kernel[:2]
+    text = frontend.explain_fp4(query, key, value, is_causal=causal, emulate=emulate,
+                                kernel=kernel)
+    route = frontend._route(emulate, kernel)
     if route[0] == "emulated":
         return dispatch.Plan(problem, "fp4 (emulated, jaxflash.fp4)", (), None, None,
                              tuple(text.splitlines()))
+    if route[0] == "kernel":
+        return dispatch.Plan(problem, "fp4 (sm_100a kernel, compiled and instruction-checked "
+                             "only)", (), None, None, tuple(text.splitlines()))
     return dispatch.Plan(problem, None, (("fp4", route[1]),), None, None,
                          tuple(text.splitlines()))

@@ -20,6 +20,7 @@ import math
 LOG2E = 1.4426950408889634          # log2(e)
 LN2 = 0.6931471805599453
 LOG2_6 = 2.584962500721156          # log2(6): x = log2(6 p / alpha)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitude by code 0..7
 E2M1_MAX = 6.0
 E8M0_BIAS = 127
 E8M0_MIN_BYTE = 1                   # u = 0 is reserved for a zero block (paper convention)
@@ -30,6 +31,11 @@ QK_BLOCK = 16                       # NVFP4 block of Q/K along the head dim
 V_BLOCK = 32                        # MXFP4 block of V along keys (PV MMA's K dimension)
 KEY_TILE = 128                      # key columns per S tile (4 N32 quarters)
 PV_OUTPUT_CORRECTION = 1.0 / 36.0   # P (alpha q / 6) x V (alpha_v q_v / 6): fixed 1/36
+# The kernel's PV MMA multiplies P's codes by 2^(u_B - 127) (Direct-P's p~ = alpha q / 6 without
+# the 1/6) and V's by its OCP MXFP4 scale (formats.mxfp4: v_hat = q 2^(u - 127), the emulator's
+# V), so the MMA sums 6 x sum p~ v_hat: O = acc / (KERNEL_PV_SCALE * L~).  (The paper's 1/36
+# holds when V, too, is stored in the alpha q / 6 convention.)
+KERNEL_PV_SCALE = 6.0
 
 # Block-exponent rule for P: how e_B is chosen from the block's max y (y_max = max_j y_ij).
 #   "ocp":  e_B = floor(y_max + LOG2_6 - 2): the block max lands in [4, 8) on the E2M1 grid

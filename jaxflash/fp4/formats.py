@@ -74,6 +74,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxflash.fp4 import constants as _C
+
 __all__ = [
     "E2M1_VALUES", "E2M1_BOUNDARIES", "E2M1_MAX", "E4M3_MAX", "E5M2_MAX", "E2M1_NAN_CODE",
     "E4M3_NAN_CODE", "E5M2_NAN_CODE", "E8M0_NAN", "E8M0_BIAS", "NVFP4_BLOCK", "MXFP4_BLOCK",
@@ -83,7 +85,7 @@ __all__ = [
     "mxfp4_dequantize", "fake_quant_nvfp4", "fake_quant_mxfp4", "fake_quant_fp8",
 ]
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = _C.E2M1_VALUES           # (the table the kernel's code sum uses too)
 E2M1_BOUNDARIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # RN decision points between codes
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0

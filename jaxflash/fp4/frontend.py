@@ -1,5 +1,9 @@
-"""Entry point for precision="fp4": routes to the sm_100a kernel (not built yet) or, with
-``emulate=True``, to the JAX emulation, and ``explain_fp4`` says which and why."""
+"""Entry point for precision="fp4": the JAX emulation (``emulate=True``) or a refusal naming why
+the sm_100a kernel cannot serve; ``explain_fp4`` says which and why.
+
+The kernel's own gate and call live above this package (`jaxflash.kernels.fp4_call`, reached
+through ``jaxflash.flash_attention(precision="fp4")``): callers pass its verdict as ``kernel``
+= (admitted, why), and this module only words the route."""
 from __future__ import annotations
 
 from typing import Optional
@@ -12,7 +16,6 @@ from jaxflash.fp4.training import fp4_training_attention
 
 __all__ = ["fp4_attention", "explain_fp4", "has_sm100"]
 
-KERNEL_AVAILABLE = False   # the CuTe DSL sm_100a Direct-P kernel is not part of this build
 
 
 def has_sm100() -> bool:
@@ -25,7 +28,7 @@ def has_sm100() -> bool:
     return False
 
 
-def _route(emulate: bool):
+def _route(emulate: bool, kernel=None):
     if emulate:
         return "emulated", ("emulate=True: FP4 numerics emulated in JAX (float32 arithmetic on "
                             "bit-exact FP4/FP8 codes); runs on any device; no speed-up")
@@ -34,20 +37,26 @@ def _route(emulate: bool):
                                  for d in jax.devices()}))
         return "refused", (f"precision='fp4' needs an sm_100a (Blackwell) GPU and none is visible "
                            f"({devs}); pass emulate=True to run the JAX emulation")
-    if not KERNEL_AVAILABLE:
-        return "refused", ("an sm_100a GPU is visible but the FP4 Direct-P kernel is not built "
-                           "in this version; pass emulate=True to run the JAX emulation")
-    return "kernel", "sm_100a FP4 kernel"
+    if kernel is None:
+        return "refused", ("an sm_100a GPU is visible; the FP4 Direct-P kernel is reached through "
+                           "jaxflash.flash_attention(precision='fp4'); pass emulate=True to run "
+                           "the JAX emulation")
+    ok, why = kernel[0], kernel[1]
+    if not ok:
+        return "refused", f"{why}; pass emulate=True to run the JAX emulation"
+    return "kernel", why
 
 
 def fp4_attention(q, k, v, *, is_causal: bool = False, emulate: bool = False,
                   scale: Optional[float] = None, policy="fast", guard=None,
-                  pv_format: str = "e4m3", unstable_mxfp4_pv: bool = False, return_lse=False):
+                  pv_format: str = "e4m3", unstable_mxfp4_pv: bool = False, return_lse=False,
+                  kernel=None):
     """precision="fp4" attention.  Non-causal: the Direct-P inference forward
     (``direct_p_attention``).  Causal: the training path (``fp4_training_attention``:
-    NVFP4 Q/K, E4M3 P/V, FP8 backward).  Without an sm_100a GPU (and, in this build, even with
-    one) it runs only with ``emulate=True``; otherwise NotImplementedError."""
-    route, why = _route(emulate)
+    NVFP4 Q/K, E4M3 P/V, FP8 backward).  It runs only with ``emulate=True``; otherwise
+    NotImplementedError naming why the kernel (``kernel``: its gate's verdict, see the module
+    doc) cannot serve."""
+    route, why = _route(emulate, kernel)
     if route != "emulated":
         raise NotImplementedError(why)
     if is_causal:
@@ -61,10 +70,10 @@ def fp4_attention(q, k, v, *, is_causal: bool = False, emulate: bool = False,
 
 def explain_fp4(q=None, k=None, v=None, *, is_causal: bool = False, emulate: bool = False,
                 policy="fast", guard=None, pv_format: str = "e4m3",
-                unstable_mxfp4_pv: bool = False) -> str:
+                unstable_mxfp4_pv: bool = False, kernel=None) -> str:
     """What ``fp4_attention`` would do for these settings (arrays are optional, only shapes are
     read), as readable text."""
-    route, why = _route(emulate)
+    route, why = _route(emulate, kernel)
     lines = [f"precision='fp4' -> {route}: {why}"]
     if q is not None:
         lines.append(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -86,8 +95,7 @@ def explain_fp4(q=None, k=None, v=None, *, is_causal: bool = False, emulate: boo
                   f"{pol['anchor_rows']}, native EX2 pair period "
                   f"{pol['native_ex2_pair_period'] or 'none'}, P scale rule {C.P_SCALE_RULE}",
                   f"extreme-logit guard (M, L): {g}"]
-    lines.append("honesty: " + ("no sm_100a FP4 kernel in this build" if not KERNEL_AVAILABLE
-                                else "the sm_100a FP4 kernel is compiled and instruction-checked "
-                                     "only") +
-                 "; FP4 numerics are emulated in JAX; no Blackwell timing is claimed")
+    lines.append("honesty: the sm_100a FP4 kernel (non-causal Direct-P forward) is compiled "
+                 "and instruction-checked only, gated until a Blackwell run; FP4 numerics are "
+                 "emulated in JAX; no Blackwell timing is claimed")
     return "\n".join(lines)

@@ -59,6 +59,12 @@ KERNELS: dict[str, Kernel] = {
                            "jaxflash.kernels.variants.fwd_fp8_launch:fwd_fp8_launch",
                            (("main", "jaxflash.kernels.sm90.fwd_fp8:FlashFwdSm90Fp8"),),
                            ("sm_90a",)),
+    # FP4 Direct-P forward for Blackwell (non-causal inference): block-scaled tcgen05 MMAs
+    # (NVFP4 QK^T, MXFP4 PV with P from tensor memory). Compiled and instruction-checked only.
+    "sm100_fwd_fp4": Kernel("jaxflash.kernels.variants.sm100_fwd_fp4:Sm100FwdFp4Config",
+                            "jaxflash.kernels.variants.fwd_fp4_launch:sm100_fwd_fp4_launch",
+                            (("main", "jaxflash.kernels.sm100.fwd_fp4:FlashFwdFp4Sm100"),),
+                            ("sm_100a",)),
     # FlashAttention backward for Hopper: dQ, dK, dV; head dims 192 / 256 split the head dim
     # over the consumer warpgroups (`BwdConfig.split`).
     "sm90_bwd": Kernel("jaxflash.kernels.variants.bwd:BwdConfig",
