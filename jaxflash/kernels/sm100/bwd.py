@@ -313,6 +313,49 @@ class FlashBwdSm100(BwdRoles):
             if const_expr(self.cfg.is_causal):
                 window_right = cutlass.min(window_right, Int32(0))
 
+        # Tensor memory: the MMA warp allocates the plan's columns for the whole CTA.
+        if warp_idx == MMA_WARP:
+            cute.arch.alloc_tmem(self.tmem_cols, storage.tmem_holding.ptr)
+            cute.arch.relinquish_tmem_alloc_permit()
+        pipeline.pipeline_init_wait()
+        cute.arch.barrier()
+        tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
+                                           ptr_to_buffer_holding_addr=storage.tmem_holding.ptr)
+        tm = self.tmem_tensors(tmem, s_mma, dp_mma, dv_mma, dk_mma, dq_mma)
+
+        # Each role derives the CTA's walk itself (cheap integer math): values computed before
+        # the split and live across the setmaxnreg were spilled by ptxas.
+        rng = (mQ, mK, mQSeqlen, mKVSeqlen, window_left, window_right)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.reduce_regs)
+            blocks, walk, seqlen_k = self.walk(*rng)
+            self.reduce_dq(tidx, tm, mbar, smem_t["sdQ"], mdQ, tma_dQ, mSem, blocks, walk)
+        elif warp_idx < 12:
+            cute.arch.setmaxregister_increase(self.compute_regs)
+            blocks, walk, seqlen_k = self.walk(*rng)
+            self.compute(tidx - 128, tm, mbar, smem_t, pipes, mdK, mdV, blocks, walk,
+                         seqlen_k, softmax_scale, scale_log2, pre_scale, window_left,
+                         window_right)
+        else:
+            cute.arch.setmaxregister_decrease(self.other_regs)
+            blocks, walk, seqlen_k = self.walk(*rng)
+            if warp_idx == MMA_WARP:
+                self.mma(tm, smem_t, tP_l, tdS_l, mbar, pipes, s_mma, dp_mma, dv_mma, dk_mma,
+                         dq_mma, walk)
+            elif warp_idx == LOAD_WARP:
+                self.load(mQ, mK, mV, mdO, mLSE, mDelta, smem_t, tma_Q, tma_K, tma_V, tma_dO,
+                          tma_L, tma_D, s_mma, dp_mma, pipes, walk)
+        tmem_fence(after=False)
+        cute.arch.barrier()
+        if warp_idx == MMA_WARP:
+            tmem_fence(after=True)
+            cute.arch.dealloc_tmem(tmem, self.tmem_cols)
+
+    @cute.jit
+    def walk(self, mQ, mK, mQSeqlen, mKVSeqlen, window_left: Int32, window_right: Int32):
+        """(block range, walk, seqlen_k) of this CTA: walk = (n_block, kv_head, batch, group,
+        m_min, num_m, num_steps), the steps being the query blocks [m_min, m_min + num_m) of
+        each of the group's query heads in turn."""
         n_block, kv_head, batch = cute.arch.block_idx()
         T = mQ.shape[0]
         S = mK.shape[0]
@@ -327,39 +370,7 @@ class FlashBwdSm100(BwdRoles):
                                  window_right)
         m_min, m_max = blocks.m_block_min_max(n_block, seqlen_q, seqlen_k)
         num_m = m_max - m_min
-        walk = (n_block, kv_head, batch, group, m_min, num_m, group * num_m)
-
-        # Tensor memory: the MMA warp allocates the plan's columns for the whole CTA.
-        if warp_idx == MMA_WARP:
-            cute.arch.alloc_tmem(self.tmem_cols, storage.tmem_holding.ptr)
-            cute.arch.relinquish_tmem_alloc_permit()
-        pipeline.pipeline_init_wait()
-        cute.arch.barrier()
-        tmem = cute.arch.retrieve_tmem_ptr(Float32, alignment=16,
-                                           ptr_to_buffer_holding_addr=storage.tmem_holding.ptr)
-        tm = self.tmem_tensors(tmem, s_mma, dp_mma, dv_mma, dk_mma, dq_mma)
-
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(self.reduce_regs)
-            self.reduce_dq(tidx, tm, mbar, smem_t["sdQ"], mdQ, tma_dQ, mSem, blocks, walk)
-        elif warp_idx < 12:
-            cute.arch.setmaxregister_increase(self.compute_regs)
-            self.compute(tidx - 128, tm, mbar, smem_t, pipes, mdK, mdV, blocks, walk,
-                         seqlen_k, softmax_scale, scale_log2, pre_scale, window_left,
-                         window_right)
-        else:
-            cute.arch.setmaxregister_decrease(self.other_regs)
-            if warp_idx == MMA_WARP:
-                self.mma(tm, smem_t, tP_l, tdS_l, mbar, pipes, s_mma, dp_mma, dv_mma, dk_mma,
-                         dq_mma, walk)
-            elif warp_idx == LOAD_WARP:
-                self.load(mQ, mK, mV, mdO, mLSE, mDelta, smem_t, tma_Q, tma_K, tma_V, tma_dO,
-                          tma_L, tma_D, s_mma, dp_mma, pipes, walk)
-        tmem_fence(after=False)
-        cute.arch.barrier()
-        if warp_idx == MMA_WARP:
-            tmem_fence(after=True)
-            cute.arch.dealloc_tmem(tmem, self.tmem_cols)
+        return blocks, (n_block, kv_head, batch, group, m_min, num_m, group * num_m), seqlen_k
 
     def tmem_tensors(self, tmem, s_mma, dp_mma, dv_mma, dk_mma, dq_mma):
         """The accumulators' tensor-memory views (plain Python, inlined while tracing)."""
@@ -489,8 +500,11 @@ class FlashBwdSm100(BwdRoles):
     @cute.jit
     def gemm(self, tiled_mma, acc, a, b, accumulate: Int32):
         """acc (+)= a b over the k-blocks (``accumulate`` != 0: add to acc from the start)."""
+        # A rolled loop over the k-blocks: unrolled, ptxas hoists every k-block's two 64-bit
+        # descriptors of every GEMM out of the step loop (all loop-invariant at one stage) and
+        # the MMA warp spills them; rolled, only the bases stay live.
         mma = fresh(tiled_mma)
-        for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        for k in cutlass.range(cute.size(a, mode=[2]), unroll=1):
             mma.set(tcgen05.Field.ACCUMULATE, (accumulate != 0) | (k > 0))
             cute.gemm(mma, acc, a[None, None, k], b[None, None, k], acc)
 

@@ -114,20 +114,35 @@ class BwdRoles:
             rS = cute.make_rmem_tensor(tScS.shape, Float32)
             cute.copy(tiled_ld, cute.make_tensor(tS_t.iterator + s_shift, tS_t.layout), rS)
             cute.arch.fence_view_async_tmem_load()
-            rT = None
             if const_expr(self.cfg.has_softcap):
                 for j in cutlass.range_constexpr(cute.size(rS)):
                     rS[j] = cute.math.tanh(rS[j] * pre_scale, fastmath=True)
-                rT = cute.make_rmem_tensor(tScS.shape, Float32)
-                rT.store(rS.load())
             if blocks.needs_mask(n_block, m_block, seqlen_k):
                 s = cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat))
                 apply_mask_kq(s, coords, n_block, m_block, TILE_N, TILE_M, seqlen_k,
                               window_left, window_right, self.has_right, self.has_left)
-            for j in cutlass.range_constexpr(cute.size(rS)):
-                lse2 = sLSE[col0 + t0ScS[j][1], stage]
-                rS[j] = cute.math.exp2(rS[j] * scale_log2 - lse2, fastmath=True)
-            self.store_16bit(rS, p_shape, tiled_st, tP_t, p_shift)
+            # P^T = exp2(S^T scale - lse2) in 8-value chunks: each rounded to 16 bits for the
+            # dV MMA, and kept in rS as P^T (times 1 - tanh^2 under softcap, the derivative
+            # dS^T needs: masked entries clamp to t = -1, where P^T is 0 anyway), so no second
+            # 64-float array is live.
+            rP = cute.make_rmem_tensor(p_shape, Float32)
+            rP16 = cute.recast_ptr(rP.iterator, dtype=self.dtype)
+            for j0 in cutlass.range_constexpr(0, cute.size(rS), 8):
+                tmp = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                for e in cutlass.range_constexpr(8):
+                    lse2 = sLSE[col0 + t0ScS[j0 + e][1], stage]
+                    tmp[e] = cute.math.exp2(rS[j0 + e] * scale_log2 - lse2, fastmath=True)
+                cute.make_tensor(rP16 + j0, cute.make_layout(8)).store(
+                    tmp.load().to(self.dtype))
+                for e in cutlass.range_constexpr(8):
+                    if const_expr(self.cfg.has_softcap):
+                        t = cute.arch.fmax(rS[j0 + e], Float32(-1.0))
+                        rS[j0 + e] = tmp[e] * (Float32(1.0) - t * t)
+                    else:
+                        rS[j0 + e] = tmp[e]
+            cute.copy(tiled_st, rP, cute.make_tensor(tP_t.iterator + p_shift, tP_t.layout))
+            cute.arch.fence_view_async_tmem_store()
+            tmem_fence(after=False)
             cute.arch.mbarrier_arrive(mbar + P_FULL)
 
             pdo.consumer_wait(state)  # delta of the step in shared memory
@@ -140,10 +155,6 @@ class BwdRoles:
             for j in cutlass.range_constexpr(cute.size(rS)):
                 delta = sDelta[col0 + t0ScS[j][1], stage]
                 ds = rS[j] * (rdP[j] - delta)
-                if const_expr(self.cfg.has_softcap):
-                    # d(c tanh(u))/du = c (1 - t^2); masked entries (P = 0) clamp to t = -1
-                    t = cute.arch.fmax(rT[j], Float32(-1.0))
-                    ds = ds * (Float32(1.0) - t * t)
                 rdP[j] = ds
             self.store_16bit(rdP, p_shape, tiled_st, tP_t, ds_shift)
             # the previous step's dQ MMA has read dS from shared memory once its dQ is in TMEM
