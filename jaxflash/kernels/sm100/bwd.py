@@ -449,9 +449,6 @@ class FlashBwdSm100(BwdRoles):
         tKrQ = dk_thr.make_fragment_B(smem_t["sQt"])
         tQrdS = dq_thr.make_fragment_A(smem_t["sdS"])
         tQrK = dq_thr.make_fragment_B(smem_t["sKt"])
-        # P^T / dS^T in tensor memory as A operands (16-bit, two per column)
-        tVrP = dv_thr.make_fragment_A(cute.make_tensor(tm["S"].iterator, tP_l.outer))
-        tKrdS = dk_thr.make_fragment_A(cute.make_tensor(tm["dP"].iterator, tdS_l.outer))
         pkv, pq, pdo = pipes["kv"], pipes["q"], pipes["do"]
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -477,13 +474,13 @@ class FlashBwdSm100(BwdRoles):
                 # dV += P^T dO once the compute warps wrote P^T over S^T
                 cute.arch.mbarrier_wait(mbar + P_FULL, i % 2)
                 tmem_fence(after=True)
-                self.gemm_tmem_a(dv_mma, tm["dV"], tVrP, tVrdO[None, None, None, stage],
-                                 self.p_off, self.s_off, i)
+                self.gemm_tmem_a(dv_mma, tm["dV"], tm["S"].iterator, tP_l,
+                                 tVrdO[None, None, None, stage], self.p_off, self.s_off, i)
                 # dK += dS^T Q, dQ = dS K once dS^T is in tensor and shared memory
                 cute.arch.mbarrier_wait(mbar + DS_FULL, i % 2)
                 tmem_fence(after=True)
-                self.gemm_tmem_a(dk_mma, tm["dK"], tKrdS, tKrQ[None, None, None, stage],
-                                 self.ds_off, self.dp_off, i)
+                self.gemm_tmem_a(dk_mma, tm["dK"], tm["dP"].iterator, tdS_l,
+                                 tKrQ[None, None, None, stage], self.ds_off, self.dp_off, i)
                 if const_expr(not self.dq_over_dp):
                     if i > 0:
                         cute.arch.mbarrier_wait(mbar + DQ_EMPTY, (i - 1) % 2)
@@ -509,17 +506,22 @@ class FlashBwdSm100(BwdRoles):
             cute.gemm(mma, acc, a[None, None, k], b[None, None, k], acc)
 
     @cute.jit
-    def gemm_tmem_a(self, tiled_mma, acc, a, b, parts, host: int, i: Int32):
-        """acc (+)= A b with A (P^T or dS^T) in tensor memory, accumulating after step 0. The
-        16-bit A lies in two parts, compute warpgroup w's queries at columns ``parts[w]``
-        (`tmem_plan.backward_plan`): k-block k (16 queries, 8 columns) of warpgroup
-        k // kw is at parts[k // kw] + 8 (k % kw)."""
-        mma = fresh(tiled_mma)
-        kb = cute.size(a, mode=[2])
+    def gemm_tmem_a(self, tiled_mma, acc, host_ptr, a_l, b, parts, host: int, i: Int32):
+        """acc (+)= A b with A (P^T or dS^T, 16-bit, two per column) in tensor memory over the
+        buffer at ``host_ptr`` (float32 TMEM pointer), accumulating after step 0. A lies in two
+        parts, compute warpgroup w's queries at columns ``parts[w]``
+        (`tmem_plan.backward_plan`): k-block k (16 queries, 8 columns) of warpgroup k // kw
+        is at parts[k // kw] + 8 (k % kw)."""
+        # make_fragment_A of a TMEM operand gives the fragment's layout on a fresh, zero-based
+        # TMEM pointer: the allocated address is put back explicitly.
+        thr = tiled_mma.get_slice(0)
+        frag = thr.make_fragment_A(cute.make_tensor(cute.recast_ptr(host_ptr, dtype=self.dtype),
+                                                    a_l.outer))[None, None, 0, 0]
+        kb = cute.size(b, mode=[2])
         kw = kb // 2
-        base = a[None, None, 0, 0]
+        mma = fresh(tiled_mma)
         for k in cutlass.range_constexpr(kb):
             col = parts[k // kw] - host + 8 * (k % kw)
-            ak = cute.make_tensor(base.iterator + 2 * col, base.layout)
+            a = cute.make_tensor(cute.recast_ptr(host_ptr + col, dtype=self.dtype), frag.layout)
             mma.set(tcgen05.Field.ACCUMULATE, (i > 0) | (k > 0))
-            cute.gemm(mma, acc, ak, b[None, None, k], acc)
+            cute.gemm(mma, acc, a, b[None, None, k], acc)

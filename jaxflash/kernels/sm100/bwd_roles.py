@@ -213,7 +213,7 @@ class BwdRoles:
                         r[j] = r[j] * scale
                 r16 = cute.make_rmem_tensor(cute.make_layout(chunk), self.dtype)
                 r16.store(r.load().to(self.dtype))
-                if key < seqlen_k:
+                if key < mOut.shape[0]:  # rows past seqlen_k hold zeros (P = 0 there)
                     cute.autovec_copy(r16, cute.local_tile(gRow, (chunk,), (wg * (half // chunk)
                                                                             + c,)))
 
