@@ -31,8 +31,8 @@ DQ_CHUNK = 32
 # Registers per thread after setmaxnreg, per warpgroup (all warps of a warpgroup must execute
 # the same setmaxnreg): (dQ reduce, compute x 2, MMA + load). 512 threads launch at 128
 # (65536 / 512); the raises must be covered by what the others give back:
-# 96 + 2 x 168 + 80 = 4 x 128.
-REGS = (96, 168, 80)
+# 80 + 2 x 176 + 80 = 4 x 128.
+REGS = (80, 176, 80)
 LAUNCH_REGS = 128
 
 
