@@ -45,6 +45,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.tensor_utils
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_helpers
 from cutlass import Float32, Int32, const_expr
@@ -180,8 +181,8 @@ class FlashBwdSm100(BwdRoles):
             sdO=lb(dp_mma, dp_tiler, self.dtype, st), sdOt=lb(dv_mma, dv_tiler, self.dtype, st),
             tP=la(dv_mma, dv_tiler, self.dtype, 1), tdS=la(dk_mma, dk_tiler, self.dtype, 1),
             sdS=la(dq_mma, dq_tiler, self.dtype, 1),
-            sdSw=sm100_helpers.make_smem_layout_epi(self.dtype, cutlass.utils.LayoutEnum.ROW_MAJOR,
-                                                    (TILE_N, TILE_M), 1),
+            sdSw=sm100_helpers.make_smem_layout_epi(
+                self.dtype, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (TILE_N, TILE_M), 1),
             sRow=cute.make_layout((TILE_M, st), stride=(1, TILE_M)),
             sdQ=layouts.smem_layout(Float32, TILE_M, DQ_CHUNK, 2))
 

@@ -150,7 +150,8 @@ def can_implement(config: Sm100BwdConfig | None = None, **problem) -> tuple[bool
         return False, ("head dim 256 not supported by the sm_100a backward: dK and dV take "
                        "all 512 tensor-memory columns (needs the 2-CTA MMA)")
     if hd not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {hd} not supported by the sm_100a backward (only {SUPPORTED_HEAD_DIMS})"
+        return False, (f"head dim {hd} not supported by the sm_100a backward (only "
+                       f"{SUPPORTED_HEAD_DIMS})")
     if hdv != hd:
         return False, f"value head dim {hdv} != head dim {hd} not supported"
     unsupported = [f for f in problem.get("features", ()) if f not in FEATURES]
