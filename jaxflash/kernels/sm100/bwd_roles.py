@@ -129,9 +129,19 @@ class BwdRoles:
             rP16 = cute.recast_ptr(rP.iterator, dtype=self.dtype)
             for j0 in cutlass.range_constexpr(0, cute.size(rS), 8):
                 tmp = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-                for e in cutlass.range_constexpr(8):
-                    lse2 = sLSE[col0 + t0ScS[j0 + e][1], stage]
-                    tmp[e] = cute.math.exp2(rS[j0 + e] * scale_log2 - lse2, fastmath=True)
+                for e in cutlass.range_constexpr(0, 8, 2):
+                    j = j0 + e
+                    lse_a = sLSE[col0 + t0ScS[j][1], stage]
+                    lse_b = sLSE[col0 + t0ScS[j + 1][1], stage]
+                    if const_expr(self.cfg.has_softcap):
+                        # (scalar: the packed form keeps more live and spilled at hd 128)
+                        x0 = rS[j] * scale_log2 - lse_a
+                        x1 = rS[j + 1] * scale_log2 - lse_b
+                    else:  # S^T scale - lse2 by pairs (FFMA2)
+                        x0, x1 = cute.arch.fma_packed_f32x2(
+                            (rS[j], rS[j + 1]), (scale_log2, scale_log2), (-lse_a, -lse_b))
+                    tmp[e] = cute.math.exp2(x0, fastmath=True)
+                    tmp[e + 1] = cute.math.exp2(x1, fastmath=True)
                 cute.make_tensor(rP16 + j0, cute.make_layout(8)).store(
                     tmp.load().to(self.dtype))
                 for e in cutlass.range_constexpr(8):
@@ -154,8 +164,7 @@ class BwdRoles:
             cute.arch.fence_view_async_tmem_load()
             for j in cutlass.range_constexpr(cute.size(rS)):
                 delta = sDelta[col0 + t0ScS[j][1], stage]
-                ds = rS[j] * (rdP[j] - delta)
-                rdP[j] = ds
+                rdP[j] = rS[j] * (rdP[j] - delta)
             self.store_16bit(rdP, p_shape, tiled_st, tP_t, ds_shift)
             # the previous step's dQ MMA has read dS from shared memory once its dQ is in TMEM
             if i > 0:
