@@ -19,7 +19,7 @@ from jaxflash.kernels.variants.sm100_bwd import REGS, TILE_M, Sm100BwdConfig
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
-# bf16 / fp16, D 64 / 128, dense / causal, window, softcap, deterministic, lengths. Every
+# bf16 / fp16, D 64 / 128, dense / causal, window, softcap, deterministic, lengths, ALiBi. Every
 # compile serves any GQA ratio (the head counts are runtime values of the bridge's launch).
 MATRIX = [
     Sm100BwdConfig(head_dim=64),
@@ -31,6 +31,7 @@ MATRIX = [
     Sm100BwdConfig(head_dim=128, is_causal=True, deterministic=True),
     Sm100BwdConfig(head_dim=64, is_causal=True, has_q_seqlen=True, has_kv_seqlen=True,
                    deterministic=True),
+    Sm100BwdConfig(head_dim=128, is_causal=True, has_alibi=True),
 ]
 COMPILE_LIMIT_S = 60.0
 
@@ -86,6 +87,8 @@ def test_compiles_with_the_blackwell_instructions(cfg, compiled):
     assert "ld.local" not in ptx and "st.local" not in ptx
     if cfg.has_softcap:
         assert "tanh.approx" in ptx
+    if cfg.has_alibi:  # d(slope) partials: a warp reduction, one store per compute warp
+        assert "shfl.sync.bfly" in ptx
     assert seconds < COMPILE_LIMIT_S, f"{cfg.key} took {seconds:.0f} s"
 
 

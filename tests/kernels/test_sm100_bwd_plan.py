@@ -86,10 +86,15 @@ def test_head_dim_256_is_refused_with_the_reason():
         Sm100BwdConfig(head_dim=256)
     ok, why = can_implement(dtype="bfloat16", head_dim=256, features=())
     assert not ok and "2-CTA" in why
-    ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("alibi",))
-    assert not ok and "alibi" in why
+    ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("segment_ids",))
+    assert not ok and "segment_ids" in why
+    ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("alibi", "softcap"))
+    assert not ok and "ALiBi with softcap" in why
+    with pytest.raises(ValueError, match="ALiBi with softcap"):
+        Sm100BwdConfig(has_alibi=True, has_softcap=True)
     assert can_implement(dtype="float16", head_dim=64,
                          features=("causal", "window", "softcap", "seq_lengths")) == (True, "")
+    assert can_implement(dtype="bfloat16", head_dim=128, features=("alibi",)) == (True, "")
 
 
 def test_register_budgets_fit_the_sm():
@@ -116,7 +121,12 @@ def test_shared_xla_side_reads_it_like_the_hopper_config():
     assert padded_len(1000, cfg) == 1024 and num_q_blocks(1000, cfg) == 8
     assert (cfg.dq_flat, cfg.score_mod, cfg.mask_mod, cfg.aux, cfg.has_alibi) == (
         False, "", "", (), False)
+    from jaxflash.kernels.variants.bwd import ALIBI_PARTS
     from jaxflash.kernels.variants.sm100_bwd_launch import sm100_bwd_launch
     launch = sm100_bwd_launch(cfg)
     assert len(launch.inputs) == 6 and len(launch.outputs) == 4  # + dq_sem
     assert launch.kernel.endswith(":FlashBwdSm100")
+    # ALiBi: slopes in, per-compute-warp d(slope) partials out (8 compute warps), before dq_sem
+    launch = sm100_bwd_launch(dataclasses.replace(cfg, has_alibi=True))
+    assert launch.inputs[-1].shape == (1, None)
+    assert launch.outputs[3].shape[-1] == ALIBI_PARTS == 8 and len(launch.outputs) == 5

@@ -93,7 +93,8 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
 
 def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):
     """Without the switch neither sm_100a kernel is planned; with it, the backward's variant
-    follows the call (deterministic, GQA as a runtime ratio) and ALiBi falls back visibly."""
+    follows the call (deterministic, ALiBi, GQA as a runtime ratio) and segment ids fall back
+    visibly."""
     pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
     from jaxflash.kernels.policy.verified import pending
     from jaxflash.kernels.variants.sm100_bwd import Sm100BwdConfig
@@ -103,30 +104,8 @@ def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):
     plan = _explain("cute", is_causal=True, deterministic=True)
     assert plan.detail.bwd.config.deterministic and plan.detail.bwd.config.is_causal
     plan = _explain("cute", alibi_slopes=jnp.ones((4,), jnp.float32))
-    assert plan.detail.bwd is None
-    assert "ALiBi" in plan.detail.bwd_reason or "alibi" in plan.detail.bwd_reason
-
-
-def test_hopper_never_picks_the_blackwell_kernel(gpu, monkeypatch):
-    pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
-    monkeypatch.setenv(verified.ENV, "1")
-    gpu("9.0")
-    plan = _explain("cute", is_causal=True)
-    assert plan.backend == "cute"
-    assert plan.detail.fwd.kernel.endswith(":FlashFwdSm90")
-    from jaxflash.kernels import plan as kplan
-    assert "sm100" not in kplan.FORWARD["sm_90a"]
-
-
-def test_other_blackwell_parts_have_no_kernel(gpu, monkeypatch):
-    monkeypatch.setenv(verified.ENV, "1")
-    gpu("10.3")  # B300: sm_103a, not compiled for
-    why = dict(_explain("cute").refused).get("cute", "")
-    assert "no CuTe forward kernel for sm_103a" in why
-
-
-def test_blackwell_refuses_what_it_cannot_serve(gpu, monkeypatch):
-    monkeypatch.setenv(verified.ENV, "1")
-    gpu("10.0")
-    why = dict(_explain("cute", H=96).refused).get("cute", "")
-    assert "head dim 96 not supported by the sm_100a forward" in why
+    assert plan.detail.bwd.config.has_alibi
+    seg = jnp.zeros((2, 256), jnp.int32)
+    plan = _explain("cute", q_segment_ids=seg, kv_segment_ids=seg)
+    assert plan.detail.bwd is None  # Pallas on the forward's (out, lse), and why
+    assert "segment" in plan.detail.bwd_reason

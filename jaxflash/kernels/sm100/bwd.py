@@ -108,7 +108,10 @@ class FlashBwdSm100(BwdRoles):
             ins.append("q_seqlen")
         if self.cfg.has_kv_seqlen:
             ins.append("kv_seqlen")
-        outs = ["dq_acc", "dk", "dv"] + ["dq_sem"] * self.cfg.deterministic
+        if self.cfg.has_alibi:
+            ins.append("alibi_slopes")
+        outs = (["dq_acc", "dk", "dv"] + ["alibi_parts"] * self.cfg.has_alibi
+                + ["dq_sem"] * self.cfg.deterministic)
         return (tuple(ins), tuple(outs), FLOAT_SCALARS,
                 INT_SCALARS if self.cfg.has_window else ())
 
@@ -121,13 +124,15 @@ class FlashBwdSm100(BwdRoles):
         mQ, mK, mV, mdO, mLSE, mDelta = a.take(6)
         mQSeqlen = a.maybe(self.cfg.has_q_seqlen)
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
+        mAlibi = a.maybe(self.cfg.has_alibi)
         mdQ, mdK, mdV = a.take(3)
+        mdAlibi = a.maybe(self.cfg.has_alibi)
         mSem = a.maybe(self.cfg.deterministic)
         mFScalars = a.take()
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
         self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV, mSem,
-                    mFScalars, mIScalars, stream)
+                    mFScalars, mIScalars, stream, (mAlibi, mdAlibi))
 
     def tiled_mmas(self):
         """(S^T, dP^T, dV, dK, dQ) tiled MMAs, all 1-CTA, M = 128."""
@@ -146,7 +151,7 @@ class FlashBwdSm100(BwdRoles):
                mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
                mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, alibi=(None, None)):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -158,6 +163,8 @@ class FlashBwdSm100(BwdRoles):
         if const_expr(self.cfg.deterministic):
             zero_fill(mSem, stream)
             mSem = layouts.select_modes(mSem, [2, 1, 0])  # (m blocks, N, B)
+        if const_expr(self.cfg.has_alibi):
+            zero_fill(alibi[1], stream)  # key blocks no query sees write nothing
         # [B, T, N, H] -> (T, H, N, B): (M or N, K, ...) as the MMA operands' TMA wants.
         mQ, mK, mV, mdO, mdQ, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
                                           for t in (mQ, mK, mV, mdO, mdQ, mdK, mdV)]
@@ -236,7 +243,7 @@ class FlashBwdSm100(BwdRoles):
                     tma_dQ, mFScalars, mIScalars, lay["sK"], lay["sKt"], lay["sV"], lay["sQ"],
                     lay["sQt"], lay["sdO"], lay["sdOt"], lay["tP"], lay["tdS"], lay["sdS"],
                     lay["sdSw"], lay["sRow"], lay["sdQ"], s_mma, dp_mma, dv_mma, dk_mma,
-                    dq_mma, SharedStorage).launch(
+                    dq_mma, alibi, SharedStorage).launch(
             grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
@@ -257,7 +264,7 @@ class FlashBwdSm100(BwdRoles):
                tP_l: cute.ComposedLayout, tdS_l: cute.ComposedLayout,
                sdS_l: cute.ComposedLayout, sdSw_l: cute.ComposedLayout, sRow_l: cute.Layout,
                sdQ_l: cute.ComposedLayout, s_mma: cute.TiledMma, dp_mma: cute.TiledMma,
-               dv_mma: cute.TiledMma, dk_mma: cute.TiledMma, dq_mma: cute.TiledMma,
+               dv_mma: cute.TiledMma, dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, alibi,
                SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -336,7 +343,7 @@ class FlashBwdSm100(BwdRoles):
             blocks, walk, seqlen_k = self.walk(*rng)
             self.compute(tidx - 128, tm, mbar, smem_t, pipes, mdK, mdV, blocks, walk,
                          seqlen_k, softmax_scale, scale_log2, pre_scale, window_left,
-                         window_right)
+                         window_right, alibi)
         else:
             cute.arch.setmaxregister_decrease(self.other_regs)
             blocks, walk, seqlen_k = self.walk(*rng)

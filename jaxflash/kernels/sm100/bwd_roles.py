@@ -21,7 +21,7 @@ from cutlass.cute.nvgpu import tcgen05
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.dq_order import pass_turn, wait_turn
-from jaxflash.kernels.common.mask import TileCoords, apply_mask_kq
+from jaxflash.kernels.common.mask import TileCoords, apply_alibi, apply_mask_kq
 from jaxflash.kernels.variants.sm100_bwd import DQ_CHUNK, TILE_M, TILE_N
 
 MMA_WARP = 12
@@ -69,8 +69,9 @@ class BwdRoles:
     @cute.jit
     def compute(self, ct: Int32, tm, mbar, smem_t, pipes, mdK, mdV, blocks, walk,
                 seqlen_k: Int32, softmax_scale: Float32, scale_log2: Float32,
-                pre_scale: Float32, window_left: Int32, window_right: Int32):
+                pre_scale: Float32, window_left: Int32, window_right: Int32, alibi):
         n_block, kv_head, batch, group, m_min, num_m, num_steps = walk
+        mAlibi, mdAlibi = alibi
         wg = ct // 128
         lane = ct % 128
         col0 = wg * _HALF
@@ -104,6 +105,7 @@ class BwdRoles:
         pq, pdo = pipes["q"], pipes["do"]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                              self.num_stages)
+        dslope = Float32(0.0)
         for i in cutlass.range(num_steps, unroll=1):
             g = i // num_m
             m_block = m_min + i - g * num_m
@@ -117,6 +119,12 @@ class BwdRoles:
             if const_expr(self.cfg.has_softcap):
                 for j in cutlass.range_constexpr(cute.size(rS)):
                     rS[j] = cute.math.tanh(rS[j] * pre_scale, fastmath=True)
+            if const_expr(self.cfg.has_alibi):
+                # the slope in S^T units (the exp2 applies the softmax scale to the whole score);
+                # |key - query| is symmetric, so the forward's helper serves the transposed tile
+                apply_alibi(cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat)),
+                            coords, n_block * TILE_N, m_block * TILE_M,
+                            mAlibi[0, kv_head * group + g] / softmax_scale)
             if blocks.needs_mask(n_block, m_block, seqlen_k):
                 s = cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat))
                 apply_mask_kq(s, coords, n_block, m_block, TILE_N, TILE_M, seqlen_k,
@@ -174,9 +182,35 @@ class BwdRoles:
             cute.autovec_copy(rdS, sdS_row)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> the MMA's reads
             cute.arch.mbarrier_arrive(mbar + DS_FULL)
+            if const_expr(self.cfg.has_alibi):
+                # (after dS^T is published: its float copy is still in registers)
+                dslope = self.alibi_grad(rdP, coords, n_block, m_block, m_min + num_m - 1,
+                                         kv_head * group + g, batch, ct // 32, mdAlibi, dslope)
             state.advance()
         self.store_dkdv(wg, lane, tm, mbar, mdK, mdV, n_block, kv_head, batch, seqlen_k,
                         num_steps, softmax_scale)
+
+    @cute.jit
+    def alibi_grad(self, rdS, coords: TileCoords, n_block: Int32, m_block: Int32,
+                   m_last: Int32, head: Int32, batch: Int32, warp: Int32, mdAlibi,
+                   dslope: Float32):
+        """Add this step's sum dS_ij |i - j| to the thread's d(slope) partial; after the
+        head's last query block, reduce it over the warp and let lane 0 write
+        alibi_parts[batch, head, n_block, compute warp] (no atomics: deterministic)."""
+        # |i - j| in integers here: the float form of `mask.alibi_distance_dot` is the very
+        # expression `apply_alibi` computed on S^T, and ptxas kept those 64 values live from
+        # there to here (CSE) and spilled ~170 bytes.
+        d0 = n_block * TILE_N + coords.base_row - m_block * TILE_M - coords.base_col
+        t0 = coords.t0
+        for j in cutlass.range_constexpr(cute.size(rdS)):
+            d = d0 - t0[0, j][1]
+            dslope = dslope + rdS[j] * Float32(cutlass.max(d, -d))
+        if m_block == m_last:
+            total = cute.arch.warp_reduction_sum(dslope)
+            if cute.arch.lane_idx() == 0:
+                mdAlibi[batch, head, n_block, warp] = total
+            dslope = Float32(0.0)
+        return dslope
 
     @cute.jit
     def store_16bit(self, r: cute.Tensor, p_shape, tiled_st, tP_t, shift: int):

@@ -52,8 +52,12 @@ class Sm100BwdConfig:
     num_stages: pipeline depth of the Q (+ lse2) and dO (+ delta) loads (None: the most, up to
       2, that shared memory holds: 2 at hd 64, 1 at hd 128).
 
-    ALiBi and segment ids are not implemented in this kernel yet (`can_implement` says so and
-    dispatch falls back); the fields exist so the shared XLA side reads one shape of config.
+    has_alibi: slopes [1, N]; the bias -slope |i - j| enters S^T before the masks, and the
+    kernel writes per-compute-warp partial sums of dS_ij |i - j| (``ALIBI_PARTS`` = its 8
+    compute warps, per (batch, head, key block)) that the shared XLA side reduces into
+    d(slopes), as for Hopper. Segment ids are not implemented in this kernel yet
+    (`can_implement` says so and dispatch falls back); the field exists so the shared XLA side
+    reads one shape of config.
     """
 
     dtype: str = "bfloat16"
@@ -103,9 +107,11 @@ class Sm100BwdConfig:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.has_alibi or self.has_segments:
-            return False, ("ALiBi and segment ids are not implemented in the sm_100a backward "
-                           "yet")
+        if self.has_segments:
+            return False, "segment ids are not implemented in the sm_100a backward yet"
+        if self.has_alibi and self.has_softcap:
+            return False, ("ALiBi with softcap: as the Hopper backward, not implemented (the "
+                           "softcap derivative needs tanh of the score without the bias)")
         if not 1 <= self.num_stages <= 2:
             return False, f"num_stages {self.num_stages} must be 1 or 2"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -128,13 +134,14 @@ class Sm100BwdConfig:
     def key(self) -> str:
         feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
-                                 ("kvlen", self.has_kv_seqlen), ("det", self.deterministic))
+                                 ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
+                                 ("det", self.deterministic))
                  if on]
         return (f"bwd_sm100_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{TILE_M}x{TILE_N}s{self.num_stages}_{'-'.join(feats) or 'dense'}")
 
 
-FEATURES = ("causal", "window", "softcap", "seq_lengths")
+FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi")
 
 
 def can_implement(config: Sm100BwdConfig | None = None, **problem) -> tuple[bool, str]:
@@ -154,7 +161,10 @@ def can_implement(config: Sm100BwdConfig | None = None, **problem) -> tuple[bool
                        f"{SUPPORTED_HEAD_DIMS})")
     if hdv != hd:
         return False, f"value head dim {hdv} != head dim {hd} not supported"
-    unsupported = [f for f in problem.get("features", ()) if f not in FEATURES]
+    feats = tuple(problem.get("features", ()))
+    unsupported = [f for f in feats if f not in FEATURES]
     if unsupported:
         return False, f"features {unsupported} not supported by the sm_100a backward kernel"
+    if "alibi" in feats and "softcap" in feats:
+        return False, "ALiBi with softcap not supported by the sm_100a backward kernel"
     return True, ""

@@ -3,14 +3,16 @@
 The tensors and their order are the Hopper backward's (`bwd_launch`), so `kernels.call` feeds
 both the same way: q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], do [B, T, N, Hv], lse2 and
 delta [B, N, Tp] float32 (Tp = T padded to a multiple of 128, `bwd_launch.padded_len`), then
-q_seqlen / kv_seqlen [B] int32 when the config has them; outputs dq_acc [B, T, N, H] float32
-(zeroed by the kernel, unscaled), dk [B, S, K, H] (scale folded in), dv [B, S, K, Hv], and with
-``deterministic`` the ordering semaphores dq_sem [B, N, ceil(T / 128)] int32 (scratch).
+q_seqlen / kv_seqlen [B] int32 and the ALiBi slopes [1, N] float32 when the config has them;
+outputs dq_acc [B, T, N, H] float32 (zeroed by the kernel, unscaled), dk [B, S, K, H] (scale
+folded in), dv [B, S, K, Hv], with ALiBi alibi_parts [B, N, ceil(S / 128), ALIBI_PARTS] float32
+(per compute warp sums of dS_ij |i - j|), and with ``deterministic`` the ordering semaphores
+dq_sem [B, N, ceil(T / 128)] int32 (scratch).
 """
 from __future__ import annotations
 
 from jaxflash.ffi.variant import Launch, TensorArg
-from jaxflash.kernels.variants.bwd import FLOAT_SCALARS, INT_SCALARS, LSE_PAD
+from jaxflash.kernels.variants.bwd import ALIBI_PARTS, FLOAT_SCALARS, INT_SCALARS, LSE_PAD
 from jaxflash.kernels.variants.sm100_bwd import Sm100BwdConfig
 
 KERNEL_REF = "jaxflash.kernels.sm100.bwd:FlashBwdSm100"
@@ -27,8 +29,12 @@ def sm100_bwd_launch(config: Sm100BwdConfig, arch: str = "sm_100a") -> Launch:
         inputs.append(TensorArg("int32", (None,)))
     if config.has_kv_seqlen:
         inputs.append(TensorArg("int32", (None,)))
+    if config.has_alibi:
+        inputs.append(TensorArg("float32", (1, None)))
     outputs = [TensorArg("float32", (None, None, None, h)), TensorArg(dt, (None, None, None, h)),
                TensorArg(dt, (None, None, None, hv))]
+    if config.has_alibi:
+        outputs.append(TensorArg("float32", (None, None, None, ALIBI_PARTS)))
     if config.deterministic:
         outputs.append(TensorArg("int32", (None, None, None)))
     return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs),
