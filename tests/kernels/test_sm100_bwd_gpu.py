@@ -7,7 +7,8 @@ It has never run: no Blackwell GPU was available.
 
 Cases: bf16 / fp16, head dims 64 / 128, dense and causal with GQA (T < S and T > S), a window,
 softcap, query / key lengths with empty rows (exact zeros where no key or query is visible),
-and the deterministic mode (bitwise-identical gradients over repeated runs).
+ALiBi (with d(slopes)), and the deterministic mode (bitwise-identical gradients over repeated
+runs).
 
 On a machine without the CuTe DSL, build the variants first (``python -m jaxflash.aot --arch
 sm_100a --out DIR --kernel sm100_bwd ...`` and the forward's, then ``JAXFLASH_KERNEL_DIR=DIR``).
@@ -51,6 +52,8 @@ CASES = [
      {"query_seq_lengths": [300, 131, 0], "key_value_seq_lengths": [400, 0, 255]}),
     ("bf16 h128 deterministic causal", "bfloat16", (2, 1024, 1024, 8, 2, 128),
      {"is_causal": True, "deterministic": True}),
+    ("bf16 h64 alibi causal gqa", "bfloat16", (2, 600, 600, 4, 2, 64),
+     {"is_causal": True, "alibi_slopes": [0.25, 0.0625, 0.015625, 0.00390625]}),
 ]
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # as `devtools.bwd_devrun.TOL`
 
@@ -67,10 +70,17 @@ def _inputs(dtype, shape, seed):
 
 
 def _grads(q, k, v, do, kw):
+    """(dq, dk, dv[, d(slopes)]) of the cute path."""
     kw = {n: (jnp.asarray(x, jnp.int32) if n.endswith("seq_lengths") else x)
           for n, x in kw.items()}
-    f = lambda q, k, v: jaxflash.flash_attention(q, k, v, implementation="cute", **kw)
-    return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
+    slopes = kw.pop("alibi_slopes", None)
+    if slopes is None:
+        f = lambda q, k, v: jaxflash.flash_attention(q, k, v, implementation="cute", **kw)
+        return jax.jit(lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))(q, k, v, do)
+    f = lambda q, k, v, a: jaxflash.flash_attention(q, k, v, implementation="cute",
+                                                    alibi_slopes=a, **kw)
+    a = jnp.asarray(slopes, jnp.float32)
+    return jax.jit(lambda q, k, v, a, do: jax.vjp(f, q, k, v, a)[1](do))(q, k, v, a, do)
 
 
 def _rel(x, ref):
@@ -85,7 +95,8 @@ def test_sm100_backward_matches_float64(case):
     B, T, S, N, K, H = shape
     q, k, v, do = _inputs(dtype, shape, seed=len(name))
     plan = jaxflash.explain(q, k, v, implementation="cute",
-                            **{n: x for n, x in kw.items() if not n.endswith("seq_lengths")})
+                            **{n: (jnp.asarray(x, jnp.float32) if n == "alibi_slopes" else x)
+                               for n, x in kw.items() if not n.endswith("seq_lengths")})
     assert plan.detail.bwd is not None and plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), \
         plan
     g = [np.asarray(x.astype(jnp.float32)) for x in _grads(q, k, v, do, kw)]
@@ -93,8 +104,10 @@ def test_sm100_backward_matches_float64(case):
     qs, kvs = kw.get("query_seq_lengths"), kw.get("key_value_seq_lengths")
     ref = np_grads(f32(q), f32(k), f32(v), f32(do), 1.0 / np.sqrt(H), kw.get("is_causal", False),
                    kw.get("local_window_size"), kw.get("softcap"),
-                   None if qs is None else np.asarray(qs), None if kvs is None else np.asarray(kvs))
-    for nm, x, r in zip(("dq", "dk", "dv"), g, ref):
+                   None if qs is None else np.asarray(qs), None if kvs is None else np.asarray(kvs),
+                   None if "alibi_slopes" not in kw else np.asarray(kw["alibi_slopes"]))
+    assert len(g) == len(ref)
+    for nm, x, r in zip(("dq", "dk", "dv", "dslopes"), g, ref):
         assert not np.isnan(x).any(), f"{name}: NaN in {nm}"
         err = _rel(x, r)
         assert err < TOL[dtype], f"{name}: {nm} relative L2 error {err:.3e} >= {TOL[dtype]:.0e}"
