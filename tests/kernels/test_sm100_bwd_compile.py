@@ -19,7 +19,8 @@ from jaxflash.kernels.variants.sm100_bwd import REGS, TILE_M, Sm100BwdConfig
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
-# bf16 / fp16, D 64 / 128, dense / causal, window, softcap, deterministic, lengths, ALiBi. Every
+# bf16 / fp16, D 64 / 128, dense / causal, window, softcap, deterministic, lengths, ALiBi and
+# segment ids. Every
 # compile serves any GQA ratio (the head counts are runtime values of the bridge's launch).
 MATRIX = [
     Sm100BwdConfig(head_dim=64),
@@ -31,7 +32,8 @@ MATRIX = [
     Sm100BwdConfig(head_dim=128, is_causal=True, deterministic=True),
     Sm100BwdConfig(head_dim=64, is_causal=True, has_q_seqlen=True, has_kv_seqlen=True,
                    deterministic=True),
-    Sm100BwdConfig(head_dim=128, is_causal=True, has_alibi=True),
+    Sm100BwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True,
+                   has_q_seqlen=True, has_kv_seqlen=True),
 ]
 COMPILE_LIMIT_S = 60.0
 

@@ -7,8 +7,8 @@ It has never run: no Blackwell GPU was available.
 
 Cases: bf16 / fp16, head dims 64 / 128, dense and causal with GQA (T < S and T > S), a window,
 softcap, query / key lengths with empty rows (exact zeros where no key or query is visible),
-ALiBi (with d(slopes)), and the deterministic mode (bitwise-identical gradients over repeated
-runs).
+ALiBi (with d(slopes)), segment ids (packed documents), and the deterministic mode
+(bitwise-identical gradients over repeated runs).
 
 On a machine without the CuTe DSL, build the variants first (``python -m jaxflash.aot --arch
 sm_100a --out DIR --kernel sm100_bwd ...`` and the forward's, then ``JAXFLASH_KERNEL_DIR=DIR``).
@@ -54,6 +54,10 @@ CASES = [
      {"is_causal": True, "deterministic": True}),
     ("bf16 h64 alibi causal gqa", "bfloat16", (2, 600, 600, 4, 2, 64),
      {"is_causal": True, "alibi_slopes": [0.25, 0.0625, 0.015625, 0.00390625]}),
+    # packed documents (sorted ids, boundaries inside blocks; the last query segment, 650-699,
+    # has no key: its dq rows are exactly 0)
+    ("bf16 h128 segments causal", "bfloat16", (2, 700, 700, 4, 2, 128),
+     {"is_causal": True, "segments": ([0, 150, 400, 650], [0, 150, 400, 700])}),
 ]
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # as `devtools.bwd_devrun.TOL`
 
@@ -69,10 +73,33 @@ def _inputs(dtype, shape, seed):
     return q, k, v, do
 
 
+def _segment_ids(B, T, S, starts):
+    """Sorted segment ids from segment start positions: (q ids [B, T], kv ids [B, S])."""
+    q_starts, kv_starts = starts
+    q = np.searchsorted(np.asarray(q_starts), np.arange(T), side="right") - 1
+    kv = np.searchsorted(np.asarray(kv_starts), np.arange(S), side="right") - 1
+    return (np.broadcast_to(q, (B, T)).astype(np.int32),
+            np.broadcast_to(kv, (B, S)).astype(np.int32))
+
+
+def _call_kwargs(kw, shape):
+    """flash_attention keyword args from a case's (lengths as int32, segments as id arrays)."""
+    B, T, S = shape[:3]
+    out = {}
+    for n, x in kw.items():
+        if n.endswith("seq_lengths"):
+            out[n] = jnp.asarray(x, jnp.int32)
+        elif n == "segments":
+            qs, ks = _segment_ids(B, T, S, x)
+            out["q_segment_ids"], out["kv_segment_ids"] = jnp.asarray(qs), jnp.asarray(ks)
+        else:
+            out[n] = x
+    return out
+
+
 def _grads(q, k, v, do, kw):
     """(dq, dk, dv[, d(slopes)]) of the cute path."""
-    kw = {n: (jnp.asarray(x, jnp.int32) if n.endswith("seq_lengths") else x)
-          for n, x in kw.items()}
+    kw = _call_kwargs(kw, (q.shape[0], q.shape[1], k.shape[1]))
     slopes = kw.pop("alibi_slopes", None)
     if slopes is None:
         f = lambda q, k, v: jaxflash.flash_attention(q, k, v, implementation="cute", **kw)
@@ -94,9 +121,10 @@ def test_sm100_backward_matches_float64(case):
     name, dtype, shape, kw = case
     B, T, S, N, K, H = shape
     q, k, v, do = _inputs(dtype, shape, seed=len(name))
+    ckw = _call_kwargs(kw, shape)
     plan = jaxflash.explain(q, k, v, implementation="cute",
                             **{n: (jnp.asarray(x, jnp.float32) if n == "alibi_slopes" else x)
-                               for n, x in kw.items() if not n.endswith("seq_lengths")})
+                               for n, x in ckw.items() if not n.endswith("seq_lengths")})
     assert plan.detail.bwd is not None and plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), \
         plan
     g = [np.asarray(x.astype(jnp.float32)) for x in _grads(q, k, v, do, kw)]
@@ -105,7 +133,9 @@ def test_sm100_backward_matches_float64(case):
     ref = np_grads(f32(q), f32(k), f32(v), f32(do), 1.0 / np.sqrt(H), kw.get("is_causal", False),
                    kw.get("local_window_size"), kw.get("softcap"),
                    None if qs is None else np.asarray(qs), None if kvs is None else np.asarray(kvs),
-                   None if "alibi_slopes" not in kw else np.asarray(kw["alibi_slopes"]))
+                   None if "alibi_slopes" not in kw else np.asarray(kw["alibi_slopes"]),
+                   *((np.asarray(ckw["q_segment_ids"]), np.asarray(ckw["kv_segment_ids"]))
+                     if "segments" in kw else ()))
     assert len(g) == len(ref)
     for nm, x, r in zip(("dq", "dk", "dv", "dslopes"), g, ref):
         assert not np.isnan(x).any(), f"{name}: NaN in {nm}"
@@ -117,6 +147,10 @@ def test_sm100_backward_matches_float64(case):
     if kvs is not None:  # keys past kv_seqlen: exactly zero dk, dv
         dead = np.arange(S)[None, :] >= np.asarray(kvs)[:, None]
         assert np.abs(g[1][dead]).max() == 0.0 and np.abs(g[2][dead]).max() == 0.0
+    if "segments" in kw:  # queries whose segment meets no key: exactly zero dq
+        qs_, ks_ = np.asarray(ckw["q_segment_ids"]), np.asarray(ckw["kv_segment_ids"])
+        dead = ~(qs_[:, :, None] == ks_[:, None, :]).any(-1)
+        assert dead.any() and np.abs(g[0][dead]).max() == 0.0
     if kw.get("deterministic"):  # ordered dQ adds: bitwise the same every run
         for _ in range(3):
             again = [np.asarray(x.astype(jnp.float32)) for x in _grads(q, k, v, do, kw)]

@@ -86,15 +86,18 @@ def test_head_dim_256_is_refused_with_the_reason():
         Sm100BwdConfig(head_dim=256)
     ok, why = can_implement(dtype="bfloat16", head_dim=256, features=())
     assert not ok and "2-CTA" in why
-    ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("segment_ids",))
-    assert not ok and "segment_ids" in why
+    ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("score_mod",))
+    assert not ok and "score_mod" in why
+    with pytest.raises(ValueError, match="deterministic with segment ids"):
+        Sm100BwdConfig(has_segments=True, deterministic=True)
     ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("alibi", "softcap"))
     assert not ok and "ALiBi with softcap" in why
     with pytest.raises(ValueError, match="ALiBi with softcap"):
         Sm100BwdConfig(has_alibi=True, has_softcap=True)
     assert can_implement(dtype="float16", head_dim=64,
                          features=("causal", "window", "softcap", "seq_lengths")) == (True, "")
-    assert can_implement(dtype="bfloat16", head_dim=128, features=("alibi",)) == (True, "")
+    assert can_implement(dtype="bfloat16", head_dim=128,
+                         features=("alibi", "segment_ids")) == (True, "")
 
 
 def test_register_budgets_fit_the_sm():

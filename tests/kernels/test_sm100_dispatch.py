@@ -93,8 +93,8 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
 
 def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):
     """Without the switch neither sm_100a kernel is planned; with it, the backward's variant
-    follows the call (deterministic, ALiBi, GQA as a runtime ratio) and segment ids fall back
-    visibly."""
+    follows the call (deterministic, ALiBi, segment ids, GQA as a runtime ratio) and what it
+    cannot serve falls back visibly."""
     pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
     from jaxflash.kernels.policy.verified import pending
     from jaxflash.kernels.variants.sm100_bwd import Sm100BwdConfig
@@ -107,5 +107,8 @@ def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):
     assert plan.detail.bwd.config.has_alibi
     seg = jnp.zeros((2, 256), jnp.int32)
     plan = _explain("cute", q_segment_ids=seg, kv_segment_ids=seg)
-    assert plan.detail.bwd is None  # Pallas on the forward's (out, lse), and why
-    assert "segment" in plan.detail.bwd_reason
+    assert plan.detail.bwd.config.has_segments
+    # what it cannot serve falls back visibly: Pallas on the forward's (out, lse), and why
+    plan = _explain("cute", q_segment_ids=seg, kv_segment_ids=seg, deterministic=True)
+    assert plan.detail.bwd is None
+    assert "deterministic with segment ids" in plan.detail.bwd_reason

@@ -110,6 +110,8 @@ class FlashBwdSm100(BwdRoles):
             ins.append("kv_seqlen")
         if self.cfg.has_alibi:
             ins.append("alibi_slopes")
+        if self.cfg.has_segments:
+            ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
         outs = (["dq_acc", "dk", "dv"] + ["alibi_parts"] * self.cfg.has_alibi
                 + ["dq_sem"] * self.cfg.deterministic)
         return (tuple(ins), tuple(outs), FLOAT_SCALARS,
@@ -125,6 +127,7 @@ class FlashBwdSm100(BwdRoles):
         mQSeqlen = a.maybe(self.cfg.has_q_seqlen)
         mKVSeqlen = a.maybe(self.cfg.has_kv_seqlen)
         mAlibi = a.maybe(self.cfg.has_alibi)
+        seg = a.maybe(self.cfg.has_segments, 4)  # q ids, kv ids, kv_blocks, q_blocks
         mdQ, mdK, mdV = a.take(3)
         mdAlibi = a.maybe(self.cfg.has_alibi)
         mSem = a.maybe(self.cfg.deterministic)
@@ -132,7 +135,7 @@ class FlashBwdSm100(BwdRoles):
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
         self.launch(mQ, mK, mV, mdO, mLSE, mDelta, mQSeqlen, mKVSeqlen, mdQ, mdK, mdV, mSem,
-                    mFScalars, mIScalars, stream, (mAlibi, mdAlibi))
+                    mFScalars, mIScalars, stream, (mAlibi, mdAlibi), tuple(seg))
 
     def tiled_mmas(self):
         """(S^T, dP^T, dV, dK, dQ) tiled MMAs, all 1-CTA, M = 128."""
@@ -151,7 +154,8 @@ class FlashBwdSm100(BwdRoles):
                mLSE: cute.Tensor, mDelta: cute.Tensor, mQSeqlen: Optional[cute.Tensor],
                mKVSeqlen: Optional[cute.Tensor], mdQ: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mSem: Optional[cute.Tensor], mFScalars: cute.Tensor,
-               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, alibi=(None, None)):
+               mIScalars: Optional[cute.Tensor], stream: cuda.CUstream, alibi=(None, None),
+               segs=(None, None, None, None)):
         for t in (mQ, mK, mV, mdO, mdK, mdV):
             if const_expr(t.element_type != self.dtype):
                 raise TypeError(f"expected {self.dtype}, got {t.element_type}")
@@ -243,7 +247,7 @@ class FlashBwdSm100(BwdRoles):
                     tma_dQ, mFScalars, mIScalars, lay["sK"], lay["sKt"], lay["sV"], lay["sQ"],
                     lay["sQt"], lay["sdO"], lay["sdOt"], lay["tP"], lay["tdS"], lay["sdS"],
                     lay["sdSw"], lay["sRow"], lay["sdQ"], s_mma, dp_mma, dv_mma, dk_mma,
-                    dq_mma, alibi, SharedStorage).launch(
+                    dq_mma, alibi, segs, SharedStorage).launch(
             grid=[num_n_blocks, mK.shape[2], mK.shape[3]], block=[self.num_threads, 1, 1],
             stream=stream, min_blocks_per_mp=1)
 
@@ -265,7 +269,7 @@ class FlashBwdSm100(BwdRoles):
                sdS_l: cute.ComposedLayout, sdSw_l: cute.ComposedLayout, sRow_l: cute.Layout,
                sdQ_l: cute.ComposedLayout, s_mma: cute.TiledMma, dp_mma: cute.TiledMma,
                dv_mma: cute.TiledMma, dk_mma: cute.TiledMma, dq_mma: cute.TiledMma, alibi,
-               SharedStorage: cutlass.Constexpr):
+               segs, SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == LOAD_WARP:
@@ -333,7 +337,7 @@ class FlashBwdSm100(BwdRoles):
 
         # Each role derives the CTA's walk itself (cheap integer math): values computed before
         # the split and live across the setmaxnreg were spilled by ptxas.
-        rng = (mQ, mK, mQSeqlen, mKVSeqlen, window_left, window_right)
+        rng = (mQ, mK, mQSeqlen, mKVSeqlen, segs[2], window_left, window_right)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.reduce_regs)
             blocks, walk, seqlen_k = self.walk(*rng)
@@ -343,7 +347,7 @@ class FlashBwdSm100(BwdRoles):
             blocks, walk, seqlen_k = self.walk(*rng)
             self.compute(tidx - 128, tm, mbar, smem_t, pipes, mdK, mdV, blocks, walk,
                          seqlen_k, softmax_scale, scale_log2, pre_scale, window_left,
-                         window_right, alibi)
+                         window_right, alibi, segs, mQ.shape[0])
         else:
             cute.arch.setmaxregister_decrease(self.other_regs)
             blocks, walk, seqlen_k = self.walk(*rng)
@@ -360,7 +364,8 @@ class FlashBwdSm100(BwdRoles):
             cute.arch.dealloc_tmem(tmem, self.tmem_cols)
 
     @cute.jit
-    def walk(self, mQ, mK, mQSeqlen, mKVSeqlen, window_left: Int32, window_right: Int32):
+    def walk(self, mQ, mK, mQSeqlen, mKVSeqlen, mKVBlk, window_left: Int32,
+             window_right: Int32):
         """(block range, walk, seqlen_k) of this CTA: walk = (n_block, kv_head, batch, group,
         m_min, num_m, num_steps), the steps being the query blocks [m_min, m_min + num_m) of
         each of the group's query heads in turn."""
@@ -377,6 +382,11 @@ class FlashBwdSm100(BwdRoles):
         blocks = QueryBlockRange(TILE_M, TILE_N, self.has_right, self.has_left, window_left,
                                  window_right)
         m_min, m_max = blocks.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        if const_expr(mKVBlk is not None):
+            # segment block skipping: only query blocks whose ids can meet this key block's
+            # (exact for sorted, document-packed ids; `common.segments`)
+            m_min = cutlass.max(m_min, mKVBlk[batch, n_block, 2])
+            m_max = cutlass.max(cutlass.min(m_max, mKVBlk[batch, n_block, 3]), m_min)
         num_m = m_max - m_min
         return blocks, (n_block, kv_head, batch, group, m_min, num_m, group * num_m), seqlen_k
 

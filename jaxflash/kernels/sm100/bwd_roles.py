@@ -21,7 +21,8 @@ from cutlass.cute.nvgpu import tcgen05
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.dq_order import pass_turn, wait_turn
-from jaxflash.kernels.common.mask import TileCoords, apply_alibi, apply_mask_kq
+from jaxflash.kernels.common.mask import (SegmentRows, TileCoords, apply_alibi,
+                                          apply_mask_kq, apply_segment_mask)
 from jaxflash.kernels.variants.sm100_bwd import DQ_CHUNK, TILE_M, TILE_N
 
 MMA_WARP = 12
@@ -69,9 +70,11 @@ class BwdRoles:
     @cute.jit
     def compute(self, ct: Int32, tm, mbar, smem_t, pipes, mdK, mdV, blocks, walk,
                 seqlen_k: Int32, softmax_scale: Float32, scale_log2: Float32,
-                pre_scale: Float32, window_left: Int32, window_right: Int32, alibi):
+                pre_scale: Float32, window_left: Int32, window_right: Int32, alibi, segs,
+                T: Int32):
         n_block, kv_head, batch, group, m_min, num_m, num_steps = walk
         mAlibi, mdAlibi = alibi
+        mQSeg, mKVSeg, mKVBlk, mQBlk = segs
         wg = ct // 128
         lane = ct % 128
         col0 = wg * _HALF
@@ -106,6 +109,11 @@ class BwdRoles:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                              self.num_stages)
         dslope = Float32(0.0)
+        key_segs = None
+        if const_expr(self.cfg.has_segments):  # this thread's key's id, the block's (min, max)
+            key_segs = SegmentRows.load(coords, 1, n_block * TILE_N, mKVSeg[batch, None],
+                                        mKVSeg.shape[1], mKVBlk[batch, n_block, 0],
+                                        mKVBlk[batch, n_block, 1])
         for i in cutlass.range(num_steps, unroll=1):
             g = i // num_m
             m_block = m_min + i - g * num_m
@@ -125,6 +133,13 @@ class BwdRoles:
                 apply_alibi(cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat)),
                             coords, n_block * TILE_N, m_block * TILE_M,
                             mAlibi[0, kv_head * group + g] / softmax_scale)
+            if const_expr(self.cfg.has_segments):
+                # most block pairs of packed documents lie inside one document: no compare
+                if key_segs.block_needs_compare(mQBlk[batch, m_block, 0],
+                                                mQBlk[batch, m_block, 1]):
+                    apply_segment_mask(
+                        cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat)),
+                        coords, key_segs, m_block * TILE_M, mQSeg[batch, None], T)
             if blocks.needs_mask(n_block, m_block, seqlen_k):
                 s = cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat))
                 apply_mask_kq(s, coords, n_block, m_block, TILE_N, TILE_M, seqlen_k,

@@ -55,9 +55,10 @@ class Sm100BwdConfig:
     has_alibi: slopes [1, N]; the bias -slope |i - j| enters S^T before the masks, and the
     kernel writes per-compute-warp partial sums of dS_ij |i - j| (``ALIBI_PARTS`` = its 8
     compute warps, per (batch, head, key block)) that the shared XLA side reduces into
-    d(slopes), as for Hopper. Segment ids are not implemented in this kernel yet
-    (`can_implement` says so and dispatch falls back); the field exists so the shared XLA side
-    reads one shape of config.
+    d(slopes), as for Hopper.
+    has_segments: q / kv segment ids and their block summaries with rows = keys (the Hopper
+    backward's inputs): a CTA visits only the query blocks whose ids can meet its keys, and
+    block pairs not inside one segment get the element compare.
     """
 
     dtype: str = "bfloat16"
@@ -107,8 +108,9 @@ class Sm100BwdConfig:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.has_segments:
-            return False, "segment ids are not implemented in the sm_100a backward yet"
+        if self.has_segments and self.deterministic:
+            return False, ("deterministic with segment ids: the key-block order of the dQ adds "
+                           "assumes the geometric block ranges, which segment skipping changes")
         if self.has_alibi and self.has_softcap:
             return False, ("ALiBi with softcap: as the Hopper backward, not implemented (the "
                            "softcap derivative needs tanh of the score without the bias)")
@@ -135,13 +137,13 @@ class Sm100BwdConfig:
         feats = [n for n, on in (("causal", self.is_causal), ("window", self.has_window),
                                  ("softcap", self.has_softcap), ("qlen", self.has_q_seqlen),
                                  ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
-                                 ("det", self.deterministic))
+                                 ("seg", self.has_segments), ("det", self.deterministic))
                  if on]
         return (f"bwd_sm100_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{TILE_M}x{TILE_N}s{self.num_stages}_{'-'.join(feats) or 'dense'}")
 
 
-FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi")
+FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids")
 
 
 def can_implement(config: Sm100BwdConfig | None = None, **problem) -> tuple[bool, str]:
