@@ -3,7 +3,7 @@ what the design says: tcgen05 MMAs (kind::f16) with S^T, dP^T, dV, dK and dQ in 
 (P^T and dS^T read from tensor memory by the dV and dK MMAs), tensor-memory alloc / ld / st /
 commit, TMA loads, dQ added by TMA reduce-adds (ordered by acquire / release semaphores in the
 deterministic mode), the warpgroups' `setmaxnreg` budgets; ptxas reports no stack and no spills;
-the bridge lowers and exports it.
+the same source gives the same cubin; the bridge lowers and exports it.
 
 Nothing here has run on a Blackwell GPU: these are compile-time facts only.
 """
@@ -130,6 +130,27 @@ def test_sass_and_resources(cfg, compiled):
                          text=True, check=True).stdout
     assert re.search(r"STACK:0\b", res) and re.search(r"LOCAL:0\b", res), res
     assert re.search(r"REG:128\b", res), res
+
+
+def test_same_source_same_cubin(tmp_path):
+    """Two fresh processes, the DSL's in-memory and file caches off, compile one backward
+    variant: the cubins are byte-identical (what keying artifacts by source hash relies on)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    digests = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", CUTE_DSL_NO_CACHE="1",
+                   CUTE_DSL_DISABLE_FILE_CACHING="1", DUMP=str(d))
+        subprocess.run([sys.executable, "-m", "devtools.sm100_bwd_compile", "64", "is_causal"],
+                       cwd=root, env=env, check=True, capture_output=True)
+        cubin = glob.glob(str(d / "*.cubin"))
+        assert cubin, "no cubin dumped"
+        digests.append(hashlib.sha256(open(cubin[0], "rb").read()).hexdigest())
+    assert digests[0] == digests[1]
 
 
 def test_lowers_and_exports_through_the_bridge(tmp_path, monkeypatch):
