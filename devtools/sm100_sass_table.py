@@ -1,12 +1,14 @@
-"""Side-by-side SASS counts: our sm_100a forward vs FlashAttention-4's, both compiled here.
+"""Side-by-side SASS counts: our sm_100a kernels vs FlashAttention-4's, both compiled here.
 
     python -m devtools.sm100_sass_table OURS_DIR FA4_DIR ...   (dirs holding *.cubin [+ *.ptx])
 
-Our cubins come from `devtools.sm100_compile` (DUMP=<dir>); FlashAttention-4's from the shared
+Our cubins come from `devtools.sm100_compile` / `devtools.sm100_bwd_compile` (DUMP=<dir>);
+FlashAttention-4's from the shared
 compile-only recipe (`anchors/blackwell/fa4_fake_compile.py` with CUTE_DSL_KEEP=ptx,cubin and
 CUTE_DSL_DUMP_DIR). Counts are *static* (instructions in the binary), per kernel: registers and
 stack / local bytes (cuobjdump), MMAs (UTCHMMA / UTCQMMA, 2-CTA marked), MUFU.EX2, FFMA2,
-FADD2.RM (the polynomial exp2's split), LDTM / STTM, and the total. Needs nvdisasm and cuobjdump
+FADD2.RM (the polynomial exp2's split), LDTM / STTM, bulk reduce-adds (UTMAREDG / UBLKRED: the
+backward's dQ), and the total. Needs nvdisasm and cuobjdump
 ($NVDISASM / $CUOBJDUMP or PATH).
 """
 from __future__ import annotations
@@ -42,12 +44,13 @@ def summarize(cubin: str) -> dict:
             "MUFU.EX2": ops["MUFU.EX2"], "FFMA2": ops["FFMA2"], "FADD2.RM": ops["FADD2.RM"],
             "LDTM": sum(v for k, v in ops.items() if k.startswith("LDTM")),
             "STTM": sum(v for k, v in ops.items() if k.startswith("STTM")),
+            "REDUCE": sum(v for k, v in ops.items() if k.startswith(("UTMAREDG", "UBLKRED"))),
             "instructions": sum(ops.values())}
 
 
 def main(dirs) -> None:
     cols = ["REG", "STACK", "LOCAL", "MMA", "MMA kinds", "MUFU.EX2", "FFMA2", "FADD2.RM",
-            "LDTM", "STTM", "instructions"]
+            "LDTM", "STTM", "REDUCE", "instructions"]
     print("| build | kernel | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
     for d in dirs:

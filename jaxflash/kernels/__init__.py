@@ -2,7 +2,7 @@
 
 Layout:
 - ``sm90/``: the Hopper device kernels and their private parts.
-- ``sm100/``: the Blackwell forward (compiled and instruction-checked only; gated in
+- ``sm100/``: the Blackwell forward and backward (compiled and instruction-checked only; gated in
   ``policy/verified.py`` until a Blackwell run).
 - ``common/``: device building blocks every architecture's kernels share (masks, online
   softmax, layouts, pipelines, launch arguments, tile order, segment summaries).
@@ -77,5 +77,11 @@ KERNELS: dict[str, Kernel] = {
     "sm100_fwd": Kernel("jaxflash.kernels.variants.sm100_fwd:Sm100FwdConfig",
                         "jaxflash.kernels.variants.fwd_launch:sm100_fwd_launch",
                         (("main", "jaxflash.kernels.sm100.fwd:FlashFwdSm100"),),
+                        ("sm_100a",)),
+    # FlashAttention backward for Blackwell: S^T, dP^T, dV, dK and dQ in tensor memory, dQ
+    # added by TMA reduce-adds. Compiled and instruction-checked only; gated like the forward.
+    "sm100_bwd": Kernel("jaxflash.kernels.variants.sm100_bwd:Sm100BwdConfig",
+                        "jaxflash.kernels.variants.sm100_bwd_launch:sm100_bwd_launch",
+                        (("main", "jaxflash.kernels.sm100.bwd:FlashBwdSm100"),),
                         ("sm_100a",)),
 }

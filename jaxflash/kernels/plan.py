@@ -17,18 +17,19 @@ from jaxflash.kernels.policy import choose
 from jaxflash.kernels.policy.verified import require_verified
 
 # Which registered kernel serves each direction, per architecture, and which function of
-# `policy.choose` picks its variant. sm_100a has a forward only (the backward then runs the
-# Pallas kernels on its (out, lse)); its variants stay gated (`policy.verified`) until a
-# Blackwell run. An architecture not listed has no CuTe kernel (Hopper kernels never serve
+# `policy.choose` picks its variant. The sm_100a variants stay gated (`policy.verified`) until
+# a Blackwell run (with the switch on, a backward the sm_100a kernel cannot serve runs the
+# Pallas kernels on the CuTe forward's (out, lse)). An architecture not listed has no CuTe kernel (Hopper kernels never serve
 # another architecture, nor the Blackwell ones Hopper).
 FORWARD = {"sm_90a": "sm90_fwd", "sm_100a": "sm100_fwd"}
-BACKWARD = {"sm_90a": "sm90_bwd"}
+BACKWARD = {"sm_90a": "sm90_bwd", "sm_100a": "sm100_bwd"}
 FORWARD_FP8 = {"sm_90a": "sm90_fwd_fp8"}
 # Until an FP8 backward kernel exists, FP8 gradients come from the contract's own backward.
 FP8_BWD_REASON = ("no CuTe FP8 backward yet: the emulated FP8 backward (XLA, "
                   "jaxflash.fp8.emulated) runs on the kernel's (out, lse)")
 PICKS = {"sm90_fwd": choose.forward_config, "sm100_fwd": choose.sm100_forward_config,
-         "sm90_bwd": choose.backward_config, "sm90_fwd_fp8": choose.fp8_forward_config}
+         "sm90_bwd": choose.backward_config, "sm100_bwd": choose.sm100_backward_config,
+         "sm90_fwd_fp8": choose.fp8_forward_config}
 
 
 @dataclasses.dataclass(frozen=True)

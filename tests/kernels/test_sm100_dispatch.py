@@ -3,7 +3,8 @@
 - on 10.x the sm100 variants are gated like any unverified variant: `explain` says they are
   compiled and instruction-checked only, gated until a Blackwell run, and another backend serves;
 - ``JAXFLASH_CUTE_UNVERIFIED=1`` admits them (the plan's forward is `FlashFwdSm100`, its
-  backward the Pallas kernels on its (out, lse));
+  backward `FlashBwdSm100`; where that cannot serve, e.g. head dim 256, the Pallas kernels on
+  the forward's (out, lse), and the plan says why);
 - on Hopper (9.0) they are never chosen, and on other architectures there is no CuTe kernel.
 """
 from __future__ import annotations
@@ -81,29 +82,33 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
         assert plan.backend == "cute", plan
         assert plan.detail.fwd.kernel.endswith(":FlashFwdSm100")
         assert plan.detail.fwd.arch == "sm_100a"
-        assert plan.detail.bwd is None  # Pallas backward on the forward's (out, lse)
+        if h == 256:  # dK + dV take all of tensor memory: Pallas on the forward's (out, lse)
+            assert plan.detail.bwd is None
+            assert "head dim 256 not supported by the sm_100a backward" in plan.detail.bwd_reason
+        else:
+            assert plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), plan.detail
+            assert plan.detail.bwd.arch == "sm_100a"
+            assert "FlashBwdSm100" in plan.detail.note
 
 
-def test_hopper_never_picks_the_blackwell_kernel(gpu, monkeypatch):
+def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):
+    """Without the switch neither sm_100a kernel is planned; with it, the backward's variant
+    follows the call (deterministic, ALiBi, segment ids, GQA as a runtime ratio) and what it
+    cannot serve falls back visibly."""
     pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
-    monkeypatch.setenv(verified.ENV, "1")
-    gpu("9.0")
-    plan = _explain("cute", is_causal=True)
-    assert plan.backend == "cute"
-    assert plan.detail.fwd.kernel.endswith(":FlashFwdSm90")
-    from jaxflash.kernels import plan as kplan
-    assert "sm100" not in kplan.FORWARD["sm_90a"]
-
-
-def test_other_blackwell_parts_have_no_kernel(gpu, monkeypatch):
-    monkeypatch.setenv(verified.ENV, "1")
-    gpu("10.3")  # B300: sm_103a, not compiled for
-    why = dict(_explain("cute").refused).get("cute", "")
-    assert "no CuTe forward kernel for sm_103a" in why
-
-
-def test_blackwell_refuses_what_it_cannot_serve(gpu, monkeypatch):
+    from jaxflash.kernels.policy.verified import pending
+    from jaxflash.kernels.variants.sm100_bwd import Sm100BwdConfig
+    assert pending(Sm100BwdConfig()) == (verified.BLACKWELL_PENDING,)
     monkeypatch.setenv(verified.ENV, "1")
     gpu("10.0")
-    why = dict(_explain("cute", H=96).refused).get("cute", "")
-    assert "head dim 96 not supported by the sm_100a forward" in why
+    plan = _explain("cute", is_causal=True, deterministic=True)
+    assert plan.detail.bwd.config.deterministic and plan.detail.bwd.config.is_causal
+    plan = _explain("cute", alibi_slopes=jnp.ones((4,), jnp.float32))
+    assert plan.detail.bwd.config.has_alibi
+    seg = jnp.zeros((2, 256), jnp.int32)
+    plan = _explain("cute", q_segment_ids=seg, kv_segment_ids=seg)
+    assert plan.detail.bwd.config.has_segments
+    # what it cannot serve falls back visibly: Pallas on the forward's (out, lse), and why
+    plan = _explain("cute", q_segment_ids=seg, kv_segment_ids=seg, deterministic=True)
+    assert plan.detail.bwd is None
+    assert "deterministic with segment ids" in plan.detail.bwd_reason

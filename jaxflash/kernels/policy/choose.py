@@ -21,6 +21,8 @@ from jaxflash.kernels.variants.fwd_fp8 import can_implement as fp8_can_implement
 from jaxflash.kernels.variants.mod_program import spec_texts
 from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
 from jaxflash.kernels.variants.sm100_fwd import can_implement as sm100_can_implement
+from jaxflash.kernels.variants.sm100_bwd import Sm100BwdConfig
+from jaxflash.kernels.variants.sm100_bwd import can_implement as sm100_bwd_can_implement
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches, the 4k ones did not.
@@ -135,6 +137,18 @@ def sm100_forward_config(problem) -> Sm100FwdConfig:
     _nonempty(problem)
     _implementable(problem, sm100_can_implement)
     return Sm100FwdConfig(**_common_fields(problem))
+
+
+def sm100_backward_config(problem) -> Sm100BwdConfig:
+    """The sm_100a backward variant for a problem (ValueError if none can). Nothing is
+    measured on Blackwell yet: the config's defaults (1-CTA, 128 x 128 tiles, Q / dO stages
+    as shared memory allows)."""
+    _nonempty(problem, keys=True)
+    if problem.mods is not None:
+        raise ValueError("score / mask mods are not implemented in the sm_100a backward")
+    _implementable(problem, sm100_bwd_can_implement)
+    return Sm100BwdConfig(**_common_fields(problem),
+                          deterministic=problem.statics.deterministic)
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,

@@ -42,6 +42,7 @@ RULES: dict[str, tuple] = {
     # float64 checks and sanitizers on a B200.
     "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100FwdFp4Config": ((BLACKWELL_PENDING, lambda c: True),),
+    "Sm100BwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
 }
 
 

@@ -63,7 +63,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
@@ -71,6 +71,7 @@ from jaxflash.kernels.variants.bwd import FLOAT_SCALARS, INT_SCALARS, BwdConfig
 from jaxflash.kernels.sm90.bwd_order import block_coords
 from jaxflash.kernels.sm90.bwd_step_math import BwdStepMath
 from jaxflash.kernels.sm90.dq_accum import DqAccumulation
+from jaxflash.kernels.common.dq_order import zero_fill
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.mask import (QueryBlockRange, SegmentRows, TileCoords, apply_alibi,
                                    apply_mask_kq, apply_segment_mask)
@@ -83,8 +84,6 @@ LOG2_E = math.log2(math.e)
 _BAR_DS = 1  # dS^T of a step is in shared memory (both consumer warpgroups wrote their half)
 _BAR_EPILOGUE = 2
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-_ZERO_THREADS = 256
-_ZERO_PER_THREAD = 4
 
 
 class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
@@ -198,12 +197,12 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
 
         # The dQ accumulator receives atomic adds: zero it first, on the same stream (and the
         # semaphores of the deterministic mode).
-        self.zero_fill(mdQ, stream)
+        zero_fill(mdQ, stream)
         if const_expr(self.cfg.deterministic):
-            self.zero_fill(mSem, stream)
+            zero_fill(mSem, stream)
             mSem = layouts.select_modes(mSem, [2, 1, 0])  # (m blocks, N, B)
         if const_expr(self.cfg.has_alibi):
-            self.zero_fill(mdAlibi, stream)  # key blocks no query sees write nothing
+            zero_fill(mdAlibi, stream)  # key blocks no query sees write nothing
 
         # [B, T, N, H] -> (T, H, N, B): the two tiled modes first, as TMA boxes want (the
         # dq_flat accumulator [B, N, blocks, tile_m * H] is addressed as it is).
@@ -314,33 +313,6 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     # ------------------------------------------------------------------------------------
     # device
     # ------------------------------------------------------------------------------------
-    @cute.jit
-    def zero_fill(self, t: cute.Tensor, stream: cuda.CUstream):
-        """Launch `zero_kernel` over a compact tensor (viewed flat). The element count and the
-        offsets are 64-bit: the dQ accumulator passes 2^31 elements at long contexts (an Int32
-        count wraps negative and the launch fails)."""
-        total = Int64(1)
-        for i in cutlass.range_constexpr(cute.rank(t)):
-            total = total * Int64(cute.size(t, mode=[i]))
-        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
-        self.zero_kernel(t.iterator, total).launch(
-            grid=[Int32((total + per_cta - 1) // per_cta), 1, 1], block=[_ZERO_THREADS, 1, 1],
-            stream=stream)
-
-    @cute.kernel
-    def zero_kernel(self, base_ptr: cute.Pointer, total: Int64):
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        per_cta = _ZERO_THREADS * _ZERO_PER_THREAD
-        start = Int64(bid) * per_cta
-        # This CTA's slice as its own tensor: the 64-bit offset goes into the pointer once and
-        # the per-thread indices stay 32-bit.
-        chunk = cute.make_tensor(base_ptr + start, cute.make_layout(per_cta))
-        for k in cutlass.range_constexpr(_ZERO_PER_THREAD):
-            i = tidx + k * _ZERO_THREADS  # consecutive threads, consecutive words
-            if start + i < total:
-                chunk[i] = chunk.element_type(0)
-
     @cute.kernel
     def kernel(
         self,

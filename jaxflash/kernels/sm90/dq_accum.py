@@ -2,7 +2,8 @@
 CTAs add to the same rows): staged in shared memory and added by one TMA reduce-add, or with
 ``dq_flat`` by one flat bulk reduce of the fragment-ordered tile; with ``deterministic``, the
 reduce-adds into a query block take turns in key block order through a semaphore per (batch,
-head, query block) (see `sm90.bwd`'s docstring). Shared by both backward kernels
+head, query block) (`common.dq_order`, shared with the Blackwell backward; see `sm90.bwd`'s
+docstring). Shared by both Hopper backward kernels
 (`FlashBwdSm90`, `FlashBwdSm90Wide`).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from jaxflash.kernels.common import layouts
+from jaxflash.kernels.common.dq_order import pass_turn, wait_turn
 from jaxflash.kernels.common.mask import QueryBlockRange
 
 # Named barrier id (the kernels' others are in `sm90.bwd`): the step's dQ tile is in shared
@@ -102,26 +104,3 @@ def bulk_reduce_add_f32(dst: cute.Pointer, src: cute.Pointer, size: int, *, loc=
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@cute.jit
-def wait_turn(sem, turn: Int32):
-    """Warp-wide: return once the semaphore equals `turn` (lane 0 spins on acquire loads),
-    with this warp's later TMA (async proxy) operations ordered after that load."""
-    if cute.arch.lane_idx() == 0:
-        seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-        while seen != turn:
-            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-    cute.arch.sync_warp()
-    cute.arch.fence_proxy("async.global")
-
-
-@cute.jit
-def pass_turn(sem):
-    """After this warp's reduce-add: wait for it to complete (writes done, not just the
-    smem read), order it before the release, and hand the query block to the next CTA."""
-    cute.arch.cp_async_bulk_wait_group(0, read=False)
-    cute.arch.fence_proxy("async.global")
-    if cute.arch.lane_idx() == 0:
-        cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-    cute.arch.sync_warp()

@@ -120,3 +120,121 @@ def forward_plan(tile_n: int, head_dim_v: int, load_cols: int = 32,
     order = tuple(("load", c, min(load_cols, tile_n - c)) for c in range(0, tile_n, load_cols))
     order += tuple(("store", p_off + c, min(32, p_cols - c)) for c in range(0, p_cols, 32))
     return TmemPlan(regions, order)
+
+
+# -- the backward's plan ------------------------------------------------------------------------
+# Accumulators with the keys on the 128 lanes: S^T and dP^T (tile_m query columns each), dV and
+# dK (one column per head dim, live across the whole query loop). Each compute warpgroup w
+# reads its half of the query columns of S^T / dP^T and writes its P^T / dS^T (16-bit, two per
+# column) over the first half of the columns *it* read: the other warpgroup's columns may not
+# have been read yet. dQ (queries on the lanes) gets its own columns when they fit, else it
+# overlays dP^T: the dK MMA that reads dS^T from there is issued before the dQ MMA by the same
+# thread (tcgen05 MMAs run in issue order), and the compute warpgroups finished reading dP^T
+# before publishing dS^T; the next step's dP^T MMA waits until dQ has been read out.
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTmemPlan:
+    """Regions (kinds: "acc" live accumulators, "S" retiring score buffers S^T / dP^T, "P"
+    16-bit overlays of buffer ``buffer``, "dQ" the dQ tile) and each compute warpgroup's order
+    of work on a retiring buffer: ``order[(buffer, wg)]`` = (("load" | "store", first, cols),
+    ...) relative to the buffer's first column."""
+
+    regions: tuple[Region, ...]
+    order: tuple[tuple[tuple[int, int], tuple[tuple[str, int, int], ...]], ...]
+    alloc_cols: int = TMEM_COLUMNS
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def check(self) -> tuple[bool, str]:
+        a = self.alloc_cols
+        if a < 32 or a > TMEM_COLUMNS or a & (a - 1):
+            return False, f"allocation of {a} columns: a power of two in [32, {TMEM_COLUMNS}]"
+        for r in self.regions:
+            if r.start < 0 or r.cols <= 0 or r.end > a:
+                return False, (f"{r.name} [{r.start}, {r.end}) lies outside the {a} allocated "
+                               "columns")
+        live = [r for r in self.regions if r.kind in ("acc", "S")]
+        for i, r in enumerate(live):
+            for q in live[i + 1:]:
+                if r.overlaps(q):
+                    return False, f"{r.name} and {q.name} overlap"
+        for q in (r for r in self.regions if r.kind == "dQ"):
+            for r in live:
+                if q.overlaps(r) and r.kind == "acc":
+                    return False, (f"{q.name} overlaps {r.name}, an accumulator live across "
+                                   "the query loop")
+        for p in (r for r in self.regions if r.kind == "P"):
+            hosts = [r for r in live if r.kind == "S" and r.buffer == p.buffer]
+            if len(hosts) != 1:
+                return False, f"{p.name} overlays buffer {p.buffer}, which does not exist"
+            s = hosts[0]
+            for q in live:
+                if q is not s and p.overlaps(q):
+                    return False, f"{p.name} overlaps live {q.name}"
+            if p.start < s.start or p.end > s.end:
+                return False, f"{p.name} reaches outside {s.name}"
+        for (buf, wg), steps in self.order:
+            s = [r for r in live if r.kind == "S" and r.buffer == buf][0]
+            others = set()
+            for (b2, w2), st2 in self.order:
+                if b2 == buf and w2 != wg:
+                    for op, first, cols in st2:
+                        if op == "load":
+                            others.update(range(s.start + first, s.start + first + cols))
+            read: set[int] = set()
+            for op, first, cols in steps:
+                cs = range(s.start + first, s.start + first + cols)
+                if op == "load":
+                    read.update(cs)
+                    continue
+                unread = [c for c in cs if c not in read]
+                if unread:
+                    return False, (f"warpgroup {wg} stores into {s.name} columns [{cs.start}, "
+                                   f"{cs.stop}) before reading them (first: {unread[0]})")
+                theirs = [c for c in cs if c in others]
+                if theirs:
+                    return False, (f"warpgroup {wg} stores into {s.name} columns another "
+                                   f"warpgroup reads (first: {theirs[0]})")
+                if not any(r.kind == "P" and r.buffer == buf and r.start <= cs.start
+                           and cs.stop <= r.end for r in self.regions):
+                    return False, f"a store [{cs.start}, {cs.stop}) lies in no overlay of {s.name}"
+        return True, ""
+
+    def describe(self) -> str:
+        return ", ".join(f"{r.name}[{r.start}:{r.end})" for r in self.regions)
+
+
+def backward_plan(tile_m: int, head_dim: int, head_dim_v: int, num_wg: int = 2,
+                  p_offset: int = 0, dq_start: int | None = None) -> BwdTmemPlan:
+    """The backward's plan: S^T | dP^T | dV | dK (| dQ when it fits, else dQ over dP^T). Each
+    of the ``num_wg`` compute warpgroups loads its tile_m / num_wg columns of a buffer in
+    32-column steps, then stores its 16-bit values (half as many columns) at ``p_offset``
+    inside its own columns. ``dq_start`` overrides where dQ goes (tests)."""
+    part = tile_m // num_wg
+    s = Region("S^T", "S", 0, tile_m, 0)
+    dp = Region("dP^T", "S", tile_m, tile_m, 1)
+    dv = Region("dV", "acc", 2 * tile_m, head_dim_v)
+    dk = Region("dK", "acc", dv.end, head_dim)
+    if dq_start is None:
+        dq_start = dk.end if dk.end + head_dim <= TMEM_COLUMNS else dp.start
+    dq = Region("dQ", "dQ", dq_start, head_dim)
+    regions = [s, dp, dv, dk, dq]
+    order = []
+    for buf, host, name in ((0, s, "P^T"), (1, dp, "dS^T")):
+        for w in range(num_wg):
+            regions.append(Region(f"{name}{w}", "P", host.start + w * part + p_offset,
+                                  part // 2, buf))
+            steps = tuple(("load", w * part + c, min(32, part - c)) for c in range(0, part, 32))
+            steps += tuple(("store", w * part + p_offset + c, min(32, part // 2 - c))
+                           for c in range(0, part // 2, 32))
+            order.append(((buf, w), steps))
+    end = max(r.end for r in regions)
+    alloc = 32
+    while alloc < end:
+        alloc *= 2
+    return BwdTmemPlan(tuple(regions), tuple(order), alloc)

@@ -1,0 +1,186 @@
+"""The Blackwell backward (`FlashBwdSm100`) compiles for sm_100a without a GPU, and its PTX holds
+what the design says: tcgen05 MMAs (kind::f16) with S^T, dP^T, dV, dK and dQ in tensor memory
+(P^T and dS^T read from tensor memory by the dV and dK MMAs), tensor-memory alloc / ld / st /
+commit, TMA loads, dQ added by TMA reduce-adds (ordered by acquire / release semaphores in the
+deterministic mode), the warpgroups' `setmaxnreg` budgets; ptxas reports no stack and no spills;
+the same source gives the same cubin; the bridge lowers and exports it.
+
+Nothing here has run on a Blackwell GPU: these are compile-time facts only.
+"""
+from __future__ import annotations
+
+import glob
+import re
+import time
+
+import pytest
+
+from jaxflash.kernels.variants.sm100_bwd import REGS, TILE_M, Sm100BwdConfig
+
+cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
+
+# bf16 / fp16, D 64 / 128, dense / causal, window, softcap, deterministic, lengths, ALiBi and
+# segment ids. Every
+# compile serves any GQA ratio (the head counts are runtime values of the bridge's launch).
+MATRIX = [
+    Sm100BwdConfig(head_dim=64),
+    Sm100BwdConfig(head_dim=64, is_causal=True, dtype="float16"),
+    Sm100BwdConfig(head_dim=128),
+    Sm100BwdConfig(head_dim=128, is_causal=True),
+    Sm100BwdConfig(head_dim=128, has_window=True),
+    Sm100BwdConfig(head_dim=128, has_softcap=True, dtype="float16"),
+    Sm100BwdConfig(head_dim=128, is_causal=True, deterministic=True),
+    Sm100BwdConfig(head_dim=64, is_causal=True, has_q_seqlen=True, has_kv_seqlen=True,
+                   deterministic=True),
+    Sm100BwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True,
+                   has_q_seqlen=True, has_kv_seqlen=True),
+]
+COMPILE_LIMIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Compile each variant once for the module: {key: (ptx text, cubin path, seconds)}."""
+    from devtools.sm100_bwd_compile import compile_bwd_sm100
+    out = {}
+
+    def get(cfg):
+        if cfg.key not in out:
+            d = tmp_path_factory.mktemp(cfg.key[:60])
+            t0 = time.time()
+            compile_bwd_sm100(cfg, dump_dir=str(d))
+            dt = time.time() - t0
+            ptx = open(glob.glob(str(d / "*.ptx"))[0]).read()
+            cubins = glob.glob(str(d / "*.cubin"))
+            out[cfg.key] = (ptx, cubins[0] if cubins else None, dt)
+        return out[cfg.key]
+    return get
+
+
+@pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
+def test_compiles_with_the_blackwell_instructions(cfg, compiled):
+    ptx, _, seconds = compiled(cfg)
+    assert ".target sm_100a" in ptx
+    lines = [l for l in ptx.splitlines() if "tcgen05.mma.cta_group::1.kind::f16" in l]
+    # dV += P^T dO and dK += dS^T Q take A from tensor memory (a TMEM address in brackets
+    # where the others have a shared-memory descriptor), one MMA per 16 queries each, unrolled;
+    # S^T, dP^T and dQ run their k-blocks in a rolled loop: one MMA each in the PTX.
+    a_tmem = [l for l in lines if re.search(r"kind::f16[.:\w]*\s+\[[^\]]+\],\s*\[", l)]
+    assert len(a_tmem) == 2 * (TILE_M // 16), (len(a_tmem), lines[:2])
+    assert len(lines) == len(a_tmem) + 3, len(lines)
+    assert "cta_group::2" not in ptx
+    for instr in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.st",
+                  "tcgen05.commit", "tcgen05.wait::ld", "tcgen05.wait::st",
+                  "tcgen05.fence::before_thread_sync", "tcgen05.fence::after_thread_sync"):
+        assert instr in ptx, instr
+    # TMA loads: K, V, Q, dO (4-d tiles) and the lse2 / delta rows (3-d)
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global", ptx)
+    # (a 128-column tile of 16-bit values is two 64-column boxes)
+    assert loads.count("4") == 4 * (cfg.head_dim // 64) and loads.count("3") == 2, loads
+    # dQ: one TMA reduce-add (float32 add in L2) per 32-column chunk of the step's dQ tile
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)
+    assert len(reduces) == cfg.head_dim // 32, len(reduces)
+    ordered = ("ld.acquire.gpu" in ptx, "red.release.gpu" in ptx)
+    assert ordered == (cfg.deterministic, cfg.deterministic), ordered
+    reduce_regs, compute_regs, other_regs = REGS
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{reduce_regs};", ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{compute_regs};", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{other_regs};", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if cfg.has_softcap:
+        assert "tanh.approx" in ptx
+    if cfg.has_alibi:  # d(slope) partials: a warp reduction, one store per compute warp
+        assert "shfl.sync.bfly" in ptx
+    assert seconds < COMPILE_LIMIT_S, f"{cfg.key} took {seconds:.0f} s"
+
+
+@pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
+def test_no_stack_no_spills(cfg, compiled, tmp_path):
+    from tests.common import ptxas_report
+    ptx, _, _ = compiled(cfg)
+    report = ptxas_report(ptx, tmp_path, arch="sm_100a")
+    if report is None:
+        pytest.skip("no usable ptxas for sm_100a")
+    main = report.split("Function properties for kernel_cutlass_kernel")[1].split("ptxas info")[:2]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+                     main[0]), report
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills and max(spills) == 0, report
+
+
+@pytest.mark.parametrize("cfg", [MATRIX[3]], ids=lambda c: c.key)
+def test_sass_and_resources(cfg, compiled):
+    """SASS (nvdisasm): UTCHMMA, tensor-memory loads / stores, TMA loads and reduce-adds;
+    cuobjdump: no stack, no local memory, 128 registers at launch (512 threads)."""
+    import collections
+    import subprocess
+    from tests.kernels.test_sm100_compile import _cuda_tool
+    nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
+    if nvdisasm is None or cuobjdump is None:
+        pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
+                    "nvidia-cuda-cuobjdump)")
+    ptx, cubin, _ = compiled(cfg)
+    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(re.findall(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    assert ops["UTCHMMA"] >= len(re.findall(r"tcgen05\.mma\.cta_group::1", ptx))
+    for op in ("LDTM", "STTM", "UTMALDG", "UTMAREDG"):
+        assert sum(v for k, v in ops.items() if k.startswith(op)) > 0, op
+    res = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True,
+                         text=True, check=True).stdout
+    assert re.search(r"STACK:0\b", res) and re.search(r"LOCAL:0\b", res), res
+    assert re.search(r"REG:128\b", res), res
+
+
+def test_same_source_same_cubin(tmp_path):
+    """Two fresh processes, the DSL's in-memory and file caches off, compile one backward
+    variant: the cubins are byte-identical (what keying artifacts by source hash relies on)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    digests = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", CUTE_DSL_NO_CACHE="1",
+                   CUTE_DSL_DISABLE_FILE_CACHING="1", DUMP=str(d))
+        subprocess.run([sys.executable, "-m", "devtools.sm100_bwd_compile", "64", "is_causal"],
+                       cwd=root, env=env, check=True, capture_output=True)
+        cubin = glob.glob(str(d / "*.cubin"))
+        assert cubin, "no cubin dumped"
+        digests.append(hashlib.sha256(open(cubin[0], "rb").read()).hexdigest())
+    assert digests[0] == digests[1]
+
+
+def test_lowers_and_exports_through_the_bridge(tmp_path, monkeypatch):
+    """With the switch on and sm_100a targeted, the gradient of `implementation="cute"` lowers
+    the Blackwell forward and backward through the XLA FFI bridge (GQA, causal, a window as
+    runtime values): two custom calls, no T x S tensor, and `jax.export` round-trips it."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from jaxflash import ffi
+    from jaxflash.ffi import cache
+    from jaxflash.kernels.policy import verified
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(cache.ENV_KERNEL_DIR, raising=False)
+    B, T, S, N, K, H = 2, 640, 896, 8, 2, 64
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+    kw = dict(implementation="cute", is_causal=True, local_window_size=(256, 0))
+    loss = lambda q, k, v: jaxflash.flash_attention(q, k, v, **kw).astype(jnp.float32).sum()
+    with jaxflash.target_platform("cuda"):
+        plan = jaxflash.explain(q, kv, kv, **kw)
+        assert plan.detail.fwd.kernel.endswith(":FlashFwdSm100"), plan
+        assert plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), plan
+        exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(q, kv, kv)
+    txt = exp.mlir_module()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 2
+    assert f"{T}x{S}" not in txt and f"{S}x{T}" not in txt  # no T x S tensor
+    back = jax.export.deserialize(exp.serialize())
+    assert back.mlir_module().count(ffi.TARGET) >= 2
