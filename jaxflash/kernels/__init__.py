@@ -72,4 +72,10 @@ KERNELS: dict[str, Kernel] = {
                         "jaxflash.kernels.variants.fwd_launch:sm100_fwd_launch",
                         (("main", "jaxflash.kernels.sm100.fwd:FlashFwdSm100"),),
                         ("sm_100a",)),
+    # FP8 (e4m3) forward for Blackwell: the sm100 forward with kind::f8f6f4 MMAs, V read
+    # MN-major (no transpose), e4m3 P in tensor memory. Compiled and instruction-checked only.
+    "sm100_fwd_fp8": Kernel("jaxflash.kernels.variants.sm100_fwd_fp8:Sm100Fp8FwdConfig",
+                            "jaxflash.kernels.variants.fwd_fp8_launch:sm100_fwd_fp8_launch",
+                            (("main", "jaxflash.kernels.sm100.fwd_fp8:FlashFwdSm100Fp8"),),
+                            ("sm_100a",)),
 }

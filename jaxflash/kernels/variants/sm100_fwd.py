@@ -82,6 +82,11 @@ class Sm100FwdConfig:
     def check(self) -> tuple[bool, str]:
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} not in {SUPPORTED_DTYPES}"
+        return self.check_machine()
+
+    def check_machine(self) -> tuple[bool, str]:
+        """The rules every element type shares: head dims, tiles, stages, the exp2 share,
+        registers, shared memory (`smem_bytes`) and the tensor-memory plan (`tmem_plan`)."""
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
