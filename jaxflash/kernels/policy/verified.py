@@ -42,6 +42,7 @@ RULES: dict[str, tuple] = {
     # Every sm_100a variant: no Blackwell GPU has run them yet. Cleared by the first-run kit's
     # float64 checks and sanitizers on a B200.
     "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
+    "Sm100Fp8FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
 }
 
 

@@ -302,8 +302,9 @@ class FlashFwdSm100:
         scale_log2 = softmax_scale * LOG2_E
         alibi_unit = softmax_scale
         if const_expr(self.cfg.has_softcap):
+            # pre_scale = softmax_scale / softcap, divided in the softmax warpgroup (below):
+            # the division's slow path is a call, which spilled here at 168 registers
             softcap = mFScalars[1]
-            pre_scale = softmax_scale / softcap
             scale_log2 = softcap * LOG2_E
             alibi_unit = softcap
         window_left = Int32(0)
@@ -324,9 +325,6 @@ class FlashFwdSm100:
                                                             mKVSeqlen, mQBlk, blocks)
         count = cutlass.max(n_max - n_min, 0)
         kv_head = head // (mQ.shape[2] // mK.shape[2])
-        scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
-                                                   scale_log2, pre_scale)
-        out_scale = self.output_descale(mVD, kv_head, batch, n_min)
 
         # Tensor memory: the MMA warp allocates the plan's columns for the whole CTA.
         if warp_idx == _MMA_WARP:
@@ -345,6 +343,11 @@ class FlashFwdSm100:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_increase(self.softmax_regs)
+            if const_expr(self.cfg.has_softcap):
+                pre_scale = pre_scale * (softmax_scale / mFScalars[1])
+            # (descales are read per role, not before the split: live across it they spilled)
+            scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
+                                                       scale_log2, pre_scale)
             segs = (mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch,
                     (mKD, mVD, kv_head, batch))
             self.softmax(tidx, qk_thr, tStS, mbar, sScale, sFinal, blocks, segs, m_block,
@@ -352,6 +355,9 @@ class FlashFwdSm100:
                          window_right)
         elif warp_idx < 8:
             cute.arch.setmaxregister_decrease(self.correction_regs)
+            scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
+                                                       scale_log2, pre_scale)
+            out_scale = self.output_descale(mVD, kv_head, batch, n_min)
             self.correction(tidx - 128, tOtO, mbar, sScale, sFinal, mO, mLSE, m_block, head,
                             batch, count, seqlen_q, scale_log2, out_scale)
         else:

@@ -123,4 +123,6 @@ class FlashFwdSm100Fp8(FlashFwdSm100):
         if not self.cfg.v_blocks:
             return acc_scale
         prev = cutlass.min(n_block + 1, cute.size(mods.vd) - 1)
-        return acc_scale * (mods.vd[prev] / mods.vd[n_block])
+        # (an approximate reciprocal, 1 ulp: an IEEE division's slow path is a call, which
+        # spills beside the row of scores in registers)
+        return acc_scale * (mods.vd[prev] * cute.arch.rcp_approx(mods.vd[n_block]))
