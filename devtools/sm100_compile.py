@@ -80,11 +80,12 @@ if __name__ == "__main__":
     out = os.environ.get("DUMP", "/tmp/sm100_dump")
     os.makedirs(out, exist_ok=True)
     t = time.time()
-    if type(cfg) is Sm100FwdConfig:
+    if type(cfg) is Sm100FwdConfig and not cfg.two_cta:
         compile_fwd_sm100(cfg, num_heads=8, num_kv_heads=2, dump_dir=out)
     else:
         from jaxflash.kernels import KERNELS
         from jaxflash.ffi.variant import load_ref
-        name = {"Sm100Fp8FwdConfig": "sm100_fwd_fp8"}[type(cfg).__name__]
+        name = {"Sm100Fp8FwdConfig": "sm100_fwd_fp8",
+                "Sm100FwdConfig": "sm100_fwd"}[type(cfg).__name__]
         compile_launch_sm100(load_ref(KERNELS[name].launch)(cfg), out)
     print(f"{cfg.key}: {time.time() - t:.1f} s -> {out}")

@@ -149,6 +149,15 @@ class FlashFwdSm100:
         """The factor the correction warpgroup applies to O before PV of `n_block`."""
         return acc_scale
 
+    # ------------------------------------------------------- hooks (2-CTA subclass)
+    def commit(self, mbar_ptr):
+        """tcgen05.commit of the MMAs issued so far onto `mbar_ptr` (one elected thread)."""
+        tcgen05.commit(mbar_ptr)
+
+    def arrive_mma(self, mbar_ptr):
+        """Arrive on a barrier the MMA warp waits on (P written, O rescaled)."""
+        cute.arch.mbarrier_arrive(mbar_ptr)
+
     def launch_layout(self):
         ins = ["q", "k", "v"]
         if self.cfg.has_q_seqlen:
@@ -476,7 +485,7 @@ class FlashFwdSm100:
             mma.set(tcgen05.Field.ACCUMULATE, (j > 0) | (k > 0))
             cute.gemm(mma, tOtO, tOrPj[None, None, k], tOrVj[None, None, k], tOtO)
         with cute.arch.elect_one():
-            tcgen05.commit(mbar + _O_DONE)
+            self.commit(mbar + _O_DONE)
         pv.consumer_release(v_state)
         v_state.advance()
         return v_state
@@ -494,7 +503,7 @@ class FlashFwdSm100:
             mma.set(tcgen05.Field.ACCUMULATE, k != 0)
             cute.gemm(mma, tSt, tSrQ[None, None, k, 0], tSrKj[None, None, k], tSt)
         with cute.arch.elect_one():
-            tcgen05.commit(mbar + _S_FULL + buf)
+            self.commit(mbar + _S_FULL + buf)
         pk.consumer_release(k_state)
         k_state.advance()
         return k_state
@@ -654,7 +663,7 @@ class FlashFwdSm100:
         cute.copy(tiled_st, rP, cute.make_tensor(tStP_t.iterator + shift, tStP_t.layout))
         cute.arch.fence_view_async_tmem_store()
         _tmem_fence(after=False)
-        cute.arch.mbarrier_arrive(mbar + _P_FULL + buf)
+        self.arrive_mma(mbar + _P_FULL + buf)
         acc = [Float32(0.0)] * 4
         for i in cutlass.range_constexpr(0, cute.size(rS), 8):
             acc[0], acc[1] = cute.arch.add_packed_f32x2((acc[0], acc[1]), (rS[i], rS[i + 1]))
@@ -708,7 +717,7 @@ class FlashFwdSm100:
                                                           tO_st.layout))
                     cute.arch.fence_view_async_tmem_store()
                     _tmem_fence(after=False)
-            cute.arch.mbarrier_arrive(mbar + _O_READY)
+            self.arrive_mma(mbar + _O_READY)
 
         # epilogue: O / rowsum in the output dtype, LSE in natural log
         cute.arch.mbarrier_wait(mbar + _FINAL, 0)

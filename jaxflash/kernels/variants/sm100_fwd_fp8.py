@@ -81,6 +81,8 @@ class Sm100Fp8FwdConfig(Sm100FwdConfig):
                            "(e4m3's 448), so the row max is exact (0)")
         if self.has_alibi:
             return False, "FP8: no ALiBi"
+        if self.two_cta:
+            return False, "FP8: no two_cta variant (1-CTA MMAs only)"
         return self.check_machine()
 
     def smem_bytes(self) -> int:
