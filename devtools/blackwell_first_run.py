@@ -418,14 +418,47 @@ def build(out: str) -> None:
         if plan.backend != "cute":
             raise SystemExit(f"{name}: not planned on the sm100 kernels: {plan}")
         launches[plan.detail.fwd.key] = plan.detail.fwd
+    for _, q, k, kw in _grid_and_test_calls():
+        with jaxflash.target_platform("cuda"):
+            plan = jaxflash.explain(q, k, k, implementation="cute", **kw)
+        if plan.backend != "cute":
+            raise SystemExit(f"not planned on the sm100 kernels: {plan}")
+        launches[plan.detail.fwd.key] = plan.detail.fwd
+    counts = aot.build(list(launches.values()), out, progress=False)
+    print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
+
+
+def _grid_and_test_calls():
+    """(name, q, k(=v) ShapeDtypeStructs, kwargs) of the grid's calls and of the GPU test files'
+    cases (tests/kernels/test_sm100_gpu.py, test_sm100_fp8_gpu.py), for `build`."""
+    import jax
+    import jax.numpy as jnp
+    sds = jax.ShapeDtypeStruct
+    out = []
     for D in (64, 128, 256):
         for causal in (False, True):
             q = sds((1, 4096, 2048 // D, D), jnp.bfloat16)
-            with jaxflash.target_platform("cuda"):
-                plan = jaxflash.explain(q, q, q, is_causal=causal, implementation="cute")
-            launches[plan.detail.fwd.key] = plan.detail.fwd
-    counts = aot.build(list(launches.values()), out, progress=False)
-    print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
+            out.append((f"grid d{D} c{int(causal)}", q, q, {"is_causal": causal}))
+    e4 = jnp.float8_e4m3fn
+    q = sds((1, 4096, 16, 128), e4)
+    h = sds((1, 16), jnp.float32)
+    out.append(("grid fp8 d128", q, q, dict(q_scale=h, k_scale=h, v_scale=h)))
+    from tests.kernels.test_fp8_gpu import CASES as FP8_CASES
+    from tests.kernels.test_sm100_gpu import CASES as BF16_CASES
+    for c in BF16_CASES:
+        out.append((str(c), sds((c.B, c.T, c.N, c.H), jnp.dtype(c.dtype)),
+                    sds((c.B, c.S, c.K, c.H), jnp.dtype(c.dtype)), dict(c.kwargs)))
+    for name, B, T, S, N, K, D, kw, gran in FP8_CASES:
+        kw = dict(kw)
+        if kw.pop("lengths", False):
+            kw.update(query_seq_lengths=sds((B,), jnp.int32),
+                      key_value_seq_lengths=sds((B,), jnp.int32))
+        sc = lambda heads, L: (sds((), jnp.float32) if gran == "tensor" else
+                               sds((B, heads), jnp.float32) if gran == "head" else
+                               sds((B, heads, -(-L // 128)), jnp.float32))
+        kw.update(q_scale=sc(N, T), k_scale=sc(K, S), v_scale=sc(K, S))
+        out.append((name, sds((B, T, N, D), e4), sds((B, S, K, D), e4), kw))
+    return out
 
 
 def main(argv=None) -> int:
