@@ -111,3 +111,43 @@ def test_a_failed_plain_case_keeps_the_whole_class_gated():
     v = V.verdict({"platform": "gpu"}, _rows(fail={"bf16 h128 dense gqa4 odd"}), TESTS, CLEAN)
     assert v["clear_gate"]["RULES"]["Sm100FwdConfig"].startswith("keep")
     assert v["features"]["Sm100FwdConfig"]["head_dim_128"] is False
+
+
+@pytest.mark.compile
+def test_every_kit_call_plans_onto_the_sm100_kernels(monkeypatch):
+    """What the kit runs on a B200 (check cases, grid, the GPU test files' cases) is served by
+    the sm100 kernels once the gate is open: planned here for sm_100a (no compile)."""
+    pytest.importorskip("cutlass", reason="planning without the DSL needs artifacts")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxflash
+    from devtools import devrun
+    from jaxflash.kernels.policy import verified
+    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    sds = jax.ShapeDtypeStruct
+    calls = list(kit._grid_and_test_calls())
+    for name, cls, _, (B, T, S, N, K, H, dtype), ex in kit.CASES:
+        fp8 = ex.get("fp8")
+        dt = jnp.float8_e4m3fn if fp8 else jnp.dtype(dtype)
+        scales = None
+        if fp8:
+            sc = lambda h, L: (sds((), jnp.float32) if fp8 == "tensor" else
+                               sds((B, h), jnp.float32) if fp8 == "head" else
+                               sds((B, h, -(-L // 128)), jnp.float32))
+            scales = (sc(N, T), sc(K, S), sc(K, S))
+        slopes, q_seg, kv_seg = devrun._alibi_and_segments(ex, B, T, S, N)
+        qs = np.asarray(ex["q_seqlen"], np.int32) if "q_seqlen" in ex else None
+        kvs = np.asarray(ex["kv_seqlen"], np.int32) if "kv_seqlen" in ex else None
+        kw, want = kit._call(name, ex, None, None, None, scales, qs, kvs, slopes, q_seg, kv_seg)
+        kw.pop("implementation")
+        calls.append((name, sds((B, T, N, H), dt), sds((B, S, K, H), dt), kw))
+    assert len(calls) > 40
+    for name, q, k, kw in calls:
+        with jaxflash.target_platform("cuda"):
+            plan = jaxflash.explain(q, k, k, implementation="cute", **kw)
+        assert plan.backend == "cute", (name, str(plan))
+        want = ":FlashFwdSm100Fp8" if "q_scale" in kw else ":FlashFwdSm100"
+        assert plan.detail.fwd.kernel.endswith(want) and plan.detail.fwd.arch == "sm_100a", name
