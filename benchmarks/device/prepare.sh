@@ -24,6 +24,11 @@ fi
 if [ "${FP8:-0}" = 1 ]; then
 "$PY" -m benchmarks.fp8_bench build --out .device/kernels
 fi
+# BLACKWELL=1: the sm_100a variants the first-run kit dispatches to (run.sh's blackwell stage,
+# for a B200 / GB200 machine without the DSL; ~3 min)
+if [ "${BLACKWELL:-0}" = 1 ]; then
+"$PY" -m devtools.blackwell_first_run build --out .device/kernels
+fi
 "$PY" -m devtools.gpu_selftest artifacts/ffi_selftest
 # one kernel directory for the whole GPU test run
 cp -r artifacts/ffi_selftest/kernels/. .device/kernels/

@@ -26,6 +26,11 @@
 #             and benchmarks.mods_bench (cute / pallas / cuDNN / xla on the mods)
 #   lmprec    examples LM with bf16 / FP8 / emulated FP4 attention, 400 steps each
 #             (benchmarks.lm_precision), FP8 accuracy (benchmarks.fp8_accuracy)
+#   blackwell the sm_100a first-run kit (devtools.blackwell_first_run): on a B200 / GB200 the
+#             float64 checks, tests/kernels/test_sm100*_gpu.py, memcheck + racecheck, the grid
+#             beside cuDNN (and FlashAttention-4 when installed) and verdict.json, which says
+#             what to change in jaxflash/kernels/policy/verified.py; anywhere else (the H200)
+#             it refuses at once: rc 2, verdict.json "not_blackwell"      (B200: ~25 min)
 #   ring1m    (nvidia-h200-x2) the 2^20-token causal GQA 8:1 sequence by ring_attention over
 #             two GPUs beside one GPU (benchmarks.ring_scaling)                    (~4 min)
 # A variant not yet checked on a GPU is admitted here (JAXFLASH_CUTE_UNVERIFIED=1): these runs
@@ -131,6 +136,11 @@ lmprec)
   timeout ${LM_TIMEOUT:-280} python3 -m benchmarks.lm_precision --out $OUT --budget-s ${LM_BUDGET:-150} \
     2>&1 | grep -v -i warn | tail -30
   timeout ${ACC_TIMEOUT:-120} python3 -m benchmarks.fp8_accuracy --out $OUT 2>&1 | grep -v -i warn | tail -20 ;;
+blackwell)
+  # BW_SKIP: steps to leave out (checks,tests,sanitizers,grid), to fit a device call's limit
+  timeout ${BW_TIMEOUT:-590} python3 -m devtools.blackwell_first_run --out $OUT/blackwell-first-run-$D \
+    ${BW_SKIP:+--skip $BW_SKIP} 2>&1 | grep -v -i warn | tail -40
+  echo "blackwell first-run kit rc=${PIPESTATUS[0]}" ;;
 ring1m)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m benchmarks.ring_scaling --s 1048576 \
     --heads 8 --kv-heads 1 --impl cute --reps 1 --out $OUT/ring-1m-h200x2-$D.json 2>&1 \

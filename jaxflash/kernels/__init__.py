@@ -76,7 +76,9 @@ KERNELS: dict[str, Kernel] = {
     # Compiled and instruction-checked only; dispatch gates it until a Blackwell run.
     "sm100_fwd": Kernel("jaxflash.kernels.variants.sm100_fwd:Sm100FwdConfig",
                         "jaxflash.kernels.variants.fwd_launch:sm100_fwd_launch",
-                        (("main", "jaxflash.kernels.sm100.fwd:FlashFwdSm100"),),
+                        (("main", "jaxflash.kernels.sm100.fwd:FlashFwdSm100"),
+                         # `two_cta` variants: CTA pairs issuing cta_group::2 MMAs
+                         ("pair", "jaxflash.kernels.sm100.fwd_2cta:FlashFwdSm100Pair")),
                         ("sm_100a",)),
     # FlashAttention backward for Blackwell: S^T, dP^T, dV, dK and dQ in tensor memory, dQ
     # added by TMA reduce-adds. Compiled and instruction-checked only; gated like the forward.
@@ -84,4 +86,10 @@ KERNELS: dict[str, Kernel] = {
                         "jaxflash.kernels.variants.sm100_bwd_launch:sm100_bwd_launch",
                         (("main", "jaxflash.kernels.sm100.bwd:FlashBwdSm100"),),
                         ("sm_100a",)),
+    # FP8 (e4m3) forward for Blackwell: the sm100 forward with kind::f8f6f4 MMAs, V read
+    # MN-major (no transpose), e4m3 P in tensor memory. Compiled and instruction-checked only.
+    "sm100_fwd_fp8": Kernel("jaxflash.kernels.variants.sm100_fwd_fp8:Sm100Fp8FwdConfig",
+                            "jaxflash.kernels.variants.fwd_fp8_launch:sm100_fwd_fp8_launch",
+                            (("main", "jaxflash.kernels.sm100.fwd_fp8:FlashFwdSm100Fp8"),),
+                            ("sm_100a",)),
 }

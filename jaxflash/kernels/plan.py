@@ -23,13 +23,14 @@ from jaxflash.kernels.policy.verified import require_verified
 # another architecture, nor the Blackwell ones Hopper).
 FORWARD = {"sm_90a": "sm90_fwd", "sm_100a": "sm100_fwd"}
 BACKWARD = {"sm_90a": "sm90_bwd", "sm_100a": "sm100_bwd"}
-FORWARD_FP8 = {"sm_90a": "sm90_fwd_fp8"}
+FORWARD_FP8 = {"sm_90a": "sm90_fwd_fp8", "sm_100a": "sm100_fwd_fp8"}
 # Until an FP8 backward kernel exists, FP8 gradients come from the contract's own backward.
 FP8_BWD_REASON = ("no CuTe FP8 backward yet: the emulated FP8 backward (XLA, "
                   "jaxflash.fp8.emulated) runs on the kernel's (out, lse)")
 PICKS = {"sm90_fwd": choose.forward_config, "sm100_fwd": choose.sm100_forward_config,
          "sm90_bwd": choose.backward_config, "sm100_bwd": choose.sm100_backward_config,
-         "sm90_fwd_fp8": choose.fp8_forward_config}
+         "sm90_fwd_fp8": choose.fp8_forward_config,
+         "sm100_fwd_fp8": choose.sm100_fp8_forward_config}
 
 
 @dataclasses.dataclass(frozen=True)

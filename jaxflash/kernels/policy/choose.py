@@ -23,6 +23,7 @@ from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
 from jaxflash.kernels.variants.sm100_fwd import can_implement as sm100_can_implement
 from jaxflash.kernels.variants.sm100_bwd import Sm100BwdConfig
 from jaxflash.kernels.variants.sm100_bwd import can_implement as sm100_bwd_can_implement
+from jaxflash.kernels.variants.sm100_fwd_fp8 import Sm100Fp8FwdConfig
 
 # `lazy_rescale` is picked above this key length (hd 64 dense, hd 256; not with softcap): the
 # 16k grid points gained in two benches, the 4k ones did not.
@@ -149,6 +150,17 @@ def sm100_backward_config(problem) -> Sm100BwdConfig:
     _implementable(problem, sm100_bwd_can_implement)
     return Sm100BwdConfig(**_common_fields(problem),
                           deterministic=problem.statics.deterministic)
+
+
+def sm100_fp8_forward_config(problem) -> Sm100Fp8FwdConfig:
+    """The sm_100a FP8 forward variant for an FP8 problem (ValueError if none can): the same
+    call rules as Hopper's FP8 forward (e4m3 operands, 16-bit output, scales per (batch,
+    head) or per 128 rows, its features), on the sm100 forward's per-head-dim defaults.
+    Nothing is measured on Blackwell yet."""
+    hopper = fp8_forward_config(problem)
+    return Sm100Fp8FwdConfig(out_dtype=hopper.out_dtype, q_blocks=hopper.q_blocks,
+                             k_blocks=hopper.k_blocks, v_blocks=hopper.v_blocks,
+                             **_common_fields(problem, alibi=False))
 
 
 def schedule_for(head_dim: int, kv_len: int, causal: bool, plain: bool = True,

@@ -43,6 +43,7 @@ RULES: dict[str, tuple] = {
     "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100FwdFp4Config": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100BwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
+    "Sm100Fp8FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
 }
 
 

@@ -95,14 +95,23 @@ class FlashFwdSm100:
     Host entry (``@cute.jit __call__``): the bridge's argument order and tensor layouts, the
     same as `FlashFwdSm90`'s (q, k, v, [q_seqlen], [kv_seqlen], [alibi], [segments x 4], o,
     lse, float scalars, [int scalars], stream).
+
+    Hooks for the FP8 subclass (`sm100.fwd_fp8`), compile-time no-ops here: ``DTYPES`` (the
+    operand types; P is stored in the operand type), ``o_dtype``, ``p_shift_log2`` (P scaled by
+    a power of two before its conversion), the optional descale tensors mQD / mKD / mVD, and
+    `fold_descales`, `block_scores`, `o_rescale`, `output_descale`.
     """
+
+    DTYPES = _DTYPES
 
     def __init__(self, config: Sm100FwdConfig):
         ok, why = config.check()  # includes the tensor-memory plan
         if not ok:
             raise ValueError(why)
         self.cfg = config
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = self.DTYPES[config.dtype]
+        self.o_dtype = self.dtype
+        self.p_shift_log2 = 0
         self.tile_n = config.tile_n
         self.hd, self.hdv = config.head_dim, config.head_dim_v
         self.num_stages = config.num_stages
@@ -119,6 +128,35 @@ class FlashFwdSm100:
     @classmethod
     def can_implement(cls, config: Sm100FwdConfig) -> tuple[bool, str]:
         return config.check()
+
+    # -------------------------------------------------------------- hooks (FP8 subclass)
+    def fold_descales(self, mQD, mKD, m_block, head, kv_head, batch, scale_log2, pre_scale):
+        """(scale_log2, pre_scale) with the operands' dequantization scales folded in."""
+        return scale_log2, pre_scale
+
+    def output_descale(self, mVD, kv_head, batch, n_min):
+        """A factor on 1 / rowsum in the epilogue, or None."""
+        return None
+
+    def descale_mods(self, mods, desc) -> list:
+        """Per-tile scale inputs the softmax reads (names of the `_Mods` fields set)."""
+        return []
+
+    def block_scores(self, rS, mods, n_block):
+        """Transform the raw scores of key block `n_block` before softcap and masks."""
+
+    def o_rescale(self, acc_scale, mods, n_block):
+        """The factor the correction warpgroup applies to O before PV of `n_block`."""
+        return acc_scale
+
+    # ------------------------------------------------------- hooks (2-CTA subclass)
+    def commit(self, mbar_ptr):
+        """tcgen05.commit of the MMAs issued so far onto `mbar_ptr` (one elected thread)."""
+        tcgen05.commit(mbar_ptr)
+
+    def arrive_mma(self, mbar_ptr):
+        """Arrive on a barrier the MMA warp waits on (P written, O rescaled)."""
+        cute.arch.mbarrier_arrive(mbar_ptr)
 
     def launch_layout(self):
         ins = ["q", "k", "v"]
@@ -147,7 +185,7 @@ class FlashFwdSm100:
         mIScalars = a.maybe(self.cfg.has_window)
         stream = a.stream()
         self.launch(mQ, mK, mV, mQSeqlen, mKVSeqlen, mAlibi, seg[0], seg[1], seg[2], seg[3], mO,
-                    mLSE, mFScalars, mIScalars, stream)
+                    mLSE, mFScalars, mIScalars, stream, None, None, None)
 
     @cute.jit
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
@@ -155,10 +193,12 @@ class FlashFwdSm100:
                mAlibi: Optional[cute.Tensor], mQSeg: Optional[cute.Tensor],
                mKVSeg: Optional[cute.Tensor], mQBlk: Optional[cute.Tensor],
                mKVBlk: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor,
-               mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor], stream: cuda.CUstream):
-        for t in (mQ, mK, mV, mO):
-            if const_expr(t.element_type != self.dtype):
-                raise TypeError(f"expected {self.dtype}, got {t.element_type}")
+               mFScalars: cute.Tensor, mIScalars: Optional[cute.Tensor], stream: cuda.CUstream,
+               mQD: Optional[cute.Tensor], mKD: Optional[cute.Tensor],
+               mVD: Optional[cute.Tensor]):
+        for t, dt in ((mQ, self.dtype), (mK, self.dtype), (mV, self.dtype), (mO, self.o_dtype)):
+            if const_expr(t.element_type != dt):
+                raise TypeError(f"expected {dt}, got {t.element_type}")
         # [B, T, N, H] -> (T, H, N, B): (M or N, K, ...) as the MMA operands' TMA wants;
         # V as (Hv, S, K, B): the PV MMA's B operand is (N = Hv, K = keys), Hv contiguous.
         mQ, mK, mO = [layouts.select_modes(t, [1, 3, 2, 0]) for t in (mQ, mK, mO)]
@@ -213,7 +253,7 @@ class FlashFwdSm100:
         scheduler = TileScheduler(lpt=self.has_right, section_bytes=L2_SECTION_MB * 1024 * 1024)
         self.kernel(tma_mQ, tma_mK, tma_mV, mO, mLSE, mQSeqlen, mKVSeqlen, mAlibi, mQSeg,
                     mKVSeg, mQBlk, mKVBlk, tma_Q, tma_K, tma_V, mFScalars, mIScalars, sQ_l,
-                    sK_l, sV_l, tP_l, qk_mma, pv_mma, scheduler, num_m_blocks,
+                    sK_l, sV_l, tP_l, qk_mma, pv_mma, scheduler, num_m_blocks, mQD, mKD, mVD,
                     SharedStorage).launch(grid=[num_tiles, 1, 1], block=[self.num_threads, 1, 1],
                                           stream=stream, min_blocks_per_mp=1)
 
@@ -231,7 +271,8 @@ class FlashFwdSm100:
                sQ_l: cute.ComposedLayout, sK_l: cute.ComposedLayout, sV_l: cute.ComposedLayout,
                tP_l: cute.ComposedLayout, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
                scheduler: cutlass.Constexpr, num_m_blocks: Int32,
-               SharedStorage: cutlass.Constexpr):
+               mQD: Optional[cute.Tensor], mKD: Optional[cute.Tensor],
+               mVD: Optional[cute.Tensor], SharedStorage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == _LOAD_WARP:
@@ -270,8 +311,9 @@ class FlashFwdSm100:
         scale_log2 = softmax_scale * LOG2_E
         alibi_unit = softmax_scale
         if const_expr(self.cfg.has_softcap):
+            # pre_scale = softmax_scale / softcap, divided in the softmax warpgroup (below):
+            # the division's slow path is a call, which spilled here at 168 registers
             softcap = mFScalars[1]
-            pre_scale = softmax_scale / softcap
             scale_log2 = softcap * LOG2_E
             alibi_unit = softcap
         window_left = Int32(0)
@@ -291,6 +333,7 @@ class FlashFwdSm100:
         n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
                                                             mKVSeqlen, mQBlk, blocks)
         count = cutlass.max(n_max - n_min, 0)
+        kv_head = head // (mQ.shape[2] // mK.shape[2])
 
         # Tensor memory: the MMA warp allocates the plan's columns for the whole CTA.
         if warp_idx == _MMA_WARP:
@@ -309,14 +352,23 @@ class FlashFwdSm100:
 
         if warp_idx < 4:
             cute.arch.setmaxregister_increase(self.softmax_regs)
-            segs = (mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch)
+            if const_expr(self.cfg.has_softcap):
+                pre_scale = pre_scale * (softmax_scale / mFScalars[1])
+            # (descales are read per role, not before the split: live across it they spilled)
+            scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
+                                                       scale_log2, pre_scale)
+            segs = (mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch,
+                    (mKD, mVD, kv_head, batch))
             self.softmax(tidx, qk_thr, tStS, mbar, sScale, sFinal, blocks, segs, m_block,
                          n_min, n_max, count, seqlen_k, scale_log2, pre_scale, window_left,
                          window_right)
         elif warp_idx < 8:
             cute.arch.setmaxregister_decrease(self.correction_regs)
+            scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
+                                                       scale_log2, pre_scale)
+            out_scale = self.output_descale(mVD, kv_head, batch, n_min)
             self.correction(tidx - 128, tOtO, mbar, sScale, sFinal, mO, mLSE, m_block, head,
-                            batch, count, seqlen_q, scale_log2)
+                            batch, count, seqlen_q, scale_log2, out_scale)
         else:
             cute.arch.setmaxregister_decrease(self.other_regs)
             if warp_idx == _MMA_WARP:
@@ -424,8 +476,8 @@ class FlashFwdSm100:
         cute.arch.mbarrier_wait(mbar + _O_READY, j % 2)
         _tmem_fence(after=True)
         pv.consumer_wait(v_state)
-        # P_buf's first 16-bit element: two per TMEM column
-        p_elem = 2 * (self.p_off[0] + buf * (self.p_off[1] - self.p_off[0]))
+        # P_buf's first element: two 16-bit (four 8-bit) ones per TMEM column
+        p_elem = (32 // self.dtype.width) * (self.p_off[0] + buf * (self.p_off[1] - self.p_off[0]))
         tOrPj = cute.make_tensor(tOrP.iterator + p_elem, tOrP.layout)
         tOrVj = tOrV[None, None, None, v_state.index]
         mma = _fresh(pv_mma)
@@ -433,7 +485,7 @@ class FlashFwdSm100:
             mma.set(tcgen05.Field.ACCUMULATE, (j > 0) | (k > 0))
             cute.gemm(mma, tOtO, tOrPj[None, None, k], tOrVj[None, None, k], tOtO)
         with cute.arch.elect_one():
-            tcgen05.commit(mbar + _O_DONE)
+            self.commit(mbar + _O_DONE)
         pv.consumer_release(v_state)
         v_state.advance()
         return v_state
@@ -451,7 +503,7 @@ class FlashFwdSm100:
             mma.set(tcgen05.Field.ACCUMULATE, k != 0)
             cute.gemm(mma, tSt, tSrQ[None, None, k, 0], tSrKj[None, None, k], tSt)
         with cute.arch.elect_one():
-            tcgen05.commit(mbar + _S_FULL + buf)
+            self.commit(mbar + _S_FULL + buf)
         pk.consumer_release(k_state)
         k_state.advance()
         return k_state
@@ -459,9 +511,9 @@ class FlashFwdSm100:
     # ---------------------------------------------------------------- softmax warpgroup
     @cute.jit
     def score_mods(self, coords: TileCoords, m_block: Int32, segs):
-        mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch = segs
+        mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch, desc = segs
         mods = _Mods()
-        dyn = []
+        dyn = self.descale_mods(mods, desc)
         if const_expr(self.cfg.has_alibi):
             mods.alibi = mAlibi[0, head] / alibi_unit
             dyn.append("alibi")
@@ -489,8 +541,9 @@ class FlashFwdSm100:
         cS = qk_thr.partition_C(cute.make_identity_tensor((TILE_M, self.tile_n)))
         tScS = thr_ld.partition_D(cS)
         t0ScS = tiled_ld.get_slice(0).partition_D(cS)
-        # P: tile_n 16-bit values = tile_n / 2 columns, stored in up to 32-column steps
-        p_cols = self.tile_n // 2
+        # P: tile_n 16-bit (8-bit) values = tile_n / 2 (/ 4) columns, stored in up to
+        # 32-column steps
+        p_cols = self.tile_n * self.dtype.width // 32
         tStP = cute.make_tensor(tStS.iterator + (self.p_off[0] - self.s_off[0]),
                                 cute.composition(tStS.layout, cute.make_layout((TILE_M, p_cols))))
         st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(min(32, p_cols))),
@@ -559,6 +612,7 @@ class FlashFwdSm100:
         cute.copy(tiled_ld, cute.make_tensor(tSt.iterator + shift, tSt.layout), rS)
         cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before the registers are read
         s = cute.make_tensor(rS.iterator, cute.composition(rS.layout, flat))
+        self.block_scores(rS, mods, n_block)
         if const_expr(self.cfg.has_softcap):
             for i in cutlass.range_constexpr(cute.size(rS)):
                 rS[i] = cute.math.tanh(rS[i] * pre_scale, fastmath=True)
@@ -586,10 +640,12 @@ class FlashFwdSm100:
                 grow, cute.math.exp2((m_ref - m_safe) * scale_log2, fastmath=True),
                 Float32(1.0)))
             m_ref = Float32(cutlass.select_(grow, m_new, m_ref))
-        sScale[row, buf] = acc_scale
+        sScale[row, buf] = self.o_rescale(acc_scale, mods, n_block)
         cute.arch.mbarrier_arrive(mbar + _STATS + buf)
         ref = Float32(cutlass.select_(m_ref == -Float32.inf, Float32(0.0), m_ref))
         neg = -ref * scale_log2
+        if const_expr(self.p_shift_log2 != 0):
+            neg = neg + Float32(self.p_shift_log2)
         every = self.cfg.ex2_poly_every
         for i in cutlass.range_constexpr(0, cute.size(rS), 2):
             x0, x1 = cute.arch.fma_packed_f32x2((rS[i], rS[i + 1]), (scale_log2, scale_log2),
@@ -599,14 +655,15 @@ class FlashFwdSm100:
             else:
                 rS[i] = cute.math.exp2(x0, fastmath=True)
                 rS[i + 1] = cute.math.exp2(x1, fastmath=True)
-        # P in 16 bits, written over the S columns this thread has read (`tmem_plan`)
+        # P in the operand type (16 or 8 bits), written over the S columns this thread has
+        # read (`tmem_plan`)
         rP = cute.make_rmem_tensor(p_shape, Float32)
         rP16 = cute.make_tensor(cute.recast_ptr(rP.iterator, dtype=self.dtype), rS.layout)
         rP16.store(rS.load().to(self.dtype))
         cute.copy(tiled_st, rP, cute.make_tensor(tStP_t.iterator + shift, tStP_t.layout))
         cute.arch.fence_view_async_tmem_store()
         _tmem_fence(after=False)
-        cute.arch.mbarrier_arrive(mbar + _P_FULL + buf)
+        self.arrive_mma(mbar + _P_FULL + buf)
         acc = [Float32(0.0)] * 4
         for i in cutlass.range_constexpr(0, cute.size(rS), 8):
             acc[0], acc[1] = cute.arch.add_packed_f32x2((acc[0], acc[1]), (rS[i], rS[i + 1]))
@@ -623,7 +680,7 @@ class FlashFwdSm100:
     @cute.jit
     def correction(self, ct: Int32, tOtO, mbar, sScale, sFinal, mO, mLSE, m_block: Int32,
                    head: Int32, batch: Int32, count: Int32, seqlen_q: Int32,
-                   scale_log2: Float32):
+                   scale_log2: Float32, out_scale: Optional[Float32]):
         """Rescale O's row in TMEM between PV_{j-1} and PV_j when its reference moved; then
         the epilogue for the row."""
         chunk = 32
@@ -660,7 +717,7 @@ class FlashFwdSm100:
                                                           tO_st.layout))
                     cute.arch.fence_view_async_tmem_store()
                     _tmem_fence(after=False)
-            cute.arch.mbarrier_arrive(mbar + _O_READY)
+            self.arrive_mma(mbar + _O_READY)
 
         # epilogue: O / rowsum in the output dtype, LSE in natural log
         cute.arch.mbarrier_wait(mbar + _FINAL, 0)
@@ -670,7 +727,12 @@ class FlashFwdSm100:
         lse = Float32(-Float32.inf)
         if total > Float32(0.0):
             inv = cute.arch.rcp_approx(total)
-            lse = (m_ref * scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            lse2 = m_ref * scale_log2 + cute.math.log2(total, fastmath=True)
+            if const_expr(self.p_shift_log2 != 0):
+                lse2 = lse2 - Float32(self.p_shift_log2)  # the row sum carries P's 2^shift
+            lse = lse2 * LN2
+        if const_expr(out_scale is not None):
+            inv = inv * out_scale
         if count > 0:
             cute.arch.mbarrier_wait(mbar + _O_DONE, (count - 1) % 2)
             _tmem_fence(after=True)
@@ -686,8 +748,8 @@ class FlashFwdSm100:
                 cute.arch.fence_view_async_tmem_load()
             for i in cutlass.range_constexpr(0, cute.size(r), 2):
                 r[i], r[i + 1] = cute.arch.mul_packed_f32x2((r[i], r[i + 1]), (inv, inv))
-            r16 = cute.make_rmem_tensor(cute.make_layout(chunk), self.dtype)
-            r16.store(r.load().to(self.dtype))
+            r16 = cute.make_rmem_tensor(cute.make_layout(chunk), self.o_dtype)
+            r16.store(r.load().to(self.o_dtype))
             if row < seqlen_q:
                 cute.autovec_copy(r16, cute.local_tile(gO, (chunk,), (c,)))
 

@@ -1,4 +1,5 @@
-"""How the bridge launches the Hopper FP8 forward kernel: its `jaxflash.ffi.Launch` (DSL-free).
+"""How the bridge launches the FP8 forward kernels (Hopper `FlashFwdSm90Fp8`, Blackwell
+`FlashFwdSm100Fp8`): their `jaxflash.ffi.Launch` (DSL-free).
 
 Tensors: q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] float8_e4m3fn (row-major: V is
 transposed inside the kernel; with ``v_transposed`` v is V^T [B, K, Hv, Sp] as `fp8_v_layout`
@@ -16,9 +17,20 @@ from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
 from jaxflash.kernels.variants.fwd_launch import core_inputs
 
 KERNEL_REF = KERNELS["sm90_fwd_fp8"].kernel_class()
+SM100_KERNEL_REF = KERNELS["sm100_fwd_fp8"].kernel_class()
 
 
 def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
+    return _launch(KERNEL_REF, config, arch)
+
+
+def sm100_fwd_fp8_launch(config, arch: str = "sm_100a") -> Launch:
+    """The Blackwell FP8 forward's launch (`variants.sm100_fwd_fp8.Sm100Fp8FwdConfig`): the
+    same tensors and scalars as Hopper's."""
+    return _launch(SM100_KERNEL_REF, config, arch)
+
+
+def _launch(kernel_ref: str, config, arch: str) -> Launch:
     hv = config.head_dim_v
     inputs = core_inputs(config)
     if config.v_transposed:  # V^T [B, K, Hv, Sp], Sp a multiple of 16 (TMA row strides)
@@ -28,7 +40,7 @@ def fwd_fp8_launch(config: Fp8FwdConfig, arch: str = "sm_90a") -> Launch:
     inputs += [TensorArg("float32", (None, None, None), align=4) for _ in range(3)]
     outputs = (TensorArg(config.out_dtype, (None, None, None, hv)),
                TensorArg("float32", (None, None, None)))
-    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
+    return Launch(kernel=kernel_ref, config=config, inputs=tuple(inputs), outputs=outputs,
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
 

@@ -21,6 +21,7 @@ from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, FwdConfig
 
 KERNEL_REF = KERNELS["sm90_fwd"].kernel_class()
 SM100_KERNEL_REF = KERNELS["sm100_fwd"].kernel_class()
+SM100_PAIR_REF = KERNELS["sm100_fwd"].kernel_class("pair")
 
 
 def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:
@@ -28,8 +29,10 @@ def fwd_launch(config: FwdConfig, arch: str = "sm_90a") -> Launch:
 
 
 def sm100_fwd_launch(config, arch: str = "sm_100a") -> Launch:
-    """The Blackwell forward's launch (`variants.sm100_fwd.Sm100FwdConfig`)."""
-    return _launch(SM100_KERNEL_REF, config, arch)
+    """The Blackwell forward's launch (`variants.sm100_fwd.Sm100FwdConfig`; ``two_cta``
+    variants run on CTA pairs, `FlashFwdSm100Pair`)."""
+    return _launch(SM100_PAIR_REF if getattr(config, "two_cta", False) else SM100_KERNEL_REF,
+                   config, arch)
 
 
 def core_inputs(config) -> list:

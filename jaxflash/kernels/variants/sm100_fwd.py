@@ -43,6 +43,10 @@ class Sm100FwdConfig:
       correction warpgroup rescales its O row) only when the block max exceeds it by more than
       this; probabilities then reach at most 2**threshold. FlashAttention-4 uses 8 for 16-bit
       inputs; 0 rescales on any growth.
+    two_cta: a cluster of two CTAs (consecutive 128-row tiles of one head) issues each MMA as
+      one ``tcgen05.mma.cta_group::2`` of M = 256 (`sm100.fwd_2cta`): each CTA loads half of
+      every K and V tile. Dense head dims 128 / 256 only (no causal, window, query lengths or
+      segment ids: both CTAs of a pair must walk the same key blocks).
     """
 
     dtype: str = "bfloat16"
@@ -59,6 +63,7 @@ class Sm100FwdConfig:
     num_stages: int | None = None
     ex2_poly_every: int = 4
     rescale_threshold: float = 8.0
+    two_cta: bool = False
 
     def __post_init__(self):
         if self.head_dim_v is None:
@@ -82,6 +87,11 @@ class Sm100FwdConfig:
     def check(self) -> tuple[bool, str]:
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} not in {SUPPORTED_DTYPES}"
+        return self.check_machine()
+
+    def check_machine(self) -> tuple[bool, str]:
+        """The rules every element type shares: head dims, tiles, stages, the exp2 share,
+        registers, shared memory (`smem_bytes`) and the tensor-memory plan (`tmem_plan`)."""
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
@@ -99,6 +109,10 @@ class Sm100FwdConfig:
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(tile 128x{self.tile_n}, {self.num_stages} stages)")
+        if self.two_cta and (self.head_dim not in (128, 256) or self.is_causal
+                             or self.has_window or self.has_q_seqlen or self.has_segments):
+            return False, ("two_cta: dense head dims 128 / 256 only (no causal, window, query "
+                           "lengths or segment ids: a CTA pair walks one key range)")
         if sum(REGS) > 3 * LAUNCH_REGS:
             return False, f"register budgets {REGS} exceed 3 x {LAUNCH_REGS}"
         return self.tmem_plan().check()
@@ -116,7 +130,8 @@ class Sm100FwdConfig:
                                  ("seg", self.has_segments)) if on]
         return (f"fwd_sm100_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
                 f"_t{TILE_M}x{self.tile_n}s{self.num_stages}_e{self.ex2_poly_every}"
-                f"_r{self.rescale_threshold:g}_{'-'.join(feats) or 'dense'}")
+                f"_r{self.rescale_threshold:g}_{'-'.join(feats) or 'dense'}"
+                + ("_2cta" if self.two_cta else ""))
 
 
 def can_implement(config: Sm100FwdConfig | None = None, **problem) -> tuple[bool, str]:
