@@ -33,7 +33,7 @@ def sm100_fwd_fp8_launch(config, arch: str = "sm_100a") -> Launch:
 def _launch(kernel_ref: str, config, arch: str) -> Launch:
     hv = config.head_dim_v
     inputs = core_inputs(config)
-    if config.v_transposed:  # V^T [B, K, Hv, Sp], Sp a multiple of 16 (TMA row strides)
+    if getattr(config, "v_transposed", False):  # V^T [B, K, Hv, Sp], 16 | Sp (TMA strides)
         inputs[2] = TensorArg(config.dtype, (None, None, hv, None),
                               divisibility=(None, None, None, 16))
     # descales: 4-byte aligned rows of any length (no TMA reads them)
@@ -75,7 +75,7 @@ def fwd_fp8_inputs(config: Fp8FwdConfig, q, k, v, q_descale, k_descale, v_descal
     from jaxflash.kernels.common.segments import block_summaries
     B, _, N, _ = q.shape
     K = k.shape[2]
-    ins = [q, k, fp8_v_layout(v) if config.v_transposed else v]
+    ins = [q, k, fp8_v_layout(v) if getattr(config, "v_transposed", False) else v]
     for flag, name, x in (("has_q_seqlen", "q_seqlen", q_seqlen),
                           ("has_kv_seqlen", "kv_seqlen", kv_seqlen),
                           ("has_segments", "q_segment_ids", q_segment_ids),
