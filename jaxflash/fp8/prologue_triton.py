@@ -1,0 +1,118 @@
+"""The FP8 prologue as one Pallas (Triton) kernel: each program reads one scale block of one
+operand (``block`` sequence rows of one (batch row, head), the whole head dim) once, applies
+the random-sign Hadamard transform in registers, takes the block's amax, and writes the E4M3 /
+E5M2 codes and the block's float32 dequantization scale, straight into the canonical
+``[B, heads, nb]`` layout.
+
+Bit for bit the rules of `jaxflash.quantize` (``hadamard_signed`` then ``quantize``): the same
+float32 butterflies in the same order (tile reshapes and transposes move values, never combine
+them differently), the Hadamard output rounded once to the input's dtype, the amax over the
+block with NaN detected separately (Triton's max drops NaNs, XLA's rule poisons the block), the
+two divisions correctly rounded (``div.rn.f32``: Triton's ``/`` is the approximate
+``div.full.f32``), saturation before the round-to-nearest-even cast. Under
+``interpret=True`` (any device) the same body runs as JAX ops with IEEE division.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxflash import quantize as Q
+
+
+def supports(shape, block: int) -> bool:
+    """Whether the kernel takes an operand of `shape` ``[B, L, heads, D]`` with `block`-row
+    scale blocks: Triton tiles have power-of-two sides and the rows must tile L exactly."""
+    _, L, _, D = shape
+    pow2 = lambda n: n >= 1 and n & (n - 1) == 0
+    return pow2(block) and 16 <= block <= 256 and pow2(D) and 16 <= D <= 256 and L % block == 0
+
+
+def _fwht_tile(x):
+    """`jaxflash.quantize.fwht` on a ``[R, D]`` float32 tile with the moves Triton lowers
+    (reshape, transpose, a size-2 split and join on the last axis): stage h adds and subtracts
+    the halves of each 2h-wide group, as the reference does."""
+    R, D = x.shape
+    h = 1
+    while h < D:
+        g = D // (2 * h)
+        y = jnp.swapaxes(x.reshape(R, g, 2, h), 2, 3)          # [R, g, h, 2]: pairs last
+        a, b = jnp.split(y, 2, axis=-1)                         # [R, g, h, 1] each
+        y = jnp.concatenate([a + b, a - b], axis=-1)            # [R, g, h, 2]
+        x = jnp.swapaxes(y, 2, 3).reshape(R, D)
+        h *= 2
+    return x
+
+
+def _div_rn(x, y, interpret: bool):
+    """Correctly rounded float32 ``x / y`` (elementwise, same shapes)."""
+    if interpret:
+        return x / y
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, interpret: bool):
+    if hadamard:
+        x_ref, s_ref, o_ref, sc_ref = refs
+    else:
+        x_ref, o_ref, sc_ref = refs
+    x = x_ref[...].astype(jnp.float32)                          # [block, D]
+    D = x.shape[-1]
+    if hadamard:
+        x = _fwht_tile(x * s_ref[...]) * jnp.float32(1.0 / math.sqrt(D))
+        x = x.astype(in_dtype).astype(jnp.float32)              # hadamard() returns x's dtype
+    fmax = float(Q.FP8_MAX[jnp.dtype(out_dtype)])     # a Python constant: Triton folds it
+    amax = jnp.max(jnp.abs(x), axis=(0, 1), keepdims=True)      # [1, 1]
+    nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=(0, 1), keepdims=True) > 0
+    amax = jnp.where(nan, jnp.float32(jnp.nan), amax)
+    zero = amax == 0
+    one = jnp.ones_like(amax)
+    scale = jnp.where(zero, one, _div_rn(amax, jnp.full_like(amax, fmax), interpret))
+    inv = jnp.where(zero, one, _div_rn(jnp.full_like(amax, fmax), jnp.where(zero, one, amax),
+                                       interpret))
+    y = x * inv
+    # Saturate (never NaN / Inf from range), but keep NaN: Triton's min / max drop NaNs.
+    y = jnp.where(y != y, y, jnp.clip(y, -fmax, fmax))
+    o_ref[...] = y.astype(out_dtype)
+    sc_ref[...] = scale.reshape(sc_ref.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "num_warps", "interpret"))
+def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4,
+                    interpret: bool = False):
+    """``x [B, L, heads, D]`` (float) -> ``(x8 [B, L, heads, D] in dtype, scale [B, heads, nb]
+    float32)``, with the Hadamard transform of `signs` (a ``[D]`` +-1 float32 vector) first
+    unless `signs` is None. The caller checks `supports`."""
+    B, L, H, D = x.shape
+    nb = L // block
+    hadamard = signs is not None
+    in_specs = [pl.BlockSpec((None, block, None, D), lambda b, i, h: (b, i, h, 0))]
+    args = [x]
+    if hadamard:
+        in_specs.append(pl.BlockSpec((1, D), lambda b, i, h: (0, 0)))
+        args.append(jnp.asarray(signs, jnp.float32).reshape(1, D))
+    kernel = functools.partial(_kernel, hadamard=hadamard, in_dtype=x.dtype,
+                               out_dtype=jnp.dtype(dtype), interpret=interpret)
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, nb, H),           # heads fastest: neighbouring programs read neighbouring rows
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, block, None, D), lambda b, i, h: (b, i, h, 0)),
+                   pl.BlockSpec((None, None, 1), lambda b, i, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)),
+                   jax.ShapeDtypeStruct((B, H, nb), jnp.float32)],
+        interpret=interpret,
+        name="fp8_prologue",
+        **params,
+    )(*args)

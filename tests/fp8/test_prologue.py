@@ -1,0 +1,126 @@
+"""`jaxflash.fp8.prologue`: every implementation of precision="fp8"'s quantize (+ Hadamard)
+gives the codes and scales of `jaxflash.quantize`'s rules bit for bit (the Triton kernel in
+Pallas' interpret mode here; on a GPU in test_prologue_gpu.py), on normal data, outlier
+channels, zero / NaN / Inf blocks, a short last block, each input float dtype and both FP8
+formats; and the pick falls back to the XLA arrangement where the kernel cannot run."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import quantize as Q
+from jaxflash.fp8 import prologue as P
+from jaxflash.fp8 import prologue_triton as T
+
+
+def _draw(shape, dtype, seed=0, special=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    B, L, H, D = shape
+    x[..., 3] *= 100.0                                   # an outlier channel (the Hadamard's case)
+    x[0, : min(L, 7), 0] *= 1e-30                         # subnormal-range values in one block
+    if special and L >= 64 and H >= 2:
+        x[0, 0:32, 1] = 0.0                              # a zero block (block 32)
+        x[0, 40, 1, 0] = np.nan                          # a NaN block
+        x[B - 1, L - 1, H - 1, 1] = np.inf               # an Inf block
+        x[0, 33, 0, 2] = 3e38                            # Hadamard overflow to Inf (float32 in)
+    return jnp.asarray(x).astype(dtype)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _expected(x, dtype, block, signs):
+    y = x if signs is None else Q.hadamard_signed(x, signs)
+    x8, s = Q.quantize(y, dtype, granularity="block", block_size=block)
+    return x8, s                                         # scale [B, heads, nb]: canonical already
+
+
+def _differ(g, w):
+    """Positions where g and w differ bitwise; any NaN equals any NaN (the rules say a block
+    dequantizes to NaN, not which of E5M2's NaN encodings or float32 payloads it carries)."""
+    gn = np.isnan(np.asarray(g.astype(jnp.float32)))
+    wn = np.isnan(np.asarray(w.astype(jnp.float32)))
+    return (gn != wn) | (~gn & (_bits(g) != _bits(w)))
+
+
+def _same(got, want):
+    (g8, gs), (w8, ws) = got, want
+    assert g8.dtype == w8.dtype and g8.shape == w8.shape and gs.shape == ws.shape
+    nb = np.count_nonzero(_differ(g8, w8))
+    ns = np.count_nonzero(_differ(gs, ws))
+    assert nb == 0 and ns == 0, f"{nb} codes and {ns} scales differ"
+
+
+CASES = [  # (shape [B, L, H, D], block)
+    ((2, 128, 3, 16), 32),
+    ((1, 256, 2, 64), 128),
+    ((2, 256, 2, 128), 128),
+    ((1, 256, 2, 256), 128),
+    ((1, 64, 4, 32), 64),
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton_interpret"])
+@pytest.mark.parametrize("shape,block", CASES)
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_bit_exact_to_quantize_rules(impl, shape, block, hadamard):
+    signs = Q.hadamard_signs(7, shape[-1]) if hadamard else None
+    for in_dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            if in_dt == jnp.float16 and fp8 == jnp.float8_e5m2:
+                continue                                 # one cross of the two enough here
+            x = _draw(shape, in_dt, seed=shape[-1] + block)
+            want = _expected(x, fp8, block, signs)
+            if impl == "xla":
+                got = P._xla(x, fp8, block, signs)
+            else:
+                got = P._triton(x, fp8, block, signs, interpret=True)
+            _same(got, want)
+
+
+@pytest.mark.parametrize("L", [200, 129])
+def test_xla_short_last_block(L):
+    x = _draw((2, L, 3, 64), jnp.bfloat16, special=False)
+    signs = Q.hadamard_signs(0, 64)
+    _same(P._xla(x, jnp.float8_e4m3fn, 128, signs), _expected(x, jnp.float8_e4m3fn, 128, signs))
+    assert not T.supports(x.shape, 128)
+    assert P.pick(x, 128, "cuda", "triton") == "xla"
+
+
+def test_special_blocks_are_exercised():
+    """The draw really holds the zero / NaN / Inf blocks the rules single out."""
+    x = _draw((1, 256, 2, 64), jnp.bfloat16)
+    _, s = _expected(x, jnp.float8_e4m3fn, 32, None)
+    s = np.asarray(s)
+    assert s[0, 1, 0] == 1.0 and np.isnan(s[0, 1, 1]) and np.isinf(s[0, 1, 7])
+
+
+def test_pick_and_dispatch_of_granularities():
+    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    assert P.pick(x, 128, "cpu", "triton") == "xla"
+    assert P.pick(x, 128, "cuda", "triton") == "triton"
+    assert P.pick(x, 128, "cuda", "reference") == "reference"
+    assert P.pick(x, 96, "cuda", "triton") == "xla"
+    with pytest.raises(ValueError, match="prologue implementation"):
+        P.pick(x, 128, "cuda", "fast")
+    # per-head / per-tensor scales: quantize's own layouts, canonical
+    x = _draw((2, 64, 3, 32), jnp.bfloat16, special=False)
+    for g, shape in (("head", (2, 3, 1)), ("tensor", (2, 3, 1))):
+        x8, s = P.quantize_operand(x, jnp.float8_e4m3fn, g, 64, Q.hadamard_signs(1, 32))
+        assert s.shape == shape and x8.dtype == jnp.float8_e4m3fn
+
+
+def test_triton_kernel_lowers_for_cuda():
+    """The kernel's Triton lowering (no GPU needed to emit it): one custom call, no fallback."""
+    from jaxflash import target_platform
+    x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+
+    def f(x):  # (pick would take "xla" here: 8 host devices make every jit trace "sharded")
+        return P._triton(x, jnp.float8_e4m3fn, 128, Q.hadamard_signs(0, 128))
+
+    with target_platform("cuda"):
+        txt = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("__gpu$xla.gpu.triton") == 1, txt[:2000]
