@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "quantize", "dequantize", "expand_scale",
-           "scale_shape", "hadamard", "hadamard_signed", "inverse_hadamard", "hadamard_signs", "fwht",
-           "saturating_cast", "is_fp8"]
+           "scale_shape", "hadamard", "hadamard_signed", "inverse_hadamard", "hadamard_signs",
+           "fwht", "saturating_cast", "is_fp8"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}

@@ -67,7 +67,7 @@ def _triton(x, dtype, block, signs, interpret=False):
 
 
 def _sharded_trace(x) -> bool:
-    """A jit trace in a multi-device process: the operand may be sharded (see `jaxflash.sharding`)."""
+    """A jit trace in a multi-device process: the operand may be sharded (`jaxflash.sharding`)."""
     try:
         from jax._src.interpreters.partial_eval import DynamicJaxprTracer as tracer
     except ImportError:  # pragma: no cover - moved in some jax version: assume it may be
