@@ -23,6 +23,8 @@ from jax.experimental import pallas as pl
 
 from jaxflash import quantize as Q
 
+_SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None in older Pallas)
+
 
 def supports(shape, block: int) -> bool:
     """Whether the kernel takes an operand of `shape` ``[B, L, heads, D]`` with `block`-row
@@ -93,7 +95,7 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4,
     B, L, H, D = x.shape
     nb = L // block
     hadamard = signs is not None
-    in_specs = [pl.BlockSpec((None, block, None, D), lambda b, i, h: (b, i, h, 0))]
+    in_specs = [pl.BlockSpec((_SQ, block, _SQ, D), lambda b, i, h: (b, i, h, 0))]
     args = [x]
     if hadamard:
         in_specs.append(pl.BlockSpec((1, D), lambda b, i, h: (0, 0)))
@@ -108,8 +110,8 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4,
         kernel,
         grid=(B, nb, H),           # heads fastest: neighbouring programs read neighbouring rows
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, block, None, D), lambda b, i, h: (b, i, h, 0)),
-                   pl.BlockSpec((None, None, 1), lambda b, i, h: (b, h, i))],
+        out_specs=[pl.BlockSpec((_SQ, block, _SQ, D), lambda b, i, h: (b, i, h, 0)),
+                   pl.BlockSpec((_SQ, _SQ, 1), lambda b, i, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)),
                    jax.ShapeDtypeStruct((B, H, nb), jnp.float32)],
         interpret=interpret,
