@@ -12,7 +12,9 @@ Grid (fp8_bench's): B * S = 16384, N * D = 2048, D 64 / 128 / 256, S 1k / 4k / 1
 Q, K, V read once in bf16 and written once in E4M3 (3 B / element, scales negligible);
 GB/s = that / time, beside the bound (H200 HBM3e, 4.8 TB/s). Candidates: ``reference``
 (`jaxflash.quantize` as written: the code before the prologue module), ``xla`` (the fused
-arrangement), ``triton_wN`` (the Pallas kernel with N warps). Results:
+arrangement), ``triton`` (the Pallas kernel as the library tiles it; at S = 4k also
+``triton_<warps>w_<columns>c_<rows>r``, other tilings), ``xla_dot`` (not the library's: the
+Hadamard as a bf16 GEMM, whose codes differ from the rules where its sums round differently). Results:
 ``fp8-prologue-bench-h200-<date>.json`` / ``.md`` in --out (default $OUT or benchmarks/results).
 """
 from __future__ import annotations
@@ -27,7 +29,13 @@ import sys
 GRID = [(d, s) for d in (64, 128, 256) for s in (1024, 4096, 16384)]
 E2E_S = (4096, 16384)   # the issue's target: precision="fp8" >= 1.25x bf16 at S >= 4k
 HBM_BPS = 4.8e12
-WARPS = {64: (2, 4), 128: (4, 8), 256: (8, 16)}
+# Triton tilings tried beside the library's pick (`prologue.TRITON_CONFIG`) at S = 4k:
+# (num_warps, columns per tile, rows per pass); (.., D, 128) is the one-tile kernel whose
+# butterflies all move data between threads.
+SWEEP = {64: [(4, 64, 128), (4, 8, 128), (1, 8, 32)],
+         128: [(4, 128, 128), (8, 8, 128), (2, 8, 32), (4, 16, 64)],
+         256: [(8, 256, 128), (8, 8, 64), (2, 8, 16), (4, 16, 32)]}
+SWEEP_S = 4096
 
 
 TOKENS = 16384  # B * S (`--tokens` shrinks it for a CPU smoke run of the prologue part)
@@ -71,7 +79,7 @@ def build(out: str, causal: bool) -> int:
     return 0
 
 
-def _prologue_fns(D):
+def _prologue_fns(D, sweep: bool):
     """name -> jitted (q, k, v) -> the three (codes, scales), one per candidate."""
     import jax
     import jax.numpy as jnp
@@ -98,9 +106,11 @@ def _prologue_fns(D):
     fns = {"reference": make(lambda x, s: P._reference(x, e4, 128, s)),
            "xla": make(lambda x, s: P._xla(x, e4, 128, s)),
            "xla_dot": make(xla_dot)}
-    for w in WARPS[D]:
-        fns[f"triton_w{w}"] = make(lambda x, s, w=w: T.quantize_blocks(
-            x, s, dtype=jnp.dtype(e4), block=128, num_warps=w))
+    fns["triton"] = make(lambda x, s: P._triton(x, e4, 128, s))
+    for w, c, r in (SWEEP[D] if sweep else ()):
+        if (w, c, r) != P.TRITON_CONFIG[D]:
+            fns[f"triton_{w}w_{c}c_{r}r"] = make(lambda x, s, w=w, c=c, r=r: T.quantize_blocks(
+                x, s, dtype=jnp.dtype(e4), block=128, num_warps=w, width=c, rows=r))
     return fns
 
 
@@ -137,7 +147,7 @@ def run(out_dir: str, causal: bool, e2e: bool) -> int:
         q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.bfloat16) for kk in ks)
         q = q.at[..., 3].multiply(30.0)          # an outlier channel, as FA3's benchmark has
         nbytes = 3 * q.size * (2 + 1)
-        fns = _prologue_fns(D)
+        fns = _prologue_fns(D, s == SWEEP_S)
         ok, outs = {}, {}
         for name, f in fns.items():
             try:

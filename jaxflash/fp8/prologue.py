@@ -29,7 +29,11 @@ from jaxflash.fp8 import layout
 IMPLS = ("reference", "xla", "triton")
 # The CUDA pick, one constant (benchmarks/fp8_prologue_bench.py measures every candidate).
 IMPL = "triton"
-TRITON_NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 4, 256: 8}   # by head dim
+# The kernel's tuning by head dim (`prologue_triton.quantize_blocks`: num_warps, columns per
+# tile, rows per pass; the result does not depend on it). 8 columns: one 16-byte bf16 load per
+# row and tile, so the butterflies past 8 run tile against tile inside each thread.
+TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (2, 8, 64), 128: (4, 8, 64),
+                 256: (4, 8, 32)}
 
 
 def _reference(x, dtype, block, signs):
@@ -61,8 +65,9 @@ def _xla(x, dtype, block, signs):
 
 def _triton(x, dtype, block, signs, interpret=False):
     from jaxflash.fp8 import prologue_triton as T
-    warps = TRITON_NUM_WARPS.get(x.shape[-1], 4)
+    warps, width, rows = TRITON_CONFIG[x.shape[-1]]
     return T.quantize_blocks(x, signs, dtype=jnp.dtype(dtype), block=block, num_warps=warps,
+                             width=min(width, x.shape[-1]), rows=min(rows, block),
                              interpret=interpret)
 
 

@@ -60,38 +60,71 @@ def _div_rn(x, y, interpret: bool):
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, interpret: bool):
+def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype):
+    """Rows ``[r0, r0 + rows)`` of the block as a list of ``[rows, width]`` float32 column
+    tiles, Hadamard-transformed when `s_ref` is given. The butterflies of stage h < width run
+    inside each tile (`_fwht_tile`); a stage h >= width pairs whole tiles j and j + h / width,
+    elementwise, with no data movement between threads; the stage order is the reference's."""
+    D = x_ref.shape[-1]
+    cols = [pl.ds(j * width, width) for j in range(D // width)]
+    ts = [x_ref[pl.ds(r0, rows), c].astype(jnp.float32) for c in cols]
+    if s_ref is None:
+        return ts
+    ts = [_fwht_tile(t * s_ref[:, c]) for t, c in zip(ts, cols)]
+    hs = 1
+    while hs < len(ts):
+        for j in range(len(ts)):
+            if not j & hs:
+                ts[j], ts[j + hs] = ts[j] + ts[j + hs], ts[j] - ts[j + hs]
+        hs *= 2
+    c = jnp.float32(1.0 / math.sqrt(D))
+    return [(t * c).astype(in_dtype).astype(jnp.float32) for t in ts]   # x's dtype, as hadamard()
+
+
+def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int,
+            interpret: bool):
     if hadamard:
         x_ref, s_ref, o_ref, sc_ref = refs
     else:
-        x_ref, o_ref, sc_ref = refs
-    x = x_ref[...].astype(jnp.float32)                          # [block, D]
-    D = x.shape[-1]
-    if hadamard:
-        x = _fwht_tile(x * s_ref[...]) * jnp.float32(1.0 / math.sqrt(D))
-        x = x.astype(in_dtype).astype(jnp.float32)              # hadamard() returns x's dtype
+        (x_ref, o_ref, sc_ref), s_ref = refs, None
+    block = x_ref.shape[0]
+    load = lambda r0: _transformed(x_ref, s_ref, r0, rows, width, in_dtype)
+    # Pass 1: the block's amax (and whether it holds a NaN: Triton's max drops NaNs). With
+    # `rows` < block, pass 2 recomputes the tiles (the block's second read hits L2) instead of
+    # holding the whole block in registers.
+    first = load(0)
+    acc = nan = None
+    for r0 in range(0, block, rows):
+        for t in (first if r0 == 0 else load(r0)):
+            a, n = jnp.abs(t), jnp.where(t != t, 1.0, 0.0)
+            acc, nan = (a, n) if acc is None else (jnp.maximum(acc, a), jnp.maximum(nan, n))
+    amax = jnp.max(acc, axis=(0, 1), keepdims=True)             # [1, 1]
+    amax = jnp.where(jnp.max(nan, axis=(0, 1), keepdims=True) > 0, jnp.float32(jnp.nan), amax)
     fmax = float(Q.FP8_MAX[jnp.dtype(out_dtype)])     # a Python constant: Triton folds it
-    amax = jnp.max(jnp.abs(x), axis=(0, 1), keepdims=True)      # [1, 1]
-    nan = jnp.max(jnp.where(x != x, 1.0, 0.0), axis=(0, 1), keepdims=True) > 0
-    amax = jnp.where(nan, jnp.float32(jnp.nan), amax)
     zero = amax == 0
     one = jnp.ones_like(amax)
     scale = jnp.where(zero, one, _div_rn(amax, jnp.full_like(amax, fmax), interpret))
     inv = jnp.where(zero, one, _div_rn(jnp.full_like(amax, fmax), jnp.where(zero, one, amax),
                                        interpret))
-    y = x * inv
-    # Saturate (never NaN / Inf from range), but keep NaN: Triton's min / max drop NaNs.
-    y = jnp.where(y != y, y, jnp.clip(y, -fmax, fmax))
-    o_ref[...] = y.astype(out_dtype)
+    for r0 in range(0, block, rows):
+        ts = first if rows == block else load(r0)
+        for j, t in enumerate(ts):
+            y = t * inv
+            # Saturate (never NaN / Inf from range), but keep NaN: Triton's min / max drop it.
+            y = jnp.where(y != y, y, jnp.clip(y, -fmax, fmax))
+            o_ref[pl.ds(r0, rows), pl.ds(j * width, width)] = y.astype(out_dtype)
     sc_ref[...] = scale.reshape(sc_ref.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block", "num_warps", "interpret"))
-def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4,
+@functools.partial(jax.jit, static_argnames=("dtype", "block", "num_warps", "width", "rows",
+                                             "interpret"))
+def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=None, rows=None,
                     interpret: bool = False):
     """``x [B, L, heads, D]`` (float) -> ``(x8 [B, L, heads, D] in dtype, scale [B, heads, nb]
     float32)``, with the Hadamard transform of `signs` (a ``[D]`` +-1 float32 vector) first
-    unless `signs` is None. The caller checks `supports`."""
+    unless `signs` is None. The caller checks `supports`. Tuning (same result): `width`, the
+    columns per tile (a power of two dividing D; default D: one tile), `rows`, the rows per
+    pass (a power of two dividing block; default block: one pass, the block held whole)."""
     B, L, H, D = x.shape
     nb = L // block
     hadamard = signs is not None
@@ -100,8 +133,13 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4,
     if hadamard:
         in_specs.append(pl.BlockSpec((1, D), lambda b, i, h: (0, 0)))
         args.append(jnp.asarray(signs, jnp.float32).reshape(1, D))
+    width, rows = width or D, rows or block
+    if D % width or block % rows or width & (width - 1) or rows & (rows - 1):
+        raise ValueError(f"width {width} / rows {rows} must be powers of two dividing the head "
+                         f"dim {D} / the block {block}")
     kernel = functools.partial(_kernel, hadamard=hadamard, in_dtype=x.dtype,
-                               out_dtype=jnp.dtype(dtype), interpret=interpret)
+                               out_dtype=jnp.dtype(dtype), width=width, rows=rows,
+                               interpret=interpret)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu

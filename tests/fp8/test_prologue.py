@@ -124,3 +124,21 @@ def test_triton_kernel_lowers_for_cuda():
     with target_platform("cuda"):
         txt = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("__gpu$xla.gpu.triton") == 1, txt[:2000]
+
+
+@pytest.mark.parametrize("width,rows", [(None, None), (4, 32), (2, 128), (128, 16), (16, 64)])
+def test_triton_tilings_agree(width, rows):
+    """The kernel's tilings (columns per tile, rows per pass) only move work around."""
+    shape, block = (1, 256, 2, 128), 128
+    signs = Q.hadamard_signs(5, 128)
+    x = _draw(shape, jnp.bfloat16, seed=11)
+    got = T.quantize_blocks(x, signs, dtype=jnp.dtype(jnp.float8_e4m3fn), block=block,
+                            width=width, rows=rows, interpret=True)
+    _same(got, _expected(x, jnp.float8_e4m3fn, block, signs))
+
+
+def test_triton_tiling_errors():
+    x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="powers of two"):
+        T.quantize_blocks(x, None, dtype=jnp.dtype(jnp.float8_e4m3fn), block=128, width=24,
+                          interpret=True)
