@@ -5,7 +5,7 @@ GPU, then ``precision="fp8"`` end to end with each prologue beside our bf16 forw
 FP8 kernel alone on pre-quantized operands.
 
     python -m benchmarks.fp8_prologue_bench build [--causal] [--out .device/kernels]   # here
-    python -m benchmarks.fp8_prologue_bench run [--causal] [--no-e2e] [--out DIR]       # GPU
+    python -m benchmarks.fp8_prologue_bench run [--causal] [--no-e2e | --e2e-only] [--out DIR]
 
 Grid (fp8_bench's): B * S = 16384, N * D = 2048, D 64 / 128 / 256, S 1k / 4k / 16k, dense
 (``--causal`` adds the causal points to the end-to-end part, which runs at S 4k / 16k). Bytes moved by the prologue:
@@ -105,7 +105,9 @@ def _prologue_fns(D, sweep: bool):
 
     fns = {"reference": make(lambda x, s: P._reference(x, e4, 128, s)),
            "xla": make(lambda x, s: P._xla(x, e4, 128, s)),
-           "xla_dot": make(xla_dot)}
+           "xla_dot": make(xla_dot)} if sweep else {
+               "reference": make(lambda x, s: P._reference(x, e4, 128, s)),
+               "xla": make(lambda x, s: P._xla(x, e4, 128, s))}
     fns["triton"] = make(lambda x, s: P._triton(x, e4, 128, s))
     for w, c, r in (SWEEP[D] if sweep else ()):
         if (w, c, r) != P.TRITON_CONFIG[D]:
@@ -130,7 +132,7 @@ def jax_bits(x):
     return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 4: jnp.uint32}[x.dtype.itemsize])
 
 
-def run(out_dir: str, causal: bool, e2e: bool) -> int:
+def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True) -> int:
     import jax
     import jax.numpy as jnp
 
@@ -147,7 +149,7 @@ def run(out_dir: str, causal: bool, e2e: bool) -> int:
         q, k, v = (jax.random.normal(kk, (B, S, N, D), jnp.bfloat16) for kk in ks)
         q = q.at[..., 3].multiply(30.0)          # an outlier channel, as FA3's benchmark has
         nbytes = 3 * q.size * (2 + 1)
-        fns = _prologue_fns(D, s == SWEEP_S)
+        fns = _prologue_fns(D, s == SWEEP_S) if prologue else {}
         ok, outs = {}, {}
         for name, f in fns.items():
             try:
@@ -155,7 +157,7 @@ def run(out_dir: str, causal: bool, e2e: bool) -> int:
                 ok[name] = f
             except Exception as e:  # noqa: BLE001
                 print(f"d{d} s{s} {name}: failed: {type(e).__name__}: {str(e)[:400]}")
-        t = time_interleaved(ok, (q, k, v), reps=5, min_rep_s=0.02)
+        t = time_interleaved(ok, (q, k, v), reps=5, min_rep_s=0.02) if ok else {}
         row = dict(D=d, S=s, B=B, N=N, bytes=nbytes, bound_us=nbytes / HBM_BPS * 1e6)
         for name in fns:
             if name in t:
@@ -163,8 +165,9 @@ def run(out_dir: str, causal: bool, e2e: bool) -> int:
                 row[name + "_gbps"] = nbytes / t[name].median_s / 1e9
                 row[name + "_mismatch"] = (0 if name == "reference" else
                                            _mismatches(outs[name], outs["reference"]))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        if fns:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         if not e2e or s not in E2E_S:
             continue
         q8, qs = Q.quantize(q, jnp.float8_e4m3fn)
@@ -198,7 +201,7 @@ def run(out_dir: str, causal: bool, e2e: bool) -> int:
                           f"{str(e)[:300]}")
                 finally:
                     P.IMPL = saved
-            te = time_interleaved(oke, args, reps=5, min_rep_s=0.02)
+            te = time_interleaved(oke, args, reps=5, min_rep_s=0.02) if oke else {}
             fl = 4.0 * B * N * S * S * D / (2 if c else 1)
             er = dict(D=d, S=s, causal=c)
             for name in oke:
@@ -208,7 +211,8 @@ def run(out_dir: str, causal: bool, e2e: bool) -> int:
             print(json.dumps(er), flush=True)
     date = datetime.date.today().isoformat()
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"fp8-prologue-bench-h200-{date}")
+    part = "" if prologue and e2e else ("-alone" if prologue else "-e2e")
+    base = os.path.join(out_dir, f"fp8-prologue-bench{part}-h200-{date}")
     summary = _summary(e2e_rows)
     with open(base + ".json", "w") as f:
         json.dump({"env": envinfo.collect(), "prologue": rows, "e2e": e2e_rows,
@@ -236,10 +240,10 @@ def _table(rows, e2e_rows, summary):
     f0 = lambda x: "" if x is None else f"{x:.0f}"
     f2 = lambda x: "" if x is None else f"{x:.2f}"
     names = list(dict.fromkeys(k[:-5] for r in rows for k in r if k.endswith("_gbps")))
-    lines = ["Prologue alone (Q, K with Hadamard, V; E4M3, 128-row block scales): us (GB/s), "
-             "bound at 4.8 TB/s; `!n` = n codes / scales differ from the reference", "",
-             "| D | S | bound us | " + " | ".join(names) + " |",
-             "|---|---|---|" + "---|" * len(names)]
+    lines = [] if not rows else [
+        "Prologue alone (Q, K with Hadamard, V; E4M3, 128-row block scales): us (GB/s), "
+        "bound at 4.8 TB/s; `!n` = n codes / scales differ from the reference", "",
+        "| D | S | bound us | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     for r in rows:
         cells = []
         for n in names:
@@ -270,6 +274,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--causal", action="store_true", help="add causal end-to-end points")
     ap.add_argument("--no-e2e", action="store_true", help="the prologue alone only")
+    ap.add_argument("--e2e-only", action="store_true", help="the end-to-end part only")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S (smaller: a smoke run)")
     ap.add_argument("--grid", default=None, help="points D:S,D:S,... (default: the full grid)")
     a = ap.parse_args(argv)
@@ -279,7 +284,8 @@ def main(argv=None) -> int:
         GRID = [tuple(int(x) for x in p.split(":")) for p in a.grid.split(",")]
     if a.mode == "build":
         return build(a.out or ".device/kernels", a.causal)
-    return run(a.out or os.environ.get("OUT") or "benchmarks/results", a.causal, not a.no_e2e)
+    return run(a.out or os.environ.get("OUT") or "benchmarks/results", a.causal, not a.no_e2e,
+               not a.e2e_only)
 
 
 if __name__ == "__main__":
