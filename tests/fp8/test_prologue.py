@@ -142,3 +142,30 @@ def test_triton_tiling_errors():
     with pytest.raises(ValueError, match="powers of two"):
         T.quantize_blocks(x, None, dtype=jnp.dtype(jnp.float8_e4m3fn), block=128, width=24,
                           interpret=True)
+
+
+def test_precision_fp8_equals_hadamard_outside():
+    """precision="fp8" (the Hadamard inside the quantizing prologue, its transpose in the
+    backward) computes exactly what the Hadamard applied first by the caller does: same output,
+    same gradients, bit for bit."""
+    import jaxflash
+    ks = jax.random.split(jax.random.PRNGKey(2), 4)
+    q, k, v = (jax.random.normal(kk, (1, 256, 2, 64), jnp.bfloat16) for kk in ks[:3])
+    w = jax.random.normal(ks[3], (1, 256, 2, 64), jnp.float32)
+
+    def inside(q, k, v):
+        o = jaxflash.flash_attention(q, k, v, is_causal=True, precision="fp8", hadamard_seed=3,
+                                     implementation="xla")
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    def outside(q, k, v):
+        o = jaxflash.flash_attention(Q.hadamard(q, 3), Q.hadamard(k, 3), v, is_causal=True,
+                                     precision="fp8", hadamard=False, implementation="xla")
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    (la, oa), ga = jax.jit(jax.value_and_grad(inside, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (lb, ob), gb = jax.jit(jax.value_and_grad(outside, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(oa, np.float32), np.asarray(ob, np.float32))
+    for a, b in zip(ga, gb):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
