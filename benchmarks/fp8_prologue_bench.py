@@ -7,15 +7,16 @@ FP8 kernel alone on pre-quantized operands.
     python -m benchmarks.fp8_prologue_bench build [--causal] [--out .device/kernels]   # here
     python -m benchmarks.fp8_prologue_bench run [--causal] [--no-e2e | --e2e-only] [--out DIR]
 
-Grid (fp8_bench's): B * S = 16384, N * D = 2048, D 64 / 128 / 256, S 1k / 4k / 16k, dense
-(``--causal`` adds the causal points to the end-to-end part, which runs at S 4k / 16k). Bytes moved by the prologue:
-Q, K, V read once in bf16 and written once in E4M3 (3 B / element, scales negligible);
-GB/s = that / time, beside the bound (H200 HBM3e, 4.8 TB/s). Candidates: ``reference``
-(`jaxflash.quantize` as written: the code before the prologue module), ``xla`` (the fused
-arrangement), ``triton`` (the Pallas kernel as the library tiles it; at S = 4k also
-``triton_<warps>w_<columns>c_<rows>r``, other tilings), ``xla_dot`` (not the library's: the
-Hadamard as a bf16 GEMM, whose codes differ from the rules where its sums round differently). Results:
-``fp8-prologue-bench-h200-<date>.json`` / ``.md`` in --out (default $OUT or benchmarks/results).
+Grid (fp8_bench's): B * S = 16384, N * D = 2048, D 64 / 128 / 256, S 1k / 4k / 16k, dense;
+the end-to-end part runs at S 4k / 16k (``--causal`` adds the causal points). Bytes moved by
+the prologue: Q, K, V read once in bf16 and written once in E4M3 (3 B / element, scales
+negligible); GB/s = that / time, beside the bound (H200 HBM3e, 4.8 TB/s). Candidates:
+``reference`` (`jaxflash.quantize` as written: the code before the prologue module), ``xla``
+(the fused arrangement), ``triton`` (the Pallas kernel as the library tiles it; at S = 4k also
+``triton_<warps>w_<columns>c_<rows>r``, other tilings, and ``xla_dot``: not the library's, the
+Hadamard as a bf16 GEMM, whose codes differ from the rules where its sums round differently).
+Results: ``fp8-prologue-bench[-alone|-e2e]-h200-<date>.json`` / ``.md`` in --out (default $OUT
+or benchmarks/results).
 """
 from __future__ import annotations
 
