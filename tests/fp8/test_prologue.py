@@ -76,9 +76,20 @@ def test_bit_exact_to_quantize_rules(impl, shape, block, hadamard):
             want = _expected(x, fp8, block, signs)
             if impl == "xla":
                 got = P._xla(x, fp8, block, signs)
-            else:
-                got = P._triton(x, fp8, block, signs, interpret=True)
+            else:  # a light tiling (interpret mode runs the unrolled body as XLA ops)
+                got = T.quantize_blocks(x, signs, dtype=jnp.dtype(fp8), block=block,
+                                        width=min(32, shape[-1]), interpret=True)
             _same(got, want)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_triton_library_tiling_per_head_dim(D):
+    """The kernel as `prologue.TRITON_CONFIG` tiles it for each head dim (one block)."""
+    signs = Q.hadamard_signs(4, D)
+    x = _draw((1, 128, 2, D), jnp.bfloat16, seed=D, special=False)
+    x = x.at[0, 5, 1, 0].set(jnp.nan).at[0, :, 0].set(0.0)
+    _same(P._triton(x, jnp.float8_e4m3fn, 128, signs, interpret=True),
+          _expected(x, jnp.float8_e4m3fn, 128, signs))
 
 
 @pytest.mark.parametrize("L", [200, 129])
@@ -126,7 +137,7 @@ def test_triton_kernel_lowers_for_cuda():
     assert txt.count("__gpu$xla.gpu.triton") == 1, txt[:2000]
 
 
-@pytest.mark.parametrize("width,rows", [(None, None), (4, 32), (2, 128), (128, 16), (16, 64)])
+@pytest.mark.parametrize("width,rows", [(None, None), (4, 32), (2, 128), (8, 16), (16, 64)])
 def test_triton_tilings_agree(width, rows):
     """The kernel's tilings (columns per tile, rows per pass) only move work around."""
     shape, block = (1, 256, 2, 128), 128
