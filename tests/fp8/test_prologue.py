@@ -115,6 +115,7 @@ def test_pick_and_dispatch_of_granularities():
     assert P.pick(x, 128, "cuda", "triton") == "triton"
     assert P.pick(x, 128, "cuda", "reference") == "reference"
     assert P.pick(x, 96, "cuda", "triton") == "xla"
+    assert not T.supports((1, 128 * 65536, 2, 64), 128)      # past CUDA's grid y limit
     with pytest.raises(ValueError, match="prologue implementation"):
         P.pick(x, 128, "cuda", "fast")
     # per-head / per-tensor scales: quantize's own layouts, canonical
