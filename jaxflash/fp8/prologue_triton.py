@@ -29,12 +29,14 @@ _SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None in older Pall
 def supports(shape, block: int) -> bool:
     """Whether the kernel takes an operand of `shape` ``[B, L, heads, D]`` with `block`-row
     scale blocks: Triton tiles have power-of-two sides, the rows must tile L exactly, and the
-    launch grid has limits."""
-    _, L, H, D = shape
+    launch grid and int32 indexing have limits."""
+    B, L, H, D = shape
     pow2 = lambda n: n >= 1 and n & (n - 1) == 0
-    # The grid (B, blocks, heads) maps to CUDA's (x, y, z): y and z stop at 65535.
+    # The grid (B, blocks, heads) maps to CUDA's (x, y, z): y and z stop at 65535. Pallas'
+    # Triton offsets are int32.
     return (pow2(block) and 16 <= block <= 256 and pow2(D) and 16 <= D <= 256
-            and L % block == 0 and L // block <= 65535 and H <= 65535)
+            and L % block == 0 and L // block <= 65535 and H <= 65535
+            and B * L * H * D < 2 ** 31)
 
 
 def _fwht_tile(x):

@@ -116,6 +116,8 @@ def test_pick_and_dispatch_of_granularities():
     assert P.pick(x, 128, "cuda", "reference") == "reference"
     assert P.pick(x, 96, "cuda", "triton") == "xla"
     assert not T.supports((1, 128 * 65536, 2, 64), 128)      # past CUDA's grid y limit
+    assert not T.supports((8, 2 ** 20, 8, 64), 128)          # past int32 offsets
+    assert T.supports((8, 2 ** 20, 2, 64), 256)              # 2^30 elements, 4096 blocks
     with pytest.raises(ValueError, match="prologue implementation"):
         P.pick(x, 128, "cuda", "fast")
     # per-head / per-tensor scales: quantize's own layouts, canonical
