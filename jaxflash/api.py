@@ -301,16 +301,17 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         out, lse = _empty_result(q, v, None if req is None else req.spec.out_dtype)
     else:
         backend, plan = dispatch.select(problem, implementation)
-        if req is not None and req.spec.source == "quantized" and req.spec.hadamard:
-            # After dispatch (a refused call does no work); shapes and dtypes are unchanged.
-            q = quantize.hadamard(q, req.hadamard_seed)
-            k = quantize.hadamard(k, req.hadamard_seed)
         if req is None:
             out, lse = backend(q, k, v, arrays, statics, plan)
         elif req.spec.source == "fp8":
             out, lse = autodiff.fp8_attention(backend, q, k, v, arrays, statics, plan)
         else:
-            out, lse = autodiff.fp8_quantized_attention(backend, q, k, v, arrays, statics, plan)
+            # The random-sign Hadamard transform of Q and K is part of the quantizing prologue
+            # (`jaxflash.fp8.prologue`: one pass over each operand where a kernel does it).
+            signs = (quantize.hadamard_signs(req.hadamard_seed, q.shape[-1])
+                     if req.spec.hadamard else None)
+            out, lse = autodiff.fp8_quantized_attention(backend, q, k, v, arrays, statics, plan,
+                                                        signs)
     T, N = q.shape[1], q.shape[2]
     out = out.reshape(batch_shape + out.shape[1:])
     if not return_residual:

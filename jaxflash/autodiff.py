@@ -15,9 +15,9 @@ import functools
 
 import jax
 
-from jaxflash import sharding
+from jaxflash import quantize, sharding
 from jaxflash._types import AttentionArrays
-from jaxflash.fp8 import layout
+from jaxflash.fp8 import layout, prologue
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
@@ -75,30 +75,33 @@ def fp8_attention(backend, q8, k8, v8, arrays, statics, plan):
     return _attention(backend, q8, k8, v8, arrays, statics, plan)
 
 
-def _quantize_all(q, k, v, statics):
+def _quantize_all(q, k, v, statics, platform, signs):
     spec = statics.fp8
     g = spec.granularity
-    q8, qs = layout.quantize_canonical(q, spec.q_dtype, g[0], spec.q_block)
-    k8, ks = layout.quantize_canonical(k, spec.k_dtype, g[1], spec.k_block)
-    v8, vs = layout.quantize_canonical(v, spec.v_dtype, g[2], spec.v_block)
+    q8, qs = prologue.quantize_operand(q, spec.q_dtype, g[0], spec.q_block, signs,
+                                       platform=platform)
+    k8, ks = prologue.quantize_operand(k, spec.k_dtype, g[1], spec.k_block, signs,
+                                       platform=platform)
+    v8, vs = prologue.quantize_operand(v, spec.v_dtype, g[2], spec.v_block, None,
+                                       platform=platform)
     return q8, k8, v8, (qs, ks, vs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _fp8_quantized(backend, q, k, v, arrays, statics, plan):
-    return _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan)[0]
+def _fp8_quantized(backend, q, k, v, arrays, statics, plan, signs):
+    return _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan, signs)[0]
 
 
-def _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan):
-    q8, k8, v8, (qs, ks, vs) = _quantize_all(q, k, v, statics)
+def _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan, signs):
+    q8, k8, v8, (qs, ks, vs) = _quantize_all(q, k, v, statics, plan.platform, signs)
     arr8 = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
     out, lse = sharding.forward(backend, q8, k8, v8, arr8, statics, plan)
     zero = lambda x: jax.numpy.zeros((), x.dtype)
-    return (out, lse), (q8, k8, v8, arr8, out, lse, (zero(q), zero(k), zero(v)))
+    return (out, lse), (q8, k8, v8, arr8, out, lse, (zero(q), zero(k), zero(v)), signs)
 
 
 def _fp8_quantized_bwd(backend, statics, plan, res, cts):
-    q8, k8, v8, arr8, out, lse, dtypes = res
+    q8, k8, v8, arr8, out, lse, dtypes, signs = res
     dout, _ = cts
     dq, dk, dv, dbias, dalibi = sharding.backward(backend, q8, k8, v8, arr8, statics, plan,
                                                   out, lse, dout)
@@ -106,15 +109,25 @@ def _fp8_quantized_bwd(backend, statics, plan, res, cts):
         bias=None if arr8.bias is None else dbias.astype(arr8.bias.dtype),
         alibi_slopes=None if arr8.alibi_slopes is None else dalibi.astype(jax.numpy.float32))
     qd, kd, vd = (d.dtype for d in dtypes)
-    return dq.astype(qd), dk.astype(kd), dv.astype(vd), darrays
+    dq, dk, dv = dq.astype(qd), dk.astype(kd), dv.astype(vd)
+    dsigns = None
+    if signs is not None:
+        # Straight through the quantization, then the Hadamard transform's transpose (what
+        # autodiff of `hadamard_signed` gives); the signs are constants of the call.
+        had = lambda x: quantize.hadamard_signed(x, signs)
+        dq = jax.linear_transpose(had, jax.ShapeDtypeStruct(dq.shape, qd))(dq)[0]
+        dk = jax.linear_transpose(had, jax.ShapeDtypeStruct(dk.shape, kd))(dk)[0]
+        dsigns = jax.numpy.zeros_like(signs)
+    return dq, dk, dv, darrays, dsigns
 
 
 _fp8_quantized.defvjp(_fp8_quantized_fwd, _fp8_quantized_bwd)
 
 
-def fp8_quantized_attention(backend, q, k, v, arrays, statics, plan):
+def fp8_quantized_attention(backend, q, k, v, arrays, statics, plan, signs=None):
     """precision="fp8" on float q, k, v: quantized here by ``statics.fp8`` (amax scales, the
-    rules of `jaxflash.quantize`), run in FP8, differentiable ``(out, lse)`` with
+    rules of `jaxflash.quantize`; with `signs`, the random-sign Hadamard transform of q and k
+    first, ``quantize.hadamard_signed``), run in FP8, differentiable ``(out, lse)`` with
     straight-through gradients (the FP8 backward's, with respect to the dequantized operands,
-    returned in the inputs' dtypes)."""
-    return _fp8_quantized(backend, q, k, v, arrays, statics, plan)
+    returned in the inputs' dtypes, through the Hadamard transform's transpose)."""
+    return _fp8_quantized(backend, q, k, v, arrays, statics, plan, signs)

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "quantize", "dequantize", "expand_scale",
-           "scale_shape", "hadamard", "inverse_hadamard", "hadamard_signs", "fwht",
-           "saturating_cast", "is_fp8"]
+           "scale_shape", "hadamard", "hadamard_signed", "inverse_hadamard", "hadamard_signs",
+           "fwht", "saturating_cast", "is_fp8"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
@@ -221,8 +221,19 @@ def hadamard(x, seed: Union[int, jax.Array] = 0) -> jax.Array:
     x = jnp.asarray(x)
     D = x.shape[-1]
     _check_dim(D)
+    return hadamard_signed(x, hadamard_signs(seed, D))
+
+
+def hadamard_signed(x, signs) -> jax.Array:
+    """`hadamard` with its sign vector given (``hadamard_signs``): the arithmetic every
+    implementation of the transform reproduces bit for bit: ``x * signs`` in float32, the
+    butterflies of `fwht` in float32 in their order, times float32 ``1 / sqrt(D)``, rounded
+    once to x's dtype (float32 for FP8 input)."""
+    x = jnp.asarray(x)
+    D = x.shape[-1]
+    _check_dim(D)
     out_dt = jnp.float32 if is_fp8(x.dtype) else x.dtype
-    y = fwht(x.astype(jnp.float32) * hadamard_signs(seed, D)) * jnp.float32(1.0 / math.sqrt(D))
+    y = fwht(x.astype(jnp.float32) * signs) * jnp.float32(1.0 / math.sqrt(D))
     return y.astype(out_dt)
 
 

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxflash import api, dispatch, precision as prec, quantize
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem
 from jaxflash.backends.base import Backend
-from jaxflash.fp8 import layout as fp8_layout
+from jaxflash.fp8 import layout as fp8_layout, prologue
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -425,9 +425,11 @@ def _quantized(cfg, q, k, v, scales):
     if not cfg.quantize:
         return q, k, v, scales
     sp = cfg.statics.fp8
-    q8, qs = fp8_layout.quantize_canonical(q, sp.q_dtype, "block", sp.q_block)
-    k8, ks = fp8_layout.quantize_canonical(k, sp.k_dtype, "block", sp.k_block)
-    v8, vs = fp8_layout.quantize_canonical(v, sp.v_dtype, "block", sp.v_block)
+    qz = lambda x, dt, block: prologue.quantize_operand(x, dt, "block", block,
+                                                         platform=cfg.platform)
+    q8, qs = qz(q, sp.q_dtype, sp.q_block)
+    k8, ks = qz(k, sp.k_dtype, sp.k_block)
+    v8, vs = qz(v, sp.v_dtype, sp.v_block)
     return q8, k8, v8, (qs, ks, vs)
 
 

@@ -1,0 +1,106 @@
+"""The prologue of ``precision="fp8"``: float q, k, v -> FP8 codes and canonical scales
+``[B, heads, nb]``, with the random-sign Hadamard transform of Q and K first.
+
+Every implementation here produces the codes and scales of `jaxflash.quantize`'s rules bit for
+bit (``hadamard_signed`` then ``quantize``; tests/fp8/test_prologue.py checks each); they
+differ only in how many passes over memory they take:
+
+- ``"reference"``: `jaxflash.quantize` as written (the Hadamard materialized, the operand
+  transposed to ``[B, heads, L, D]`` for the amax, the scales expanded through a cumsum-based
+  repeat): several full passes.
+- ``"xla"``: the same arithmetic arranged for XLA's fusion: the amax reduces the blocks where
+  they lie (``[B, nb, block, heads, D]``, no transpose or pad of the operand), the codes
+  multiply by a broadcast of the per-block inverse, only the small scale array is transposed.
+- ``"triton"``: one Pallas (Triton) kernel per operand, one read and one write
+  (`jaxflash.fp8.prologue_triton`); CUDA only, single-device (an opaque kernel would make the
+  SPMD partitioner gather a sharded operand, the XLA arrangement partitions like any jnp code).
+
+`IMPL` picks the one CUDA calls use; anything a pick cannot take (another platform, a sharded
+trace, a shape the kernel does not tile) runs the ``"xla"`` arrangement, with the same result.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxflash import quantize as Q
+from jaxflash.fp8 import layout
+
+IMPLS = ("reference", "xla", "triton")
+# The CUDA pick, one constant (benchmarks/fp8_prologue_bench.py measures every candidate).
+IMPL = "triton"
+# The kernel's tuning by head dim (`prologue_triton.quantize_blocks`: num_warps, columns per
+# tile, rows per pass; the result does not depend on it). 8 columns: one 16-byte bf16 load per
+# row and tile, so the butterflies past 8 run tile against tile inside each thread.
+TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (2, 8, 64), 128: (4, 8, 64),
+                 256: (4, 8, 32)}
+
+
+def _reference(x, dtype, block, signs):
+    if signs is not None:
+        x = Q.hadamard_signed(x, signs)
+    return layout.quantize_canonical(x, dtype, "block", block)
+
+
+def _xla(x, dtype, block, signs):
+    d = jnp.dtype(dtype)
+    if signs is not None:
+        x = Q.hadamard_signed(x, signs)
+    B, L, H, D = x.shape
+    nb = -(-L // block)
+    x32 = x.astype(jnp.float32)
+    if nb * block != L:
+        x32 = jnp.pad(x32, ((0, 0), (0, nb * block - L), (0, 0), (0, 0)))
+    xb = x32.reshape(B, nb, block, H, D)
+    amax = jnp.max(jnp.abs(xb), axis=(2, 4))                       # [B, nb, H]
+    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4)), jnp.nan, amax)
+    fmax = jnp.float32(Q.FP8_MAX[d])
+    zero = amax == 0
+    scale = jnp.where(zero, jnp.float32(1.0), amax / fmax)
+    inv = jnp.where(zero, jnp.float32(1.0), fmax / jnp.where(zero, 1.0, amax))
+    x8 = Q.saturating_cast(xb * inv[:, :, None, :, None], d)
+    x8 = x8.reshape(B, nb * block, H, D)[:, :L]
+    return x8, jnp.swapaxes(scale, 1, 2)                            # [B, H, nb]
+
+
+def _triton(x, dtype, block, signs, interpret=False):
+    from jaxflash.fp8 import prologue_triton as T
+    warps, width, rows = TRITON_CONFIG[x.shape[-1]]
+    return T.quantize_blocks(x, signs, dtype=jnp.dtype(dtype), block=block, num_warps=warps,
+                             width=min(width, x.shape[-1]), rows=min(rows, block),
+                             interpret=interpret)
+
+
+def _sharded_trace(x) -> bool:
+    """A jit trace in a multi-device process: the operand may be sharded (`jaxflash.sharding`)."""
+    try:
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer as tracer
+    except ImportError:  # pragma: no cover - moved in some jax version: assume it may be
+        tracer = jax.core.Tracer
+    return jax.device_count() > 1 and isinstance(x, tracer)
+
+
+def pick(x, block: int, platform: str, impl=None) -> str:
+    """The implementation a call runs: `impl` (default `IMPL`) where it can, else ``"xla"``."""
+    impl = impl or IMPL
+    if impl not in IMPLS:
+        raise ValueError(f"prologue implementation must be one of {IMPLS}; got {impl!r}")
+    if impl == "triton":
+        from jaxflash.fp8 import prologue_triton as T
+        if platform != "cuda" or _sharded_trace(x) or not T.supports(x.shape, block):
+            return "xla"
+    return impl
+
+
+def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
+                     platform: str = "cpu", impl=None):
+    """A canonical operand ``x [B, L, heads, D]`` (float) -> ``(x8, scale [B, heads, nb])``:
+    `jaxflash.quantize`'s rules for `granularity` with `block` the canonical block
+    (`layout.canonical_block`), after ``hadamard_signed(x, signs)`` when `signs` is given."""
+    if granularity != "block":
+        if signs is not None:
+            x = Q.hadamard_signed(x, signs)
+        return layout.quantize_canonical(x, dtype, granularity, block)
+    which = pick(x, block, platform, impl)
+    return {"reference": _reference, "xla": _xla, "triton": _triton}[which](x, dtype, block,
+                                                                         signs)

@@ -1,0 +1,185 @@
+"""`jaxflash.fp8.prologue`: every implementation of precision="fp8"'s quantize (+ Hadamard)
+gives the codes and scales of `jaxflash.quantize`'s rules bit for bit (the Triton kernel in
+Pallas' interpret mode here; on a GPU in test_prologue_gpu.py), on normal data, outlier
+channels, zero / NaN / Inf blocks, a short last block, each input float dtype and both FP8
+formats; and the pick falls back to the XLA arrangement where the kernel cannot run."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import quantize as Q
+from jaxflash.fp8 import prologue as P
+from jaxflash.fp8 import prologue_triton as T
+
+
+def _draw(shape, dtype, seed=0, special=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    B, L, H, D = shape
+    x[..., 3] *= 100.0                                   # an outlier channel (the Hadamard's case)
+    x[0, : min(L, 7), 0] *= 1e-30                         # subnormal-range values in one block
+    if special and L >= 64 and H >= 2:
+        x[0, 0:32, 1] = 0.0                              # a zero block (block 32)
+        x[0, 40, 1, 0] = np.nan                          # a NaN block
+        x[B - 1, L - 1, H - 1, 1] = np.inf               # an Inf block
+        x[0, 33, 0, 2] = 3e38                            # Hadamard overflow to Inf (float32 in)
+    return jnp.asarray(x).astype(dtype)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _expected(x, dtype, block, signs):
+    y = x if signs is None else Q.hadamard_signed(x, signs)
+    x8, s = Q.quantize(y, dtype, granularity="block", block_size=block)
+    return x8, s                                         # scale [B, heads, nb]: canonical already
+
+
+def _differ(g, w):
+    """Positions where g and w differ bitwise; any NaN equals any NaN (the rules say a block
+    dequantizes to NaN, not which of E5M2's NaN encodings or float32 payloads it carries)."""
+    gn = np.isnan(np.asarray(g.astype(jnp.float32)))
+    wn = np.isnan(np.asarray(w.astype(jnp.float32)))
+    return (gn != wn) | (~gn & (_bits(g) != _bits(w)))
+
+
+def _same(got, want):
+    (g8, gs), (w8, ws) = got, want
+    assert g8.dtype == w8.dtype and g8.shape == w8.shape and gs.shape == ws.shape
+    nb = np.count_nonzero(_differ(g8, w8))
+    ns = np.count_nonzero(_differ(gs, ws))
+    assert nb == 0 and ns == 0, f"{nb} codes and {ns} scales differ"
+
+
+CASES = [  # (shape [B, L, H, D], block)
+    ((2, 128, 3, 16), 32),
+    ((1, 256, 2, 64), 128),
+    ((2, 256, 2, 128), 128),
+    ((1, 256, 2, 256), 128),
+    ((1, 64, 4, 32), 64),
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton_interpret"])
+@pytest.mark.parametrize("shape,block", CASES)
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_bit_exact_to_quantize_rules(impl, shape, block, hadamard):
+    signs = Q.hadamard_signs(7, shape[-1]) if hadamard else None
+    for in_dt in (jnp.bfloat16, jnp.float16, jnp.float32):
+        for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+            if in_dt == jnp.float16 and fp8 == jnp.float8_e5m2:
+                continue                                 # one cross of the two enough here
+            x = _draw(shape, in_dt, seed=shape[-1] + block)
+            want = _expected(x, fp8, block, signs)
+            if impl == "xla":
+                got = P._xla(x, fp8, block, signs)
+            else:  # a light tiling (interpret mode runs the unrolled body as XLA ops)
+                got = T.quantize_blocks(x, signs, dtype=jnp.dtype(fp8), block=block,
+                                        width=min(32, shape[-1]), interpret=True)
+            _same(got, want)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_triton_library_tiling_per_head_dim(D):
+    """The kernel as `prologue.TRITON_CONFIG` tiles it for each head dim (one block)."""
+    signs = Q.hadamard_signs(4, D)
+    x = _draw((1, 128, 2, D), jnp.bfloat16, seed=D, special=False)
+    x = x.at[0, 5, 1, 0].set(jnp.nan).at[0, :, 0].set(0.0)
+    _same(P._triton(x, jnp.float8_e4m3fn, 128, signs, interpret=True),
+          _expected(x, jnp.float8_e4m3fn, 128, signs))
+
+
+@pytest.mark.parametrize("L", [200, 129])
+def test_xla_short_last_block(L):
+    x = _draw((2, L, 3, 64), jnp.bfloat16, special=False)
+    signs = Q.hadamard_signs(0, 64)
+    _same(P._xla(x, jnp.float8_e4m3fn, 128, signs), _expected(x, jnp.float8_e4m3fn, 128, signs))
+    assert not T.supports(x.shape, 128)
+    assert P.pick(x, 128, "cuda", "triton") == "xla"
+
+
+def test_special_blocks_are_exercised():
+    """The draw really holds the zero / NaN / Inf blocks the rules single out."""
+    x = _draw((1, 256, 2, 64), jnp.bfloat16)
+    _, s = _expected(x, jnp.float8_e4m3fn, 32, None)
+    s = np.asarray(s)
+    assert s[0, 1, 0] == 1.0 and np.isnan(s[0, 1, 1]) and np.isinf(s[0, 1, 7])
+
+
+def test_pick_and_dispatch_of_granularities():
+    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    assert P.pick(x, 128, "cpu", "triton") == "xla"
+    assert P.pick(x, 128, "cuda", "triton") == "triton"
+    assert P.pick(x, 128, "cuda", "reference") == "reference"
+    assert P.pick(x, 96, "cuda", "triton") == "xla"
+    assert not T.supports((1, 128 * 65536, 2, 64), 128)      # past CUDA's grid y limit
+    assert not T.supports((8, 2 ** 20, 8, 64), 128)          # past int32 offsets
+    assert T.supports((8, 2 ** 20, 2, 64), 256)              # 2^30 elements, 4096 blocks
+    with pytest.raises(ValueError, match="prologue implementation"):
+        P.pick(x, 128, "cuda", "fast")
+    # per-head / per-tensor scales: quantize's own layouts, canonical
+    x = _draw((2, 64, 3, 32), jnp.bfloat16, special=False)
+    for g, shape in (("head", (2, 3, 1)), ("tensor", (2, 3, 1))):
+        x8, s = P.quantize_operand(x, jnp.float8_e4m3fn, g, 64, Q.hadamard_signs(1, 32))
+        assert s.shape == shape and x8.dtype == jnp.float8_e4m3fn
+
+
+def test_triton_kernel_lowers_for_cuda():
+    """The kernel's Triton lowering (no GPU needed to emit it): one custom call, no fallback."""
+    from jaxflash import target_platform
+    x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+
+    def f(x):  # (pick would take "xla" here: 8 host devices make every jit trace "sharded")
+        return P._triton(x, jnp.float8_e4m3fn, 128, Q.hadamard_signs(0, 128))
+
+    with target_platform("cuda"):
+        txt = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert txt.count("__gpu$xla.gpu.triton") == 1, txt[:2000]
+
+
+@pytest.mark.parametrize("width,rows", [(None, None), (4, 32), (2, 128), (8, 16), (16, 64)])
+def test_triton_tilings_agree(width, rows):
+    """The kernel's tilings (columns per tile, rows per pass) only move work around."""
+    shape, block = (1, 256, 2, 128), 128
+    signs = Q.hadamard_signs(5, 128)
+    x = _draw(shape, jnp.bfloat16, seed=11)
+    got = T.quantize_blocks(x, signs, dtype=jnp.dtype(jnp.float8_e4m3fn), block=block,
+                            width=width, rows=rows, interpret=True)
+    _same(got, _expected(x, jnp.float8_e4m3fn, block, signs))
+
+
+def test_triton_tiling_errors():
+    x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="powers of two"):
+        T.quantize_blocks(x, None, dtype=jnp.dtype(jnp.float8_e4m3fn), block=128, width=24,
+                          interpret=True)
+
+
+def test_precision_fp8_equals_hadamard_outside():
+    """precision="fp8" (the Hadamard inside the quantizing prologue, its transpose in the
+    backward) computes exactly what the Hadamard applied first by the caller does: same output,
+    same gradients, bit for bit."""
+    import jaxflash
+    ks = jax.random.split(jax.random.PRNGKey(2), 4)
+    q, k, v = (jax.random.normal(kk, (1, 256, 2, 64), jnp.bfloat16) for kk in ks[:3])
+    w = jax.random.normal(ks[3], (1, 256, 2, 64), jnp.float32)
+
+    def inside(q, k, v):
+        o = jaxflash.flash_attention(q, k, v, is_causal=True, precision="fp8", hadamard_seed=3,
+                                     implementation="xla")
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    def outside(q, k, v):
+        o = jaxflash.flash_attention(Q.hadamard(q, 3), Q.hadamard(k, 3), v, is_causal=True,
+                                     precision="fp8", hadamard=False, implementation="xla")
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    (la, oa), ga = jax.jit(jax.value_and_grad(inside, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (lb, ob), gb = jax.jit(jax.value_and_grad(outside, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(oa, np.float32), np.asarray(ob, np.float32))
+    for a, b in zip(ga, gb):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

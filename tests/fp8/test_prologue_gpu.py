@@ -1,0 +1,49 @@
+"""`jaxflash.fp8.prologue` on a CUDA GPU: the compiled Triton kernel (and the XLA arrangement)
+give `jaxflash.quantize`'s codes and scales bit for bit, as XLA computes the rules on the same
+GPU, including zero / NaN / Inf blocks; and precision="fp8" through the pick matches the
+reference prologue's output exactly (same codes and scales into the same kernel)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxflash import quantize as Q
+from jaxflash.fp8 import prologue as P
+from tests.fp8.test_prologue import CASES, _draw, _expected, _same
+
+pytestmark = pytest.mark.gpu
+
+
+GPU_CASES = ([(shape, block, jnp.bfloat16, jnp.float8_e4m3fn) for shape, block in CASES]
+             + [((4, 1024, 16, 128), 128, jnp.bfloat16, jnp.float8_e4m3fn),
+                ((2, 512, 8, 256), 128, jnp.bfloat16, jnp.float8_e4m3fn),
+                ((2, 256, 2, 128), 128, jnp.float16, jnp.float8_e4m3fn),
+                ((2, 256, 2, 128), 128, jnp.float32, jnp.float8_e4m3fn),
+                ((2, 256, 2, 64), 128, jnp.bfloat16, jnp.float8_e5m2)])
+
+
+@pytest.mark.parametrize("shape,block,in_dt,fp8", GPU_CASES)
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_triton_bit_exact_on_gpu(shape, block, in_dt, fp8, hadamard):
+    signs = Q.hadamard_signs(3, shape[-1]) if hadamard else None
+    x = _draw(shape, in_dt, seed=shape[-1])
+    want = jax.jit(_expected, static_argnums=(1, 2))(x, fp8, block, signs)
+    _same(P._triton(x, fp8, block, signs), want)
+    _same(jax.jit(P._xla, static_argnums=(1, 2))(x, fp8, block, signs), want)
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla"])
+def test_precision_fp8_same_output_with_each_prologue(impl):
+    import jaxflash
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q, k, v = (jax.random.normal(kk, (2, 1024, 4, 128), jnp.bfloat16) for kk in ks)
+    outs = {}
+    for name in ("reference", impl):
+        saved, P.IMPL = P.IMPL, name
+        try:
+            f = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
+                                                                 precision="fp8"))
+            outs[name] = np.asarray(f(q, k, v).astype(jnp.float32))
+        finally:
+            P.IMPL = saved
+    np.testing.assert_array_equal(outs[impl], outs["reference"])
