@@ -24,7 +24,7 @@ Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the L
   dV_j  += sum_i p8_ij dO8_i                     (dequantized operands, float32 accumulate)
   dP_ij  = dO8_i . v_j;   dZ_ij = p_ij (dP_ij - D_i)   (float32)
   dX_ij  = dZ_ij * softcap'(.)   (gradient at s_ij * scale; dZ itself feeds dbias / dALiBi)
-  dS8    = E4M3 of dX, scales per (b, n, BWD_Q_TILE query rows x BWD_KV_TILE keys), amax rule
+  dS8    = E4M3 of dX, scales per (b, n, BWD_DS_Q_TILE query rows x BWD_KV_TILE keys), amax rule
   dQ_i  += scale * sum_j dS8_ij k_j;   dK_j += scale * sum_i dS8_ij q_i
   with q, k, v the dequantized FP8 operands of the forward (E4M3 unless the caller gave E5M2).
   Gradients are float32, with respect to the dequantized operands.
@@ -57,7 +57,12 @@ in tests/fp8 (`EMULATION_TOLERANCE` there).
 
 P_SCALE_LOG2 = 8          # P is stored in E4M3 as p * 2^8 (p <= 1, so <= 256 < 448)
 FWD_KV_TILE = 128         # keys per forward tile (the running max's granularity)
-BWD_Q_TILE = 128          # query rows per dO (E5M2) scale and per dS block
+BWD_Q_TILE = 128          # query rows per dO (E5M2) scale
+# Query rows per dS block: the Hopper FP8 backward kernel steps over 64 queries at a time (its
+# 128-key x 64-query S^T / dP^T tiles beside the dK / dV accumulators fill the 240 registers;
+# 128 queries would need 256), and a dS scale must be known before the step's convert: one
+# amax per 64 x 128 block, finer than a 128 x 128 one and reduced inside one step.
+BWD_DS_Q_TILE = 64
 BWD_KV_TILE = 128         # keys per dS block
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0

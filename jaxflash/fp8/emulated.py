@@ -222,7 +222,7 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
         if xs_pre is not None:
             c = statics.softcap
             dx = dz * (1.0 - jnp.square(jnp.tanh(xs_pre / c)))
-        ds8 = _fq_rows(dx, _E4M3, C.BWD_Q_TILE, axis=3, amax_axes=(4,))   # per (b, n, blk, tile)
+        ds8 = _fq_rows(dx, _E4M3, C.BWD_DS_Q_TILE, axis=3, amax_axes=(4,))   # per (b, n, blk, tile)
         kd_t = k_t * ks_t[..., None]
         dq = dq + sc * jnp.einsum("bkgts,bksh->bkgth", ds8, kd_t, precision=_HP)
         dk_t = sc * jnp.einsum("bkgts,bkgth->bksh", ds8, qd, precision=_HP)

@@ -42,6 +42,10 @@ RULES: dict[str, tuple] = {
     # Every sm_100a variant: no Blackwell GPU has run them yet. Cleared by the first-run kit's
     # float64 checks and sanitizers on a B200.
     "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
+    # The FP8 backward kernel: compiled and PTX-checked only. Cleared by
+    # tests/kernels/test_fp8_bwd_gpu.py on the H200 (gradients vs float64 and the emulation).
+    "Fp8BwdConfig": (("the FP8 backward kernel (FlashBwdSm90Fp8, no GPU run yet)",
+                      lambda c: True),),
 }
 
 

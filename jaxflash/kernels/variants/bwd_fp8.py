@@ -34,6 +34,9 @@ FP8_BWD_FEATURES = ("causal", "window", "softcap", "seq_lengths", "segment_ids")
 # q [B, N, ceil(T / tile_m)], do [B, N, ceil(T / tile_m)], k [B, K, ceil(S / tile_n)],
 # v [B, K, ceil(S / tile_n)].
 DESCALES = ("q_descale", "do_descale", "k_descale", "v_descale")
+# Query rows per dO scale (the contract's BWD_Q_TILE; a sibling layer, not importable here:
+# tests/kernels/test_fp8_bwd_compile.py holds them equal, and tile_m to its BWD_DS_Q_TILE).
+DO_SCALE_ROWS = 128
 
 
 @dataclasses.dataclass(frozen=True)

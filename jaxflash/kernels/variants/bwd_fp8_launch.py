@@ -27,6 +27,12 @@ Q_ORDER = tuple(2 * (p // 4) + (p % 4) % 2 + 8 * ((p % 4) // 2) for p in range(1
 # Keys: position 2a + b is key a + 8b, so a thread's keys r and r + 8 of dS are adjacent bytes.
 K_ORDER = tuple(p // 2 + 8 * (p % 2) for p in range(16))
 KEY_PAD = 128
+# The same orders as reshapes and transposes of the 16 rows (what XLA applies: no gather, no
+# index constant): rows 16c + r, r split as `dims` (outermost first), the position's digits
+# are those axes in `perm` order. Queries: r = 8h + 2q + e -> position 4q + 2h + e; keys:
+# r = 8b + a -> position 2a + b.
+Q_SPLIT = ((2, 4, 2), (1, 0, 2))
+K_SPLIT = ((2, 8), (1, 0))
 
 
 def bwd_fp8_launch(config: Fp8BwdConfig, arch: str = "sm_90a") -> Launch:

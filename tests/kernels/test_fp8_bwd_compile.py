@@ -1,0 +1,198 @@
+"""The FP8 backward kernel (`FlashBwdSm90Fp8`) without a GPU: head dims 64 / 128 with each mask
+feature compile for sm_90a with FP8 wgmma for all five GEMMs (e4m3 x e4m3 for S^T, dK, dQ;
+e4m3 x e5m2 for dP^T and dV: mixed operand types), packed e4m3 conversions, 16-bit dS stores,
+one bulk dQ reduce a step, no local memory (ptxas: no spills, no serialized wgmma); a
+precision="fp8" gradient through ``implementation="cute"`` lowers to two custom calls (forward,
+backward) with no T x S tensor and survives a jax.export round trip; the XLA-side copies
+(transposes with the kernel's orders, dO's quantization) agree with the contract's emulation.
+
+Each compile takes 6-8 s on 2 cores (+ about 1 s of ptxas).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig  # noqa: E402
+
+MATRIX = [
+    Fp8BwdConfig(head_dim=64),
+    Fp8BwdConfig(head_dim=128, is_causal=True),
+    Fp8BwdConfig(head_dim=128, has_window=True, has_softcap=True, has_q_seqlen=True,
+                 has_kv_seqlen=True),
+    Fp8BwdConfig(head_dim=64, is_causal=True, has_segments=True, do_dtype="float8_e4m3fn"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cfg", MATRIX, ids=lambda c: c.key)
+def test_fp8_bwd_variant_compiles_with_fp8_wgmma_and_no_spills(cfg, tmp_path):
+    pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
+    from devtools.ptx_digest import ptx_of
+    from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
+    from tests.common import ptxas_report
+    ptx = ptx_of(bwd_fp8_launch(cfg), str(tmp_path))
+    assert ".target sm_90a" in ptx
+    do = "e5m2" if cfg.do_dtype == "float8_e5m2" else "e4m3"
+    w = "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.{}"
+    for n, b in ((cfg.tile_m, "e4m3"),           # S^T = K Q^T
+                 (cfg.tile_m, do),               # dP^T = V dO^T
+                 (cfg.head_dim, do),             # dV += P^T dO^T   (A from registers)
+                 (cfg.head_dim, "e4m3"),         # dK += dS^T Q^T   (A from registers)
+                 (cfg.head_dim // 2, "e4m3")):   # dQ = dS K^T, head dim split over 2 WGs
+        assert w.format(n, b) in ptx, w.format(n, b)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx       # P and dS to e4m3, two at a time
+    assert "st.shared.b16" in ptx                      # dS rows into shared memory
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert "shfl.sync.bfly" in ptx and "bar.sync 	4, 256" in ptx   # dS amax over the block
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "ex2.approx" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if cfg.has_softcap:
+        assert "tanh.approx" in ptx
+    rep = ptxas_report(ptx, tmp_path)
+    if rep is None:
+        pytest.skip("no usable ptxas here")
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", rep)]
+    assert spills and max(spills) == 0, rep
+    assert "C7512" not in rep and "serialized" not in rep, rep
+
+
+def test_kernel_constants_follow_the_contract():
+    """The kernel and its launch cannot import `jaxflash.fp8` (sibling layers): their P scale,
+    E4M3 range, dO rows per scale and dS block are checked against the contract here."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
+    from jaxflash.fp8 import contract as C
+    from jaxflash.kernels.sm90.bwd_fp8 import E4M3_MAX, P_SHIFT_LOG2
+    from jaxflash.kernels.variants.bwd_fp8 import DO_SCALE_ROWS
+    assert P_SHIFT_LOG2 == C.P_SCALE_LOG2 and E4M3_MAX == C.E4M3_MAX
+    assert DO_SCALE_ROWS == C.BWD_Q_TILE and DO_SCALE_ROWS % MATRIX[0].tile_m == 0
+    for c in MATRIX:
+        assert (c.tile_m, c.tile_n) == (C.BWD_DS_Q_TILE, C.BWD_KV_TILE)
+
+
+def test_transposed_copies_follow_the_kernels_orders():
+    """Q^T / dO^T hold query 16c + Q_ORDER[p] at position 16c + p (the FP8 A operand's k order
+    of a thread's accumulator columns {2q, 2q+1, 2q+8, 2q+9}); K^T key 16c + K_ORDER[p] (keys r
+    and r + 8 of a thread adjacent). Both are permutations; padding is zero."""
+    import jax.numpy as jnp
+
+    from jaxflash.kernels.call import _transposed
+    from jaxflash.kernels.variants.bwd_fp8_launch import K_ORDER, K_SPLIT, Q_ORDER, Q_SPLIT
+    assert sorted(Q_ORDER) == list(range(16)) and sorted(K_ORDER) == list(range(16))
+    for q in range(4):          # A register of thread q: positions 4q..4q+3
+        assert Q_ORDER[4 * q:4 * q + 4] == (2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9)
+    for a in range(8):          # keys a and a + 8 at positions 2a, 2a + 1
+        assert K_ORDER[2 * a:2 * a + 2] == (a, a + 8)
+    B, L, Hd, H = 2, 40, 3, 16
+    x = np.random.default_rng(0).standard_normal((B, L, Hd, H)).astype(np.float32)
+    x8 = jnp.asarray(x).astype(jnp.float8_e4m3fn)
+    src = np.asarray(x8.astype(jnp.float32))
+    for split, order in ((Q_SPLIT, Q_ORDER), (K_SPLIT, K_ORDER)):
+        t = np.asarray(_transposed(x8, split, 64).astype(jnp.float32))
+        assert t.shape == (B, Hd, H, 64)
+        for p in range(64):
+            row = 16 * (p // 16) + order[p % 16]
+            want = src[:, row] if row < L else np.zeros_like(src[:, 0])
+            np.testing.assert_array_equal(t[..., p], want)
+
+
+def test_do_quantization_matches_the_emulation():
+    """The launch's dO codes x scales equal the emulation's quantize-dequantize of dO (per
+    128 query rows, the amax rule), E5M2 and E4M3."""
+    import jax.numpy as jnp
+
+    from jaxflash.fp8 import contract as C
+    from jaxflash.fp8.emulated import _fq_rows
+    from jaxflash.kernels.call import _per_tile, _quantize_rows
+    x = np.random.default_rng(1).standard_normal((2, 200, 3, 64)).astype(np.float32)
+    x[:, 130:] *= 1e-3
+    for dt in ("float8_e5m2", "float8_e4m3fn"):
+        codes, sc = _quantize_rows(jnp.asarray(x), dt, C.BWD_Q_TILE)
+        assert sc.shape == (2, 3, 2)
+        deq = codes.astype(jnp.float32) * jnp.repeat(sc, 128, axis=-1)[..., :200].transpose(
+            0, 2, 1)[..., None]
+        # the emulation works on [B, K, G, T, H] (T axis 3)
+        ref = _fq_rows(jnp.asarray(x).transpose(0, 2, 1, 3)[:, None], jnp.dtype(dt), 128,
+                       axis=3, amax_axes=(4,))[:, 0].transpose(0, 2, 1, 3)
+        np.testing.assert_array_equal(np.asarray(deq), np.asarray(ref))
+    # one scale per 64-query step, read from the 128-row block it lies in
+    per = np.asarray(_per_tile(sc, 128, 64, 200))
+    np.testing.assert_array_equal(per, np.asarray(sc)[..., [0, 0, 1, 1]])
+
+
+def _grad_fn(**kw):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+
+    def loss(q, k, v):
+        o = jaxflash.flash_attention(q, k, v, precision="fp8", implementation="cute", **kw)
+        return jnp.sum(o.astype(jnp.float32) ** 2)
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+@pytest.fixture
+def cuda_env(tmp_path, monkeypatch):
+    from jaxflash.ffi import cache
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
+    monkeypatch.delenv(cache.ENV_KERNEL_DIR, raising=False)
+    monkeypatch.delenv(cache.ENV_NO_DSL, raising=False)
+
+
+@pytest.mark.compile
+def test_fp8_grad_lowers_to_two_custom_calls_and_exports(cuda_env):
+    pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from jaxflash import ffi
+    B, T, N, K, H = 2, 200, 4, 2, 128
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, K, H), jnp.bfloat16),
+            sds((B, T, K, H), jnp.bfloat16))
+    with jaxflash.target_platform("cuda"):
+        low = jax.jit(_grad_fn(is_causal=True)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+    txt = low.as_text()
+    assert txt.count(f"custom_call @{ffi.TARGET}") == 2, txt.count(f"custom_call @{ffi.TARGET}")
+    assert "f8E5M2" in txt                              # dO in E5M2
+    assert f"tensor<{B}x{N}x{H}x256xf8E4M3FN>" in txt   # Q^T, queries padded to 256
+    assert not re.search(rf"tensor<[^>]*\b{T}x{T}\b", txt)   # nothing T x S
+    with jaxflash.target_platform("cuda"):
+        exp = jax.export.export(jax.jit(_grad_fn(is_causal=True)), platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(*args)
+    back = jax.export.deserialize(exp.serialize())
+    assert back.mlir_module().count(ffi.TARGET) >= 2
+    assert [a.shape for a in back.out_avals] == [(B, T, N, H), (B, T, K, H), (B, T, K, H)]
+
+
+def test_explain_names_the_backward_that_runs(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    x = jax.ShapeDtypeStruct((2, 200, 4, 128), jnp.bfloat16)
+    # gated: the emulated backward runs, and explain says why
+    monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
+    with jaxflash.target_platform("cuda"):
+        text = str(jaxflash.explain(x, x, x, is_causal=True, precision="fp8"))
+    assert "emulated FP8 backward" in text and "FlashBwdSm90Fp8, no GPU run yet" in text, text
+    # admitted: the kernel
+    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
+    with jaxflash.target_platform("cuda"):
+        text = str(jaxflash.explain(x, x, x, is_causal=True, precision="fp8"))
+        assert "backward: CuTe FP8 kernel FlashBwdSm90Fp8 (bwd8_sm90_e4m3_doe5m2_h128" in text
+        # what it does not serve falls back, naming the reason: hd 256, deterministic
+        y = jax.ShapeDtypeStruct((2, 200, 4, 256), jnp.bfloat16)
+        text = str(jaxflash.explain(y, y, y, precision="fp8"))
+        assert "emulated FP8 backward" in text and "head dim 256" in text, text
+        text = str(jaxflash.explain(x, x, x, precision="fp8", deterministic=True))
+        assert "emulated FP8 backward" in text and "deterministic FP8 backward" in text, text
