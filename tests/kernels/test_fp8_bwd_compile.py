@@ -20,12 +20,12 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig  # noqa: E402
 
+# The register-heaviest variant (hd 128 with softcap's tanh values and both lengths) and hd 64
+# with the rest of the features and E4M3 dO: two compiles keep the file's CI time near 60 s.
 MATRIX = [
-    Fp8BwdConfig(head_dim=64),
-    Fp8BwdConfig(head_dim=128, is_causal=True),
-    Fp8BwdConfig(head_dim=128, has_window=True, has_softcap=True, has_q_seqlen=True,
+    Fp8BwdConfig(head_dim=128, is_causal=True, has_softcap=True, has_q_seqlen=True,
                  has_kv_seqlen=True),
-    Fp8BwdConfig(head_dim=64, is_causal=True, has_segments=True, do_dtype="float8_e4m3fn"),
+    Fp8BwdConfig(head_dim=64, has_window=True, has_segments=True, do_dtype="float8_e4m3fn"),
 ]
 
 
@@ -101,30 +101,6 @@ def test_transposed_copies_follow_the_kernels_orders():
             np.testing.assert_array_equal(t[..., p], want)
 
 
-def test_do_quantization_matches_the_emulation():
-    """The launch's dO codes x scales equal the emulation's quantize-dequantize of dO (per
-    128 query rows, the amax rule), E5M2 and E4M3."""
-    import jax.numpy as jnp
-
-    from jaxflash.fp8 import contract as C
-    from jaxflash.fp8.emulated import _fq_rows
-    from jaxflash.kernels.call import _per_tile, _quantize_rows
-    x = np.random.default_rng(1).standard_normal((2, 200, 3, 64)).astype(np.float32)
-    x[:, 130:] *= 1e-3
-    for dt in ("float8_e5m2", "float8_e4m3fn"):
-        codes, sc = _quantize_rows(jnp.asarray(x), dt, C.BWD_Q_TILE)
-        assert sc.shape == (2, 3, 2)
-        deq = codes.astype(jnp.float32) * jnp.repeat(sc, 128, axis=-1)[..., :200].transpose(
-            0, 2, 1)[..., None]
-        # the emulation works on [B, K, G, T, H] (T axis 3)
-        ref = _fq_rows(jnp.asarray(x).transpose(0, 2, 1, 3)[:, None], jnp.dtype(dt), 128,
-                       axis=3, amax_axes=(4,))[:, 0].transpose(0, 2, 1, 3)
-        np.testing.assert_array_equal(np.asarray(deq), np.asarray(ref))
-    # one scale per 64-query step, read from the 128-row block it lies in
-    per = np.asarray(_per_tile(sc, 128, 64, 200))
-    np.testing.assert_array_equal(per, np.asarray(sc)[..., [0, 0, 1, 1]])
-
-
 def _grad_fn(**kw):
     import jax
     import jax.numpy as jnp
@@ -154,7 +130,7 @@ def test_fp8_grad_lowers_to_two_custom_calls_and_exports(cuda_env):
 
     import jaxflash
     from jaxflash import ffi
-    B, T, N, K, H = 2, 200, 4, 2, 128
+    B, T, N, K, H = 2, 200, 4, 2, 64      # hd 64: the two kernels compile fastest
     sds = jax.ShapeDtypeStruct
     args = (sds((B, T, N, H), jnp.bfloat16), sds((B, T, K, H), jnp.bfloat16),
             sds((B, T, K, H), jnp.bfloat16))
@@ -269,17 +245,18 @@ def _kernel_in_numpy(inputs, scale, causal, T, S, G):
     return a.reshape(B, N, nq, 64 * H), dk[:, :S], dv[:, :S]
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal, monkeypatch):
-    """`call.backward_fp8` (dO quantized, Q^T / K^T / dO^T in the kernel's orders, per-tile
-    descales, dq from fragment order) with the kernel replaced by its algorithm in NumPy agrees
+@pytest.mark.parametrize("causal,do_dtype", [(False, "float8_e5m2"), (True, "float8_e4m3fn")])
+def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal, do_dtype,
+                                                                         monkeypatch):
+    """`call.backward_fp8` (dO quantized per 128 rows, E5M2 or E4M3, Q^T / K^T / dO^T in the
+    kernel's orders, per-tile descales, dq from fragment order) with the kernel replaced by its algorithm in NumPy agrees
     with the contract's emulated backward: the scale, unit and order bookkeeping of the kernel
     is the contract's. (What NumPy cannot check, the register and shared-memory layouts inside
     the kernel, is the GPU test's.)"""
+    import jax
     import jax.numpy as jnp
 
     from jaxflash import ffi
-    from jaxflash import quantize as Q
     from jaxflash._types import AttentionArrays, AttentionStatics, Fp8Spec
     from jaxflash.fp8 import emulated
     from jaxflash.kernels import call
@@ -287,22 +264,25 @@ def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal,
     B, T, N, K, H = 1, 200, 4, 2, 64
     rng = np.random.default_rng(3)
     x = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    q8, qs = Q.quantize(x(B, T, N, H))
-    k8, ks = Q.quantize(x(B, T, K, H) * 2)
-    v8, vs = Q.quantize(x(B, T, K, H))
-    spec = Fp8Spec()
+    # codes and 128-row block scales that differ block to block (the kernel's units change)
+    e4 = lambda *s: (x(*s) * 100).astype(jnp.float8_e4m3fn)
+    sc = lambda h: jnp.asarray(rng.uniform(0.005, 0.03, (B, h, 2)), jnp.float32)
+    q8, k8, v8 = e4(B, T, N, H), e4(B, T, K, H), e4(B, T, K, H)
+    qs, ks, vs = sc(N), sc(K), sc(K)
+    spec = Fp8Spec(do_dtype=do_dtype)
     arrays = AttentionArrays(q_scale=qs, k_scale=ks, v_scale=vs)
     st = AttentionStatics(scale=H ** -0.5, is_causal=causal, fp8=spec)
-    out, lse = emulated.forward(q8, k8, v8, arrays, st)
+    out, lse = jax.jit(emulated.forward, static_argnums=4)(q8, k8, v8, arrays, st)
     dout = x(B, T, N, H).astype(jnp.bfloat16)
-    ref = emulated.backward(q8, k8, v8, arrays, st, out, lse, dout)[:3]
+    ref = jax.jit(emulated.backward, static_argnums=4)(q8, k8, v8, arrays, st, out, lse,
+                                                      dout)[:3]
 
     def fake_call(launch, *inputs, out_shapes, scalars=(), int_scalars=()):
         assert scalars[0] == st.scale
         return _kernel_in_numpy(inputs, st.scale, causal, T, T, N // K)
 
     monkeypatch.setattr(ffi, "call", fake_call)
-    launch = bwd_fp8_launch(Fp8BwdConfig(head_dim=H, is_causal=causal))
+    launch = bwd_fp8_launch(Fp8BwdConfig(head_dim=H, is_causal=causal, do_dtype=do_dtype))
     got = call.backward_fp8(launch, q8, k8, v8, arrays, st, out, lse, dout)[:3]
     for what, g, r in zip(("dq", "dk", "dv"), got, ref):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
