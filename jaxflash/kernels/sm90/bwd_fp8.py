@@ -474,14 +474,16 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 warpgroup.wait_group(0)
                 amax = self.probs_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, sl2,
                                         vd * dod * Float32(2.0 ** -P_SHIFT_LOG2))
-                # P^T x 2^8 to e4m3 (the A operand's permuted query order), dV += P^T dO
-                layouts.fp8_operand_a_values(rP).store(
-                    layouts.acc_as_fp8_operand_a(acc_S).load().to(self.dtype))
                 if dod != unit_v:
                     r = unit_v / dod
                     for i in cutlass.range_constexpr(cute.size(acc_dV)):
                         acc_dV[i] = acc_dV[i] * r
                 unit_v = dod
+                # P^T x 2^8 to e4m3 (the A operand's permuted query order), dV += P^T dO.
+                # Converted after the branch: before it, the converts were sunk past the
+                # wgmma fence into the GEMM (ptxas then injects a warpgroup.arrive, C7519).
+                layouts.fp8_operand_a_values(rP).store(
+                    layouts.acc_as_fp8_operand_a(acc_S).load().to(self.dtype))
                 layouts.wgmma(mma_dv, acc_dV, rP, tdVrdOt[None, None, None, stage],
                               zero_init=False, wait=-1)
                 # the block's |dS| max over both warpgroups
