@@ -25,7 +25,12 @@ _E5M2 = jnp.float8_e5m2
 
 def _sat(x, dtype):
     m = C.E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(_E4M3) else C.E5M2_MAX
-    return jnp.clip(x, -m, m).astype(dtype).astype(jnp.float32)
+    # The barrier keeps the rounding: with excess precision allowed (its GPU default) XLA
+    # simplifies a float32 -> FP8 -> float32 convert pair to nothing, and on the H200 the
+    # backward's dO and dS roundings were dropped that way (E4M3 and E5M2 dO gave the same
+    # gradients).
+    q = lax.optimization_barrier(jnp.clip(x, -m, m).astype(dtype))
+    return q.astype(jnp.float32)
 
 
 def _fq_rows(x, dtype, rows: int, axis: int, amax_axes: tuple[int, ...]):
