@@ -30,7 +30,12 @@ Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the L
   Gradients are float32, with respect to the dequantized operands.
 
 Amax rule (as `jaxflash.quantize`): scale = amax / FMAX, codes = satfinite_rne(x * FMAX / amax),
-an all-zero block has scale 1.
+an all-zero block has scale 1. For the backward's dO and dS blocks a nonzero amax is first
+raised to BWD_AMAX_FLOOR: the kernel accumulates dV and dK in the units of the current block
+and rescales by the ratio of consecutive units, which must stay inside float32's range (a dS
+block of denormal-small P, far from the row max, would otherwise give a unit near zero and an
+infinite ratio). Values below the floor / 2^9 then round to zero: negligible beside any
+gradient that float32 training keeps.
 
 Backend interface (what an FP8 kernel backend implements; `jaxflash.backends.xla` serves it
 with `jaxflash.fp8.emulated`, `jaxflash.backends.cute` refuses it until the kernels exist):
@@ -64,6 +69,7 @@ BWD_Q_TILE = 128          # query rows per dO (E5M2) scale
 # amax per 64 x 128 block, finer than a 128 x 128 one and reduced inside one step.
 BWD_DS_Q_TILE = 64
 BWD_KV_TILE = 128         # keys per dS block
+BWD_AMAX_FLOOR = 2.0 ** -64  # least amax of a nonzero dO / dS block (see the amax rule)
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 DEFAULT_BLOCK = 128       # sequence rows per scale when precision="fp8" quantizes itself

@@ -217,12 +217,15 @@ _FMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 def _quantize_rows(x, dtype: str, rows: int):
     """x [B, T, N, H] float -> (codes [B, T, N, H] dtype, scales [B, N, ceil(T / rows)]) with
-    one amax scale per (batch, head, block of rows): the emulation's rule (`fp8.emulated`)."""
+    one amax scale per (batch, head, block of rows): the emulation's rule (`fp8.emulated`,
+    a nonzero amax raised to the contract's floor)."""
+    from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR
     B, T, N, H = x.shape
     nb = -(-T // rows)
     xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * rows - T), (0, 0), (0, 0)))
     xb = xb.reshape(B, nb, rows, N, H)
     amax = jnp.max(jnp.abs(xb), axis=(2, 4), keepdims=True)
+    amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(AMAX_FLOOR)), amax)
     amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4), keepdims=True), jnp.nan, amax)
     fmax = jnp.float32(_FMAX[dtype])
     zero = amax == 0

@@ -59,7 +59,7 @@ from jaxflash.kernels.common.mask import (QueryBlockRange, SegmentRows, TileCoor
 from jaxflash.kernels.common.pipes import TmaPipelines
 from jaxflash.kernels.sm90.bwd import _BAR_DS, _BAR_EPILOGUE, FlashBwdSm90
 from jaxflash.kernels.variants.bwd import FLOAT_SCALARS, INT_SCALARS
-from jaxflash.kernels.variants.bwd_fp8 import DESCALES, Fp8BwdConfig
+from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR, DESCALES, Fp8BwdConfig
 
 LOG2_E = math.log2(math.e)
 # `jaxflash.fp8.contract` (a sibling layer): P_SCALE_LOG2 and E4M3_MAX; the compile test holds
@@ -498,6 +498,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 ds_scale = Float32(1.0)
                 ds_inv = Float32(1.0)
                 if amax > Float32(0.0):
+                    # the contract's floor: dK's unit ratio stays finite (`AMAX_FLOOR`)
+                    amax = cute.arch.fmax(amax, Float32(AMAX_FLOOR))
                     ds_scale = amax / Float32(E4M3_MAX)
                     ds_inv = Float32(E4M3_MAX) / amax
                 # dS^T to e4m3 for dK += dS^T Q (units ds_scale x qd)

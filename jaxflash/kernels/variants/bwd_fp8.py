@@ -37,6 +37,9 @@ DESCALES = ("q_descale", "do_descale", "k_descale", "v_descale")
 # Query rows per dO scale (the contract's BWD_Q_TILE; a sibling layer, not importable here:
 # tests/kernels/test_fp8_bwd_compile.py holds them equal, and tile_m to its BWD_DS_Q_TILE).
 DO_SCALE_ROWS = 128
+# The least amax of a nonzero dO / dS block (the contract's BWD_AMAX_FLOOR): dV and dK are
+# rescaled by the ratio of consecutive blocks' units, which must stay in float32's range.
+AMAX_FLOOR = 2.0 ** -64
 
 
 @dataclasses.dataclass(frozen=True)
