@@ -6,6 +6,9 @@ kernel), all in one process, interleaved per grid point (`timing.time_interleave
     python -m benchmarks.fp8_bench build --out .device/kernels     # here: compile the variants
     python -m benchmarks.fp8_bench run [--quick] [--out DIR]         # on the GPU
     python -m benchmarks.fp8_bench run --tiles                       # key tiles compared
+    python -m benchmarks.fp8_bench run --bwd                         # forward + backward, D 128
+    python -m benchmarks.fp8_bench build --bwd --out .device/kernels # only what --bwd and
+                                               # tests/kernels/test_fp8_bwd_gpu.py reach
 
 Grid (FlashAttention-3's): B * S = 16384, N * D = 2048, D in 64 / 128 / 256, S in 1k / 4k / 16k,
 dense and causal. TFLOP/s = 4 B N S^2 D / time (halved when causal). ``build`` also compiles the
@@ -13,6 +16,13 @@ variants of tests/kernels/test_fp8_gpu.py (by asking dispatch what it would run,
 Results: ``fp8-fwd-bench-h200-<date>.json`` and ``.md`` in --out (default $OUT or
 benchmarks/results). The issue's targets are printed with the table: FP8 geomean >= 1.1x cuDNN
 FP8, >= 1200 TFLOP/s at D 256 S 16k dense, >= 1.5x our bf16 at S >= 4k (D 128 / 256).
+
+``run --bwd``: forward + backward at D 128 (`BWD_POINTS`): ours FP8 (FP8 operands and scales
+given, gradients with respect to them: the FP8 forward and backward kernels), ours
+``precision="fp8"`` from bf16 (quantize + Hadamard in XLA, gradients to the bf16 inputs), ours
+bf16, cuDNN FP8 (vjp of JAX's private FP8 entry point; the timing does not depend on its scale
+order bug, see ../shared/anchors/fp8/), TFLOP/s = 3.5 x the forward's FLOPs / time. Results:
+``fp8-fwdbwd-bench-h200-<date>.json`` / ``.md``.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, T
 # the persistent tile loop (the bf16 kernel's gain at S = 1k) and, at hd 64, 192-row tiles
 # (three consumer warpgroups, the bf16 hd 64 pick); and V^T from the XLA side (`v_transposed`:
 # no transpose in the kernel, the XLA transpose of V inside the timed call).
+BWD_POINTS = [(128, s, c) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
@@ -78,8 +89,10 @@ def _fp8_args(B, S, N, D, K=None, seed=0):
     return (q, k, v), (q8, k8, v8, qs, kss, vs)
 
 
-def build(out: str) -> int:
-    """Compile our FP8 and bf16 forward variants of the grid and the FP8 GPU test's cases."""
+def build(out: str, bwd_only: bool = False) -> int:
+    """Compile our FP8 and bf16 forward variants of the grid and the FP8 GPU tests' cases, and
+    the forward + backward variants of `BWD_POINTS` (``bwd_only``: those and the FP8 backward
+    GPU test's cases only)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ["JAXFLASH_PLATFORM"] = "cuda"
     os.environ["JAXFLASH_CUTE_UNVERIFIED"] = "1"
@@ -92,11 +105,15 @@ def build(out: str) -> int:
     sds = jax.ShapeDtypeStruct
     launches = {}
 
-    def add(plan):
+    def add(plan, bwd=False):
         launches.setdefault(plan.detail.fwd.name, plan.detail.fwd)
+        b = getattr(plan.detail, "bwd", None)  # the backward launches of the fwd+bwd points
+        if b is not None and (bwd or (plan.problem.head_dim, plan.problem.kv_len, plan.problem.
+                                      statics.is_causal) in [(d, s, c) for d, s, c in BWD_POINTS]):
+            launches.setdefault(b.name, b)
 
     e4 = jnp.float8_e4m3fn
-    for d, s, c in GRID:
+    for d, s, c in (BWD_POINTS if bwd_only else GRID):
         B, S, N, D = shapes(d, s)
         x8 = sds((B, S, N, D), e4)
         one = jnp.ones((), jnp.float32)
@@ -105,7 +122,7 @@ def build(out: str) -> int:
         xb = sds((B, S, N, D), jnp.bfloat16)
         add(jaxflash.explain(xb, xb, xb, is_causal=c, implementation="cute"))
         add(jaxflash.explain(xb, xb, xb, is_causal=c, precision="fp8", implementation="cute"))
-    for name, B, T, S, N, K, D, kw, gran in CASES:
+    for name, B, T, S, N, K, D, kw, gran in ([] if bwd_only else CASES):
         kw = dict(kw)
         if kw.pop("lengths", False):
             kw.update(query_seq_lengths=jnp.full((B,), T, jnp.int32),
@@ -118,11 +135,25 @@ def build(out: str) -> int:
         add(jaxflash.explain(sds((B, T, N, D), e4), sds((B, S, K, D), e4), sds((B, S, K, D), e4),
                              q_scale=sc(N, T), k_scale=sc(K, S), v_scale=sc(K, S),
                              implementation="cute", **kw))
-    for name, B, T, S, N, K, D, kw in PRECISION_CASES:
+    for name, B, T, S, N, K, D, kw in ([] if bwd_only else PRECISION_CASES):
         add(jaxflash.explain(sds((B, T, N, D), jnp.bfloat16), sds((B, S, K, D), jnp.bfloat16),
                              sds((B, S, K, D), jnp.bfloat16), precision="fp8",
                              implementation="cute", **kw))
-    for d, s_, c in TILE_POINTS:
+    from tests.kernels.test_fp8_bwd_gpu import CASES as BWD_CASES
+    for name, B, T, S, N, K, D, kw in BWD_CASES:
+        kw = dict(kw)
+        if kw.pop("lengths", False):
+            kw.update(query_seq_lengths=jnp.full((B,), T, jnp.int32),
+                      key_value_seq_lengths=jnp.full((B,), S, jnp.int32))
+        if kw.pop("segments", False):
+            kw.update(q_segment_ids=jnp.zeros((B, T), jnp.int32),
+                      kv_segment_ids=jnp.zeros((B, S), jnp.int32))
+        if kw.get("dout_dtype") == "e4m3":
+            kw["dout_dtype"] = e4
+        add(jaxflash.explain(sds((B, T, N, D), jnp.bfloat16), sds((B, S, K, D), jnp.bfloat16),
+                             sds((B, S, K, D), jnp.bfloat16), precision="fp8",
+                             implementation="cute", **kw), bwd=True)
+    for d, s_, c in ([] if bwd_only else TILE_POINTS):
         for change in TILE_VARIANTS[d].values():
             launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
@@ -236,6 +267,97 @@ def run_tiles(out_dir: str) -> int:
     return 0
 
 
+def run_bwd(points, out_dir: str) -> int:
+    """Forward + backward TFLOP/s at `points`: ours FP8 (kernels both ways), ours precision=
+    "fp8" from bf16, ours bf16, cuDNN FP8, interleaved per point."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from benchmarks import envinfo
+    from benchmarks.timing import time_interleaved
+    os.environ.setdefault("JAXFLASH_CUTE_UNVERIFIED", "1")
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except Exception as e:  # noqa: BLE001
+        fa = None
+        print(f"cuDNN FP8 entry point unavailable: {e}")
+    f32 = jnp.float32
+    rows = []
+    for d, s, c in points:
+        B, S, N, D = shapes(d, s)
+        (q, k, v), (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
+        do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.bfloat16)
+        do8 = do.astype(jnp.float8_e4m3fn)
+        scale = D ** -0.5
+        args = (q, k, v, do, q8, k8, v8, qs, ks, vs, do8)
+
+        def ours_fp8(q, k, v, do, q8, k8, v8, qs, ks, vs, do8):
+            def f(a, b, e):
+                return jaxflash.flash_attention(a, b, e, q_scale=qs, k_scale=ks, v_scale=vs,
+                                                is_causal=c, implementation="cute")
+            o, vjp = jax.vjp(f, q8, k8, v8)
+            return vjp(do)
+
+        def ours(prec):
+            def fb(q, k, v, do, *_):
+                def loss(a, b, e):
+                    o = jaxflash.flash_attention(a, b, e, is_causal=c, precision=prec,
+                                                 implementation="cute")
+                    return jnp.sum(o.astype(f32) * do.astype(f32))
+                return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+            return fb
+
+        fns = {"ours_fp8": jax.jit(ours_fp8), "ours_fp8_e2e": jax.jit(ours("fp8")),
+               "ours_bf16": jax.jit(ours(None))}
+        if fa is not None:
+            one = jnp.ones((1, 1, 1, 1), f32)
+            params = {kk: one for kk in fa.fp8_params_keys}
+            params.update(scale_s=one * 256.0, descale_s=one / 256.0)
+            mt = fa.MaskType.CAUSAL if c else fa.MaskType.NO_MASK
+
+            def cudnn_fp8(q, k, v, do, q8, k8, v8, qs, ks, vs, do8):
+                (o8, _a, _b), vjp = jax.vjp(lambda a, b, e: fa.dot_product_attention(
+                    a, b, e, fp8_params=params, scale=scale, mask_type=mt, qkv_layout="BTNH",
+                    use_fp8=True), q8, k8, v8)
+                z = jnp.zeros((1, 1, 1, 1), f32)
+                return vjp((do8, z, z))
+            fns["cudnn_fp8"] = jax.jit(cudnn_fp8)
+        ok = {}
+        for name, f in fns.items():
+            try:
+                jax.block_until_ready(f(*args))
+                ok[name] = f
+            except Exception as e:  # noqa: BLE001
+                print(f"d{d} s{s} c{int(c)} {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+        t = time_interleaved(ok, args, reps=5, min_rep_s=0.02) if ok else {}
+        fl = 3.5 * 4.0 * B * N * S * S * D / (2 if c else 1)
+        row = dict(D=d, S=s, causal=c, B=B, N=N)
+        for name in fns:
+            row[name] = fl / t[name].median_s / 1e12 if name in t else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    lines = ["| D | S | causal | ours FP8 | ours precision=fp8 | ours bf16 | cuDNN FP8 | "
+             "FP8/bf16 | FP8/cuDNN FP8 |", "|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x: "" if x is None else f"{x:.0f}"
+    g = lambda a, b: f"{a / b:.2f}" if a and b else ""
+    for r in rows:
+        lines.append(f"| {r['D']} | {r['S']} | {int(r['causal'])} | {f(r['ours_fp8'])} | "
+                     f"{f(r['ours_fp8_e2e'])} | {f(r['ours_bf16'])} | {f(r.get('cudnn_fp8'))} | "
+                     f"{g(r['ours_fp8'], r['ours_bf16'])} | "
+                     f"{g(r['ours_fp8'], r.get('cudnn_fp8'))} |")
+    table = "\n".join(lines) + "\n\nTFLOP/s, forward + backward (3.5 x the forward's FLOPs).\n"
+    print(table)
+    date = datetime.date.today().isoformat()
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"fp8-fwdbwd-bench-h200-{date}")
+    with open(base + ".json", "w") as fh:
+        json.dump({"env": envinfo.collect(), "rows": rows}, fh, indent=1)
+    with open(base + ".md", "w") as fh:
+        fh.write(table)
+    return 0
+
+
 def _gm(xs):
     xs = [x for x in xs if x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
@@ -278,14 +400,18 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=("build", "run"))
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="D 128 / 256, S 4k / 16k only")
+    ap.add_argument("--bwd", action="store_true",
+                    help="instead: forward + backward at D 128 (BWD_POINTS)")
     ap.add_argument("--tiles", action="store_true",
                     help="instead: FP8 variants compared (TILE_POINTS x TILE_VARIANTS)")
     a = ap.parse_args(argv)
     if a.mode == "build":
-        return build(a.out or ".device/kernels")
+        return build(a.out or ".device/kernels", bwd_only=a.bwd)
     out = a.out or os.environ.get("OUT") or "benchmarks/results"
     if a.tiles:
         return run_tiles(out)
+    if a.bwd:
+        return run_bwd(BWD_POINTS, out)
     return run(QUICK if a.quick else GRID, out)
 
 

@@ -4,7 +4,8 @@ Planning (which variant, whether its binary can be had, which backward) lives in
 `jaxflash.kernels.plan`; this adapter refuses non-CUDA platforms, runs the plan's launches
 (`jaxflash.kernels.call`) and, where the plan has no CuTe backward, runs our Pallas backward on
 the CuTe forward's (out, lse) (same math). FP8 calls: the FP8 forward kernel, and the FP8
-contract's emulated backward on its (out, lse). Score / mask mods are translated into the
+backward kernel where the plan admits it, else the FP8 contract's emulated backward on the
+forward's (out, lse). Score / mask mods are translated into the
 kernels (`jaxflash.kernels.variants.mod_program`); what cannot be is refused by the plan with
 the primitive's name.
 """
@@ -34,8 +35,12 @@ class CuteBackend(Backend):
         return call.forward(plan.detail.fwd, q, k, v, arrays, statics)
 
     def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
+        if getattr(plan.detail, "fp8", False) and plan.detail.bwd is not None:
+            from jaxflash.kernels import call
+            return call.backward_fp8(plan.detail.bwd, q, k, v, arrays, statics, out, lse, dout)
         if getattr(plan.detail, "fp8", False):
-            # FP8 gradients by the numerics contract's backward (no FP8 backward kernel yet)
+            # FP8 gradients by the numerics contract's backward where the kernel does not
+            # serve the call (or is gated: `policy.verified`)
             from jaxflash.fp8 import emulated
             return emulated.backward(q, k, v, arrays, statics, out, lse, dout)
         if plan.detail.bwd is None:

@@ -24,13 +24,18 @@ Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the L
   dV_j  += sum_i p8_ij dO8_i                     (dequantized operands, float32 accumulate)
   dP_ij  = dO8_i . v_j;   dZ_ij = p_ij (dP_ij - D_i)   (float32)
   dX_ij  = dZ_ij * softcap'(.)   (gradient at s_ij * scale; dZ itself feeds dbias / dALiBi)
-  dS8    = E4M3 of dX, scales per (b, n, BWD_Q_TILE query rows x BWD_KV_TILE keys), amax rule
+  dS8    = E4M3 of dX, scales per (b, n, BWD_DS_Q_TILE query rows x BWD_KV_TILE keys), amax rule
   dQ_i  += scale * sum_j dS8_ij k_j;   dK_j += scale * sum_i dS8_ij q_i
   with q, k, v the dequantized FP8 operands of the forward (E4M3 unless the caller gave E5M2).
   Gradients are float32, with respect to the dequantized operands.
 
 Amax rule (as `jaxflash.quantize`): scale = amax / FMAX, codes = satfinite_rne(x * FMAX / amax),
-an all-zero block has scale 1.
+an all-zero block has scale 1. For the backward's dO and dS blocks a nonzero amax is first
+raised to BWD_AMAX_FLOOR: the kernel accumulates dV and dK in the units of the current block
+and rescales by the ratio of consecutive units, which must stay inside float32's range (a dS
+block of denormal-small P, far from the row max, would otherwise give a unit near zero and an
+infinite ratio). Values below the floor / 2^9 then round to zero: negligible beside any
+gradient that float32 training keeps.
 
 Backend interface (what an FP8 kernel backend implements; `jaxflash.backends.xla` serves it
 with `jaxflash.fp8.emulated`, `jaxflash.backends.cute` refuses it until the kernels exist):
@@ -57,8 +62,14 @@ in tests/fp8 (`EMULATION_TOLERANCE` there).
 
 P_SCALE_LOG2 = 8          # P is stored in E4M3 as p * 2^8 (p <= 1, so <= 256 < 448)
 FWD_KV_TILE = 128         # keys per forward tile (the running max's granularity)
-BWD_Q_TILE = 128          # query rows per dO (E5M2) scale and per dS block
+BWD_Q_TILE = 128          # query rows per dO (E5M2) scale
+# Query rows per dS block: the Hopper FP8 backward kernel steps over 64 queries at a time (its
+# 128-key x 64-query S^T / dP^T tiles beside the dK / dV accumulators fill the 240 registers;
+# 128 queries would need 256), and a dS scale must be known before the step's convert: one
+# amax per 64 x 128 block, finer than a 128 x 128 one and reduced inside one step.
+BWD_DS_Q_TILE = 64
 BWD_KV_TILE = 128         # keys per dS block
+BWD_AMAX_FLOOR = 2.0 ** -64  # least amax of a nonzero dO / dS block (see the amax rule)
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 DEFAULT_BLOCK = 128       # sequence rows per scale when precision="fp8" quantizes itself

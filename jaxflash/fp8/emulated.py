@@ -25,12 +25,18 @@ _E5M2 = jnp.float8_e5m2
 
 def _sat(x, dtype):
     m = C.E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(_E4M3) else C.E5M2_MAX
-    return jnp.clip(x, -m, m).astype(dtype).astype(jnp.float32)
+    # The barrier keeps the rounding: with excess precision allowed (its GPU default) XLA
+    # simplifies a float32 -> FP8 -> float32 convert pair to nothing, and on the H200 the
+    # backward's dO and dS roundings were dropped that way (E4M3 and E5M2 dO gave the same
+    # gradients).
+    q = lax.optimization_barrier(jnp.clip(x, -m, m).astype(dtype))
+    return q.astype(jnp.float32)
 
 
-def _fq_rows(x, dtype, rows: int, axis: int, amax_axes: tuple[int, ...]):
+def _fq_rows(x, dtype, rows: int, axis: int, amax_axes: tuple[int, ...], floor: float = 0.0):
     """Quantize-dequantize `x` with amax scales per block of `rows` along `axis` (padded), the
-    amax taken over that block and `amax_axes` (the amax rule of `jaxflash.quantize`)."""
+    amax taken over that block and `amax_axes` (the amax rule of `jaxflash.quantize`; a
+    nonzero amax raised to `floor`, the backward's BWD_AMAX_FLOOR)."""
     L = x.shape[axis]
     n = -(-L // rows)
     pad = [(0, 0)] * x.ndim
@@ -40,6 +46,7 @@ def _fq_rows(x, dtype, rows: int, axis: int, amax_axes: tuple[int, ...]):
     xb = xp.reshape(shp)
     red = tuple(a + (1 if a > axis else 0) for a in amax_axes) + (axis + 1,)
     amax = jnp.max(jnp.abs(xb), axis=red, keepdims=True)
+    amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(floor)), amax)
     amax = jnp.where(jnp.any(jnp.isnan(xb), axis=red, keepdims=True), jnp.nan, amax)
     fmax = C.E4M3_MAX if jnp.dtype(dtype) == jnp.dtype(_E4M3) else C.E5M2_MAX
     zero = amax == 0
@@ -200,7 +207,7 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
     do = _split(dout.astype(jnp.float32), K)                               # [B,K,G,T,Hv]
     dvec = jnp.sum(do * _split(out.astype(jnp.float32), K), axis=-1)      # D_i
     do8 = _fq_rows(do, jnp.dtype(spec.do_dtype), C.BWD_Q_TILE, axis=3,
-                   amax_axes=(4,))                                         # per (b, n, rows)
+                   amax_axes=(4,), floor=C.BWD_AMAX_FLOOR)                                         # per (b, n, rows)
     lse_t = lse.astype(jnp.float32).reshape(B, K, G, T)
     lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, jnp.inf)              # empty rows: p = 0
     xs = (_tiles(kc, 2, tile), _tiles(ks, 2, tile), _tiles(vd, 2, tile),
@@ -222,7 +229,8 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
         if xs_pre is not None:
             c = statics.softcap
             dx = dz * (1.0 - jnp.square(jnp.tanh(xs_pre / c)))
-        ds8 = _fq_rows(dx, _E4M3, C.BWD_Q_TILE, axis=3, amax_axes=(4,))   # per (b, n, blk, tile)
+        ds8 = _fq_rows(dx, _E4M3, C.BWD_DS_Q_TILE, axis=3, amax_axes=(4,),   # (b, n, blk, tile)
+                       floor=C.BWD_AMAX_FLOOR)
         kd_t = k_t * ks_t[..., None]
         dq = dq + sc * jnp.einsum("bkgts,bksh->bkgth", ds8, kd_t, precision=_HP)
         dk_t = sc * jnp.einsum("bkgts,bkgth->bksh", ds8, qd, precision=_HP)

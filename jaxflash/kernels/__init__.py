@@ -72,6 +72,12 @@ KERNELS: dict[str, Kernel] = {
                        (("main", "jaxflash.kernels.sm90.bwd:FlashBwdSm90"),
                         ("wide", "jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide")),
                        ("sm_90a",)),
+    # FP8 backward for Hopper: E4M3 Q / K / V / P / dS, E5M2 dO; Q^T, K^T and dO^T come from
+    # XLA (FP8 wgmma reads K-major operands only).
+    "sm90_bwd_fp8": Kernel("jaxflash.kernels.variants.bwd_fp8:Fp8BwdConfig",
+                           "jaxflash.kernels.variants.bwd_fp8_launch:bwd_fp8_launch",
+                           (("main", "jaxflash.kernels.sm90.bwd_fp8:FlashBwdSm90Fp8"),),
+                           ("sm_90a",)),
     # FlashAttention forward for Blackwell: tcgen05 MMAs with S, P and O in tensor memory.
     # Compiled and instruction-checked only; dispatch gates it until a Blackwell run.
     "sm100_fwd": Kernel("jaxflash.kernels.variants.sm100_fwd:Sm100FwdConfig",

@@ -207,3 +207,94 @@ def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
         daux = aux_grad.aux_grads(q, k, v, arrays, statics, lse, dout, delta[..., :T])
         return dq, dk, dv, None, dslopes, daux
     return dq, dk, dv, None, dslopes
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 backward (`FlashBwdSm90Fp8`). One XLA pass over dO (and over Q and K, which are read here
+# anyway) writes what the kernel's K-major FP8 GEMMs need: dO in E5M2 with one amax scale per
+# 128 query rows (the contract's BWD_Q_TILE: `bwd_fp8.DO_SCALE_ROWS`), and the transposed copies Q^T, dO^T, K^T with
+# their sequence axis permuted within each 16 (`bwd_fp8_launch.Q_ORDER` / `K_ORDER`).
+
+_FMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def _quantize_rows(x, dtype: str, rows: int):
+    """x [B, T, N, H] float -> (codes [B, T, N, H] dtype, scales [B, N, ceil(T / rows)]) with
+    one amax scale per (batch, head, block of rows): the emulation's rule (`fp8.emulated`,
+    a nonzero amax raised to the contract's floor)."""
+    from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR
+    B, T, N, H = x.shape
+    nb = -(-T // rows)
+    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * rows - T), (0, 0), (0, 0)))
+    xb = xb.reshape(B, nb, rows, N, H)
+    amax = jnp.max(jnp.abs(xb), axis=(2, 4), keepdims=True)
+    amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(AMAX_FLOOR)), amax)
+    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4), keepdims=True), jnp.nan, amax)
+    fmax = jnp.float32(_FMAX[dtype])
+    zero = amax == 0
+    scale = jnp.where(zero, 1.0, amax / fmax)
+    inv = jnp.where(zero, 1.0, fmax / jnp.where(zero, 1.0, amax))
+    codes = jnp.clip(xb * inv, -fmax, fmax).astype(jnp.dtype(dtype))
+    codes = codes.reshape(B, nb * rows, N, H)[:, :T]
+    return codes, jnp.transpose(scale[:, :, 0, :, 0], (0, 2, 1))
+
+
+def _transposed(x8, split, length: int):
+    """[B, L, heads, H] FP8 -> [B, heads, H, length] (zero padded), the sequence axis
+    permuted within each 16 as `split` says (`bwd_fp8_launch.Q_SPLIT` / `K_SPLIT`; moved as
+    bytes: XLA transposes any 8-bit type)."""
+    dims, perm = split
+    B, L, Hd, H = x8.shape
+    u = jax.lax.bitcast_convert_type(x8, jnp.uint8)
+    u = jnp.pad(u, ((0, 0), (0, length - L), (0, 0), (0, 0)))
+    u = u.reshape((B, length // 16) + tuple(dims) + (Hd, H))
+    d = len(dims)
+    u = jnp.transpose(u, (0, d + 2, d + 3, 1) + tuple(2 + a for a in perm))
+    u = u.reshape(B, Hd, H, length)
+    return jax.lax.bitcast_convert_type(u, x8.dtype)
+
+
+def _per_tile(scale, block: int, tile: int, length: int):
+    """Canonical scales [B, heads, nb] (one per `block` rows) -> one per kernel tile of `tile`
+    rows [B, heads, ceil(length / tile)] (the plan checked that no tile straddles blocks)."""
+    n = -(-length // tile)
+    idx = jnp.minimum(jnp.arange(n) * tile // block, scale.shape[-1] - 1)
+    return jnp.take(jnp.asarray(scale, jnp.float32), idx, axis=-1)
+
+
+def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
+    """(dq, dk, dv, None, None) float32 by the FP8 backward `launch`: gradients with respect to
+    the dequantized q, k, v (the contract's, `jaxflash.fp8.contract`)."""
+    from jaxflash.kernels.variants.bwd_fp8 import DO_SCALE_ROWS
+    from jaxflash.kernels.variants.bwd_fp8_launch import K_SPLIT, KEY_PAD, Q_SPLIT
+    B, T, N, H = q8.shape
+    S = k8.shape[1]
+    cfg = launch.config
+    spec = statics.fp8
+    Tp = padded_len(T, cfg)
+    Sp = -(-S // KEY_PAD) * KEY_PAD
+    lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
+    do8, do_scale = _quantize_rows(dout, cfg.do_dtype, DO_SCALE_ROWS)
+    inputs = [q8, k8, v8, do8, _transposed(q8, Q_SPLIT, Tp), _transposed(k8, K_SPLIT, Sp),
+              _transposed(do8, Q_SPLIT, Tp), lse2, delta]
+    if cfg.has_q_seqlen:
+        inputs.append(arrays.q_seqlen.astype(jnp.int32))
+    if cfg.has_kv_seqlen:
+        inputs.append(arrays.kv_seqlen.astype(jnp.int32))
+    if cfg.has_segments:
+        qs = jnp.asarray(arrays.q_segment_ids, jnp.int32)
+        ks = jnp.asarray(arrays.kv_segment_ids, jnp.int32)
+        kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
+        inputs += [qs, ks, kv_blocks, q_blocks]
+    inputs += [_per_tile(arrays.q_scale, spec.q_block, cfg.tile_m, T),
+               _per_tile(do_scale, DO_SCALE_ROWS, cfg.tile_m, T),
+               _per_tile(arrays.k_scale, spec.k_block, cfg.tile_n, S),
+               _per_tile(arrays.v_scale, spec.v_block, cfg.tile_n, S)]
+    fs, is_ = fwd_scalars(statics)
+    out_shapes = [jax.ShapeDtypeStruct(dq_acc_shape(B, T, N, H, cfg), jnp.float32),
+                  jax.ShapeDtypeStruct(k8.shape, jnp.float32),
+                  jax.ShapeDtypeStruct(v8.shape, jnp.float32)]
+    dq_acc, dk, dv = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs,
+                              int_scalars=is_)
+    dq = bwd_finish(dq_acc, T, cfg, statics.scale, jnp.float32)
+    return dq, dk, dv, None, None

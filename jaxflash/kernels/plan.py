@@ -24,13 +24,16 @@ from jaxflash.kernels.policy.verified import require_verified
 FORWARD = {"sm_90a": "sm90_fwd", "sm_100a": "sm100_fwd"}
 BACKWARD = {"sm_90a": "sm90_bwd", "sm_100a": "sm100_bwd"}
 FORWARD_FP8 = {"sm_90a": "sm90_fwd_fp8", "sm_100a": "sm100_fwd_fp8"}
-# Until an FP8 backward kernel exists, FP8 gradients come from the contract's own backward.
-FP8_BWD_REASON = ("no CuTe FP8 backward yet: the emulated FP8 backward (XLA, "
-                  "jaxflash.fp8.emulated) runs on the kernel's (out, lse)")
+BACKWARD_FP8 = {"sm_90a": "sm90_bwd_fp8"}
+# Where the FP8 backward kernel does not serve a call (or is gated), FP8 gradients come from
+# the contract's own backward on the FP8 forward kernel's (out, lse).
+FP8_BWD_REASON = ("the emulated FP8 backward (XLA, jaxflash.fp8.emulated) runs on the "
+                  "kernel's (out, lse)")
 PICKS = {"sm90_fwd": choose.forward_config, "sm100_fwd": choose.sm100_forward_config,
          "sm90_bwd": choose.backward_config, "sm100_bwd": choose.sm100_backward_config,
          "sm90_fwd_fp8": choose.fp8_forward_config,
-         "sm100_fwd_fp8": choose.sm100_fp8_forward_config}
+         "sm100_fwd_fp8": choose.sm100_fp8_forward_config,
+         "sm90_bwd_fp8": choose.fp8_backward_config}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +48,14 @@ class CutePlan:
 
     @property
     def note(self) -> str:
-        if self.fp8 and self.bwd is None:
+        if self.fp8:
             cls = self.fwd.kernel.rpartition(":")[2]
+            if self.bwd is None:
+                return (f"forward: CuTe FP8 kernel {cls} ({self.fwd.config.key}); "
+                        f"backward: {self.bwd_reason}")
+            bcls = self.bwd.kernel.rpartition(":")[2]
             return (f"forward: CuTe FP8 kernel {cls} ({self.fwd.config.key}); "
-                    f"backward: {self.bwd_reason}")
+                    f"backward: CuTe FP8 kernel {bcls} ({self.bwd.config.key})")
         if self.bwd is None:
             return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
         cls = self.bwd.kernel.rpartition(":")[2]
@@ -104,11 +111,20 @@ def fp8_forward_launch(problem, arch: Optional[str] = None) -> Launch:
     return _launch(FORWARD_FP8, "FP8 forward", problem, arch or current_arch())
 
 
+def fp8_backward_launch(problem, arch: Optional[str] = None) -> Launch:
+    """The launch serving an FP8 `problem`'s backward (NotImplementedError if none)."""
+    return _launch(BACKWARD_FP8, "FP8 backward", problem, arch or current_arch())
+
+
 def plan(problem, arch: Optional[str] = None) -> CutePlan:
     """The CuTe plan of `problem`; NotImplementedError if the forward cannot run."""
     arch = arch or current_arch()
     if problem.statics.fp8 is not None:
-        return CutePlan(fp8_forward_launch(problem, arch), None, FP8_BWD_REASON, fp8=True)
+        fwd = fp8_forward_launch(problem, arch)
+        try:
+            return CutePlan(fwd, fp8_backward_launch(problem, arch), fp8=True)
+        except NotImplementedError as e:
+            return CutePlan(fwd, None, f"{FP8_BWD_REASON} ({e})", fp8=True)
     fwd = forward_launch(problem, arch)
     try:
         return CutePlan(fwd, backward_launch(problem, arch))

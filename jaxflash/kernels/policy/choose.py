@@ -14,6 +14,8 @@ import dataclasses
 from jaxflash.kernels.policy import verified
 from jaxflash.kernels.variants.bwd import TILE_M128_HEAD_DIMS, BwdConfig
 from jaxflash.kernels.variants.bwd import can_implement as bwd_can_implement
+from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
+from jaxflash.kernels.variants.bwd_fp8 import can_implement as fp8_bwd_can_implement
 from jaxflash.kernels.variants.fwd import FwdConfig
 from jaxflash.kernels.variants.fwd import can_implement as fwd_can_implement
 from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
@@ -119,6 +121,33 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
     if verified.pending(cfg) and not verified.allowed():
         cfg = dataclasses.replace(cfg, v_transposed=False)
     return cfg
+
+
+def fp8_backward_config(problem) -> Fp8BwdConfig:
+    """The FP8 backward variant serving an FP8 `Problem` (ValueError if none can): e4m3 q, k,
+    v, dO in the spec's format, 64-query steps over 128-key blocks. Every scale block must lie
+    within one kernel tile's rows (q: 64 queries, k / v: 128 keys) or cover the sequence."""
+    _nonempty(problem, keys=True)
+    spec = problem.statics.fp8
+    if spec is None:
+        raise ValueError("not an FP8 call")
+    if {spec.q_dtype, spec.k_dtype, spec.v_dtype} != {"float8_e4m3fn"}:
+        raise ValueError(f"FP8 backward kernel operands are e4m3 only (got q/k/v "
+                         f"{spec.q_dtype}, {spec.k_dtype}, {spec.v_dtype})")
+    for name, block, length, tile in (("q", spec.q_block, problem.q_len, 64),
+                                      ("k", spec.k_block, problem.kv_len, 128),
+                                      ("v", spec.v_block, problem.kv_len, 128)):
+        if block < length and block % tile:
+            raise ValueError(f"{name} scales per {block}-row block: the FP8 backward kernel "
+                             f"needs blocks of a multiple of {tile} rows (its tiles)")
+    ok, why = fp8_bwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
+                                    head_dim_v=problem.head_dim_v, do_dtype=spec.do_dtype,
+                                    features=tuple(f for f in problem.features() if f != "fp8"))
+    if not ok:
+        raise ValueError(why)
+    if problem.statics.deterministic:
+        raise ValueError("deterministic FP8 backward: not implemented (dQ adds are unordered)")
+    return Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
 
 
 def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> dict:
