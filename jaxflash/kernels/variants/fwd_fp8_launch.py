@@ -33,7 +33,7 @@ def sm100_fwd_fp8_launch(config, arch: str = "sm_100a") -> Launch:
 def _launch(kernel_ref: str, config, arch: str) -> Launch:
     hv = config.head_dim_v
     inputs = core_inputs(config)
-    if getattr(config, "v_transposed", False):  # V^T [B, K, Hv, Sp], Sp a multiple of 16 (TMA row strides)
+    if config.v_transposed:  # V^T [B, K, Hv, Sp], Sp a multiple of 16 (TMA row strides)
         inputs[2] = TensorArg(config.dtype, (None, None, hv, None),
                               divisibility=(None, None, None, 16))
     # descales: 4-byte aligned rows of any length (no TMA reads them)
