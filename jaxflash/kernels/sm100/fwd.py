@@ -328,11 +328,17 @@ class FlashFwdSm100:
         tOtO = pv_thr.make_fragment_C(pv_thr.partition_shape_C((TILE_M, self.hdv)))
         tOtO = cute.make_tensor(tmem + self.o_off, tOtO.layout)
 
-        # The tile's coordinates, key-block range and scalars are computed inside each role,
-        # after its `setmaxnreg`: computed before the split they stay live into the
-        # 104-register MMA / load warps, and with windows, lengths or segment ids ptxas spills.
-        tile = (self.cfg, TILE_M, (self.hd + self.hdv) * (self.dtype.width // 8), mQ, mK,
-                mQSeqlen, mKVSeqlen, mQBlk, mIScalars, scheduler, num_m_blocks)
+        # Only the tile's coordinates (3 registers) cross the warp-role split; its lengths,
+        # window, key-block range and scalars are computed inside each role, after its
+        # `setmaxnreg`: computed before the split they stayed live into the 104-register MMA /
+        # load warps, and with windows, lengths or segment ids ptxas spilled. (The coordinates
+        # are decoded once: the LPT order's divisions would be repeated in every role.)
+        bid, _, _ = cute.arch.block_idx()
+        kv_bytes = mK.shape[0] * (self.hd + self.hdv) * (self.dtype.width // 8)
+        m_block, head, batch = scheduler.decode(bid, num_m_blocks, mQ.shape[2], mQ.shape[3],
+                                                kv_bytes)
+        tile = (self.cfg, TILE_M, m_block, head, batch, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk,
+                mIScalars)
         if warp_idx < 4:
             cute.arch.setmaxregister_increase(self.softmax_regs)
             t = tile_range(*tile)

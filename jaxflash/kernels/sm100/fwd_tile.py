@@ -1,10 +1,9 @@
 """The Blackwell forward's tile facts, built inside each warp role: `tile_range` (the CTA's
-tile, lengths, window and key-block range) and `segment_mask` (segment ids through shared
-memory).
+lengths, window and key-block range) and `segment_mask` (segment ids through shared memory).
 
 Both exist to keep registers down. `tile_range` is called by every role after its
-`setmaxnreg`: computed once before the split, the window, lengths and block ranges stay live
-into the 104-register MMA / load warps, and ptxas spills. `segment_mask` is
+`setmaxnreg`: computed once before the split, the window, lengths and block ranges stayed live
+into the 104-register MMA / load warps, and ptxas spilled. `segment_mask` is
 `mask.apply_segment_mask` with the key block's ids staged in shared memory.
 """
 from __future__ import annotations
@@ -29,11 +28,9 @@ class Tile:
 
 
 @cute.jit
-def tile_range(cfg: cutlass.Constexpr, tile_m: cutlass.Constexpr, bytes_per_key: cutlass.Constexpr,
-               mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, mIScalars, scheduler: cutlass.Constexpr,
-               num_m_blocks: Int32):
-    """This CTA's `Tile` (the Hopper kernel's rules); ``bytes_per_key`` of K and V together
-    (the scheduler's L2 sections)."""
+def tile_range(cfg: cutlass.Constexpr, tile_m: cutlass.Constexpr, m_block: Int32, head: Int32,
+               batch: Int32, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk, mIScalars):
+    """This CTA's `Tile` (the Hopper kernel's rules) at (m_block, head, batch)."""
     window_left = Int32(0)
     window_right = Int32(0)
     if const_expr(cfg.has_window):
@@ -43,10 +40,7 @@ def tile_range(cfg: cutlass.Constexpr, tile_m: cutlass.Constexpr, bytes_per_key:
             window_right = cutlass.min(window_right, Int32(0))
     blocks = BlockRange(tile_m, cfg.tile_n, cfg.is_causal or cfg.has_window, cfg.has_window,
                         window_left, window_right)
-    bid, _, _ = cute.arch.block_idx()
     T, S = mQ.shape[0], mK.shape[0]
-    m_block, head, batch = scheduler.decode(bid, num_m_blocks, mQ.shape[2], mQ.shape[3],
-                                            S * bytes_per_key)
     seqlen_q = T
     if const_expr(mQSeqlen is not None):
         seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
