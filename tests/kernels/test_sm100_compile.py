@@ -120,6 +120,32 @@ def test_no_stack_no_spills(cfg, compiled, tmp_path):
     assert spills and max(spills) == 0 and max(stack) == 0, report
 
 
+# Compiled as the bridge compiles them (head counts and lengths dynamic), these once spilled
+# (16 and 144 B of stack): values computed before the warp-role split lived into the
+# 104-register warps, and the per-element segment-id loads sat beside the row of scores. The
+# static-head compiles above did not show it. About 8 s each.
+BRIDGE = [Sm100FwdConfig(head_dim=128, has_window=True), MATRIX[-1]]
+
+
+@pytest.mark.parametrize("cfg", BRIDGE, ids=lambda c: c.key)
+def test_no_stack_no_spills_through_the_bridge(cfg, tmp_path):
+    from devtools.sm100_compile import compile_launch_sm100
+    from jaxflash.ffi.variant import load_ref
+    from jaxflash.kernels import KERNELS
+    from tests.common import ptxas_report
+    compile_launch_sm100(load_ref(KERNELS["sm100_fwd"].launch)(cfg), str(tmp_path))
+    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    assert ".target sm_100a" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    if cfg.has_segments:  # the key block's ids staged in shared memory, read back 4 at a time
+        assert re.search(r"bar\.sync\s+1,\s*128;", ptx) and "ld.shared.v4.b32" in ptx
+    report = ptxas_report(ptx, tmp_path, arch="sm_100a")
+    if report is None:
+        pytest.skip("no usable ptxas for sm_100a")
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    stack = [int(n) for n in re.findall(r"(\d+) bytes stack frame", report)]
+    assert spills and max(spills) == 0 and max(stack) == 0, report
+
+
 def test_same_source_same_cubin(tmp_path):
     """Two fresh processes, the DSL's in-memory and file caches off, compile one variant: the
     cubins are byte-identical (what keying artifacts by source hash relies on)."""

@@ -45,9 +45,10 @@ from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.carry import Carried
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi,
-                                          apply_mask, apply_segment_mask)
+                                          apply_mask)
 from jaxflash.kernels.common.scheduler import TileScheduler
 from jaxflash.kernels.sm100.exp2 import exp2_poly_pair
+from jaxflash.kernels.sm100.fwd_tile import segment_mask, tile_range
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION_MB
 from jaxflash.kernels.variants.sm100_fwd import REGS, TILE_M, Sm100FwdConfig
 
@@ -65,6 +66,8 @@ _O_READY = 6   # O rescaled for block j (128 correction threads)
 _O_DONE = 7    # PV_j complete (tcgen05.commit)
 _FINAL = 8     # row sum / reference max of the tile in shared memory (128 softmax threads)
 _NUM_MBAR = 9
+# named barrier of the 128 softmax threads (0 is the CTA's): a key block's segment ids staged
+_BAR_SEG = 1
 
 
 @dsl_user_op
@@ -243,6 +246,8 @@ class FlashFwdSm100:
             # per row: rescale factor of blocks j % 2; final (row sum, reference max)
             row_scale: cute.struct.MemRange[Float32, 2 * TILE_M]
             row_final: cute.struct.MemRange[Float32, 2 * TILE_M]
+            # the key blocks' segment ids, blocks j % 2 (`segment_mask`)
+            kv_seg: cute.struct.MemRange[Int32, 2 * self.tile_n if self.cfg.has_segments else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_l)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_l)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_l)], 1024]
@@ -304,36 +309,9 @@ class FlashFwdSm100:
         sV = storage.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)
         sScale = storage.row_scale.get_tensor(cute.make_layout((TILE_M, 2)))
         sFinal = storage.row_final.get_tensor(cute.make_layout((TILE_M, 2)))
-
-        # Runtime scalars; softcap folds into the exp2 scale as in the Hopper kernel.
-        softmax_scale = mFScalars[0]
-        pre_scale = Float32(1.0)
-        scale_log2 = softmax_scale * LOG2_E
-        alibi_unit = softmax_scale
-        if const_expr(self.cfg.has_softcap):
-            # pre_scale = softmax_scale / softcap, divided in the softmax warpgroup (below):
-            # the division's slow path is a call, which spilled here at 168 registers
-            softcap = mFScalars[1]
-            scale_log2 = softcap * LOG2_E
-            alibi_unit = softcap
-        window_left = Int32(0)
-        window_right = Int32(0)
-        if const_expr(self.cfg.has_window):
-            window_left = mIScalars[0]
-            window_right = mIScalars[1]
-            if const_expr(self.cfg.is_causal):
-                window_right = cutlass.min(window_right, Int32(0))
-        blocks = BlockRange(TILE_M, self.tile_n, self.has_right, self.has_left, window_left,
-                            window_right)
-        bid, _, _ = cute.arch.block_idx()
-        S = mK.shape[0]
-        kv_bytes = S * (self.hd + self.hdv) * (self.dtype.width // 8)
-        m_block, head, batch = scheduler.decode(bid, num_m_blocks, mQ.shape[2], mQ.shape[3],
-                                                kv_bytes)
-        n_min, n_max, seqlen_q, seqlen_k = self.tile_bounds(m_block, batch, mQ, mK, mQSeqlen,
-                                                            mKVSeqlen, mQBlk, blocks)
-        count = cutlass.max(n_max - n_min, 0)
-        kv_head = head // (mQ.shape[2] // mK.shape[2])
+        sSeg = None
+        if const_expr(self.cfg.has_segments):
+            sSeg = storage.kv_seg.get_tensor(cute.make_layout((self.tile_n, 2)))
 
         # Tensor memory: the MMA warp allocates the plan's columns for the whole CTA.
         if warp_idx == _MMA_WARP:
@@ -350,32 +328,45 @@ class FlashFwdSm100:
         tOtO = pv_thr.make_fragment_C(pv_thr.partition_shape_C((TILE_M, self.hdv)))
         tOtO = cute.make_tensor(tmem + self.o_off, tOtO.layout)
 
+        # Only the tile's coordinates (3 registers) cross the warp-role split; its lengths,
+        # window, key-block range and scalars are computed inside each role, after its
+        # `setmaxnreg`: computed before the split they stayed live into the 104-register MMA /
+        # load warps, and with windows, lengths or segment ids ptxas spilled. (The coordinates
+        # are decoded once: the LPT order's divisions would be repeated in every role.)
+        bid, _, _ = cute.arch.block_idx()
+        kv_bytes = mK.shape[0] * (self.hd + self.hdv) * (self.dtype.width // 8)
+        m_block, head, batch = scheduler.decode(bid, num_m_blocks, mQ.shape[2], mQ.shape[3],
+                                                kv_bytes)
+        tile = (self.cfg, TILE_M, m_block, head, batch, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk,
+                mIScalars)
         if warp_idx < 4:
             cute.arch.setmaxregister_increase(self.softmax_regs)
-            if const_expr(self.cfg.has_softcap):
-                pre_scale = pre_scale * (softmax_scale / mFScalars[1])
-            # (descales are read per role, not before the split: live across it they spilled)
-            scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
-                                                       scale_log2, pre_scale)
-            segs = (mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch,
-                    (mKD, mVD, kv_head, batch))
-            self.softmax(tidx, qk_thr, tStS, mbar, sScale, sFinal, blocks, segs, m_block,
-                         n_min, n_max, count, seqlen_k, scale_log2, pre_scale, window_left,
-                         window_right)
+            t = tile_range(*tile)
+            # (descales are read per role too: live across the split they spilled)
+            scale_log2, pre_scale = self.fold_descales(mQD, mKD, t.m_block, t.head, t.kv_head,
+                                                       t.batch, *self.scales(mFScalars, True))
+            alibi_unit = mFScalars[1 if self.cfg.has_softcap else 0]  # ALiBi's slope unit
+            segs = (mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, t.head, t.batch,
+                    (mKD, mVD, t.kv_head, t.batch), sSeg)
+            self.softmax(tidx, qk_thr, tStS, mbar, sScale, sFinal, t.blocks, segs, t.m_block,
+                         t.n_min, t.n_max, t.count, t.seqlen_k, scale_log2, pre_scale,
+                         t.blocks.window_left, t.blocks.window_right)
         elif warp_idx < 8:
             cute.arch.setmaxregister_decrease(self.correction_regs)
-            scale_log2, pre_scale = self.fold_descales(mQD, mKD, m_block, head, kv_head, batch,
-                                                       scale_log2, pre_scale)
-            out_scale = self.output_descale(mVD, kv_head, batch, n_min)
-            self.correction(tidx - 128, tOtO, mbar, sScale, sFinal, mO, mLSE, m_block, head,
-                            batch, count, seqlen_q, scale_log2, out_scale)
+            t = tile_range(*tile)
+            scale_log2, _ = self.fold_descales(mQD, mKD, t.m_block, t.head, t.kv_head, t.batch,
+                                               *self.scales(mFScalars, False))
+            out_scale = self.output_descale(mVD, t.kv_head, t.batch, t.n_min)
+            self.correction(tidx - 128, tOtO, mbar, sScale, sFinal, mO, mLSE, t.m_block, t.head,
+                            t.batch, t.count, t.seqlen_q, scale_log2, out_scale)
         else:
             cute.arch.setmaxregister_decrease(self.other_regs)
+            t = tile_range(*tile)
             if warp_idx == _MMA_WARP:
-                self.mma(qk_mma, pv_mma, sQ, sK, sV, tP_l, tStS, tOtO, mbar, pipes, count)
+                self.mma(qk_mma, pv_mma, sQ, sK, sV, tP_l, tStS, tOtO, mbar, pipes, t.count)
             elif warp_idx == _LOAD_WARP:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_Q, tma_K, tma_V, qk_thr, pv_thr, pipes,
-                          m_block, head, batch, n_max, count)
+                          t.m_block, t.head, t.batch, t.n_max, t.count)
         _tmem_fence(after=False)
         cute.arch.barrier()
         if warp_idx == _MMA_WARP:
@@ -383,24 +374,16 @@ class FlashFwdSm100:
             cute.arch.dealloc_tmem(tmem, self.tmem_cols)
 
     @cute.jit
-    def tile_bounds(self, m_block: Int32, batch: Int32, mQ, mK, mQSeqlen, mKVSeqlen, mQBlk,
-                    blocks: BlockRange):
-        """(n_min, n_max, seqlen_q, seqlen_k) of the tile (the Hopper kernel's rule)."""
-        T = mQ.shape[0]
-        S = mK.shape[0]
-        seqlen_q = T
-        if const_expr(mQSeqlen is not None):
-            seqlen_q = cutlass.max(cutlass.min(T, mQSeqlen[batch]), 0)
-        seqlen_k = S
-        if const_expr(mKVSeqlen is not None):
-            seqlen_k = cutlass.max(cutlass.min(S, mKVSeqlen[batch]), 0)
-        n_min, n_max = blocks.n_block_min_max(m_block, seqlen_q, seqlen_k)
-        if const_expr(mQBlk is not None):
-            n_min = cutlass.max(n_min, mQBlk[batch, m_block, 2])
-            n_max = cutlass.min(n_max, mQBlk[batch, m_block, 3])
-        if blocks.first_row(m_block) >= seqlen_q:
-            n_max = n_min
-        return n_min, n_max, seqlen_q, seqlen_k
+    def scales(self, mFScalars, softmax: cutlass.Constexpr):
+        """(scale_log2, pre_scale): softcap folds into the exp2 scale as in the Hopper kernel
+        (ALiBi slopes are in units of its divisor, softcap or softmax_scale); pre_scale =
+        softmax_scale / softcap is divided only in the softmax warpgroup (the division's slow
+        path is a call, which spilled at 168 registers)."""
+        scale_log2 = mFScalars[int(self.cfg.has_softcap)] * LOG2_E
+        pre_scale = Float32(1.0)
+        if const_expr(self.cfg.has_softcap and softmax):
+            pre_scale = mFScalars[0] / mFScalars[1]
+        return scale_log2, pre_scale
 
     # ---------------------------------------------------------------- load warp
     @cute.jit
@@ -511,7 +494,7 @@ class FlashFwdSm100:
     # ---------------------------------------------------------------- softmax warpgroup
     @cute.jit
     def score_mods(self, coords: TileCoords, m_block: Int32, segs):
-        mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch, desc = segs
+        mQ, mK, mAlibi, mQSeg, mKVSeg, mQBlk, mKVBlk, alibi_unit, head, batch, desc, sSeg = segs
         mods = _Mods()
         dyn = self.descale_mods(mods, desc)
         if const_expr(self.cfg.has_alibi):
@@ -524,7 +507,8 @@ class FlashFwdSm100:
             mods.kv_seg = mKVSeg[batch, None]
             mods.kv_blk = mKVBlk[batch, None, None]
             mods.S = mK.shape[0]
-            dyn += ["rows", "kv_seg", "kv_blk", "S"]
+            mods.sSeg = sSeg
+            dyn += ["rows", "kv_seg", "kv_blk", "S", "sSeg"]
         mods._dynamic = tuple(dyn)
         return mods
 
@@ -603,9 +587,15 @@ class FlashFwdSm100:
         buf = j % 2
         shift = buf * (self.s_off[1] - self.s_off[0])
         seg_cmp = None
+        seg_id = None
         if const_expr(self.cfg.has_segments):
             seg_cmp = mods.rows.block_needs_compare(mods.kv_blk[n_block, 0],
                                                     mods.kv_blk[n_block, 1])
+            # the id of one key of the block per thread, read before the wait; staged after it
+            # (`segment_mask`): two buffers are enough, since QK_{j+2} is issued after PV_j,
+            # which waits for every softmax thread's P_j (after its reads of block j's ids)
+            seg_id = mods.kv_seg[cutlass.min(n_block * self.tile_n + row % self.tile_n,
+                                             mods.S - 1)]
         cute.arch.mbarrier_wait(mbar + _S_FULL + buf, (j // 2) % 2)
         _tmem_fence(after=True)
         rS = cute.make_rmem_tensor(s_shape, Float32)
@@ -620,8 +610,8 @@ class FlashFwdSm100:
             apply_alibi(s, coords, m_block * TILE_M, n_block * self.tile_n, mods.alibi)
         if const_expr(self.cfg.has_segments):
             if seg_cmp:
-                apply_segment_mask(s, coords, mods.rows, n_block * self.tile_n, mods.kv_seg,
-                                   mods.S)
+                segment_mask(s, coords, mods.rows, mods.sSeg[None, buf], seg_id, self.tile_n,
+                             TILE_M, _BAR_SEG)
         if const_expr(mask_seqlen or mask_right or mask_left):
             apply_mask(s, coords, m_block, n_block, TILE_M, self.tile_n, seqlen_k,
                        window_left, window_right, mask_seqlen, mask_right, mask_left,

@@ -231,7 +231,7 @@ class FlashFwdSm100Pair(FlashFwdSm100):
             if const_expr(self.cfg.has_softcap):
                 pre_scale = pre_scale * (softmax_scale / mFScalars[1])
             segs = (mQ, mK, mAlibi, None, None, None, None, alibi_unit, head, batch,
-                    (None, None, kv_head, batch))
+                    (None, None, kv_head, batch), None)
             self.softmax(tidx, cta_thr, tStS, mbar, sScale, sFinal, blocks, segs, m_block,
                          n_min, n_max, count, seqlen_k, scale_log2, pre_scale, Int32(0),
                          Int32(0))

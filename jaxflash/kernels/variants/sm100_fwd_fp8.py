@@ -50,6 +50,9 @@ class Sm100Fp8FwdConfig(Sm100FwdConfig):
     q_blocks: bool = False
     k_blocks: bool = False
     v_blocks: bool = False
+    # (not a field) tcgen05 reads V MN-major as it lies, so V never arrives pre-transposed; the
+    # launch and the inputs shared with the Hopper FP8 kernel ask
+    v_transposed = False
 
     def __post_init__(self):
         if self.tile_n is None:
