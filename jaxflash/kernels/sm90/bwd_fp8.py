@@ -53,6 +53,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
+from jaxflash.kernels.common.dq_order import zero_fill
 from jaxflash.kernels.common.launch_args import LaunchArgs
 from jaxflash.kernels.common.mask import (QueryBlockRange, SegmentRows, TileCoords,
                                           apply_mask_kq, apply_segment_mask)
@@ -158,7 +159,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         for t in (mLSE, mDelta, mdQ, mdK, mdV) + tuple(descales):
             if const_expr(t.element_type != Float32):
                 raise TypeError("lse2, delta, the descales, dq_acc, dk and dv must be float32")
-        self.zero_fill(mdQ, stream)
+        zero_fill(mdQ, stream)
 
         # [B, T, N, H] -> (T, H, N, B); the transposed copies [B, N, H, Tp] -> (H, Tp, N, B)
         mQ, mK, mV, mdO, mdK, mdV = [layouts.select_modes(t, [1, 3, 2, 0])
