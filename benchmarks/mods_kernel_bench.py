@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxflash  # noqa: E402
+from jaxflash import mods  # noqa: E402
 from jaxflash.mods import library as L  # noqa: E402
 
 TOKENS, HEADS, D = 16384, 16, 128
@@ -111,8 +112,17 @@ def main(argv=None):
         if sparse:
             _, dfwd, dfb = _fns(S, {})
             fns.update(dense_fwd=dfwd, dense_fwdbwd=dfb)
+        if "mask_mod" in mod:  # the block mask built once, as a model reuses it across layers
+            bm = mods.create_block_mask(mod["mask_mod"], B, 1, S, S, block=(128, 128),
+                                        aux=mod.get("aux", ()))
+            _, bfwd_, bfb_ = _fns(S, dict(mod, block_mask=bm))
+            fns.update(modbm_fwd=bfwd_, modbm_fwdbwd=bfb_)
         t = time_interleaved(fns, args)
         row = {"case": name, "S": S, "B": B, **{f"{k}_ms": v.median_s * 1e3 for k, v in t.items()}}
+        if builtin is not None and "modbm_fwd" in t:
+            row["modbm_over_builtin_fwd"] = t["modbm_fwd"].median_s / t["builtin_fwd"].median_s
+            row["modbm_over_builtin_fwdbwd"] = (t["modbm_fwdbwd"].median_s
+                                                / t["builtin_fwdbwd"].median_s)
         if builtin is not None:
             row["mod_over_builtin_fwd"] = t["mod_fwd"].median_s / t["builtin_fwd"].median_s
             row["mod_over_builtin_fwdbwd"] = (t["mod_fwdbwd"].median_s
