@@ -34,3 +34,15 @@ class LaunchArgs:
         if self.pos != len(self.args):
             raise TypeError(f"{self.owner} got {len(self.args)} arguments, {self.pos} expected")
         return s
+
+
+def mask_inputs(cfg, backward: bool = False) -> list:
+    """Names of the optional mask inputs a forward / backward config takes, in launch order
+    (`launch_layout` of every kernel; the segment block summaries come rows-first in the
+    backward, whose rows are key blocks). A config without an ALiBi field takes none."""
+    ins = ["q_seqlen"] * bool(cfg.has_q_seqlen) + ["kv_seqlen"] * bool(cfg.has_kv_seqlen)
+    ins += ["alibi_slopes"] * bool(getattr(cfg, "has_alibi", False))
+    if cfg.has_segments:
+        ins += ["q_segment_ids", "kv_segment_ids"] + (
+            ["kv_blocks", "q_blocks"] if backward else ["q_blocks", "kv_blocks"])
+    return ins

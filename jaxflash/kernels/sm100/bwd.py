@@ -53,7 +53,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.dq_order import zero_fill
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.common.mask import QueryBlockRange
 from jaxflash.kernels.sm100.bwd_roles import (DQ_EMPTY, DQ_FULL, DKV_FULL, DP_FULL, DS_FULL,
                                               LOAD_WARP, MMA_WARP, NUM_MBAR, P_FULL, S_FULL,
@@ -104,14 +104,7 @@ class FlashBwdSm100(BwdRoles):
 
     def launch_layout(self):
         ins = ["q", "k", "v", "do", "lse2", "delta"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_alibi:
-            ins.append("alibi_slopes")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
+        ins += mask_inputs(self.cfg, backward=True)
         outs = (["dq_acc", "dk", "dv"] + ["alibi_parts"] * self.cfg.has_alibi
                 + ["dq_sem"] * self.cfg.deterministic)
         return (tuple(ins), tuple(outs), FLOAT_SCALARS,

@@ -43,7 +43,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.carry import Carried
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.common.mask import (BlockRange, SegmentRows, TileCoords, apply_alibi,
                                           apply_mask)
 from jaxflash.kernels.common.scheduler import TileScheduler
@@ -163,14 +163,7 @@ class FlashFwdSm100:
 
     def launch_layout(self):
         ins = ["q", "k", "v"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_alibi:
-            ins.append("alibi_slopes")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
+        ins += mask_inputs(self.cfg)
         return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
 
     # ------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.sm100.fwd import FlashFwdSm100
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS
 from jaxflash.kernels.variants.fwd_fp8 import DESCALES
@@ -53,12 +53,7 @@ class FlashFwdSm100Fp8(FlashFwdSm100):
 
     def launch_layout(self):
         ins = ["q", "k", "v"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
+        ins += mask_inputs(self.cfg)
         ins += list(DESCALES)
         return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
 

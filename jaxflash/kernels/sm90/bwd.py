@@ -72,7 +72,7 @@ from jaxflash.kernels.sm90.bwd_order import block_coords
 from jaxflash.kernels.sm90.bwd_step_math import BwdStepMath
 from jaxflash.kernels.sm90.dq_accum import DqAccumulation
 from jaxflash.kernels.common.dq_order import zero_fill
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.common.mask import (QueryBlockRange, SegmentRows, TileCoords, apply_alibi,
                                    apply_mask_kq, apply_segment_mask)
 from jaxflash.kernels.common.pipes import TmaPipelines
@@ -138,14 +138,7 @@ class FlashBwdSm90(DqAccumulation, QMulticast, BwdStepMath):
     def launch_layout(self):
         """Names of the launch's tensors, in `__call__` order (see `jaxflash.ffi`)."""
         ins = ["q", "k", "v", "do", "lse2", "delta"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_alibi:
-            ins.append("alibi_slopes")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
+        ins += mask_inputs(self.cfg, backward=True)
         ins += ["mod_offsets"] * bool(self.cfg.score_mod or self.cfg.mask_mod)
         ins += ["mod_blocks"] * bool(self.cfg.mask_mod) + [f"aux{i}" for i in range(len(
             self.cfg.aux))]

@@ -54,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
 from jaxflash.kernels.common.dq_order import zero_fill
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.common.mask import (QueryBlockRange, SegmentRows, TileCoords,
                                           apply_mask_kq, apply_segment_mask)
 from jaxflash.kernels.common.pipes import TmaPipelines
@@ -120,12 +120,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
 
     def launch_layout(self):
         ins = ["q", "k", "v", "do", "qt", "kt", "dot", "lse2", "delta"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "kv_blocks", "q_blocks"]
+        ins += mask_inputs(self.cfg, backward=True)
         ins += list(DESCALES)
         return (tuple(ins), ("dq_acc", "dk", "dv"), FLOAT_SCALARS,
                 INT_SCALARS if self.cfg.has_window else ())

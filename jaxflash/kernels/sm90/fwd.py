@@ -46,7 +46,7 @@ from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION
 from jaxflash.kernels.sm90.fwd_epilogue import FwdEpilogue
 from jaxflash.kernels.sm90.fwd_scores import FwdScores
 from jaxflash.kernels.common.mask import BlockRange, SegmentRows, TileCoords
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.common.pipes import TmaPipelines
 from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.common.softmax import OnlineSoftmax, rescale_rows
@@ -137,14 +137,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
     def launch_layout(self):
         """Names of the launch's tensors, in `__call__` order (see `jaxflash.ffi`)."""
         ins = ["q", "k", "v"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_alibi:
-            ins.append("alibi_slopes")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
+        ins += mask_inputs(self.cfg)
         ins += ["mod_offsets"] * bool(self.cfg.score_mod or self.cfg.mask_mod)
         ins += ["mod_blocks"] * bool(self.cfg.mask_mod) + [f"aux{i}" for i in range(len(
             self.cfg.aux))]

@@ -37,7 +37,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jaxflash.kernels.common import layouts
-from jaxflash.kernels.common.launch_args import LaunchArgs
+from jaxflash.kernels.common.launch_args import LaunchArgs, mask_inputs
 from jaxflash.kernels.common.mask import BlockRange, SegmentRows, TileCoords
 from jaxflash.kernels.common.pipes import TmaPipelines
 from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
@@ -98,12 +98,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
 
     def launch_layout(self):
         ins = ["q", "k", "v"]
-        if self.cfg.has_q_seqlen:
-            ins.append("q_seqlen")
-        if self.cfg.has_kv_seqlen:
-            ins.append("kv_seqlen")
-        if self.cfg.has_segments:
-            ins += ["q_segment_ids", "kv_segment_ids", "q_blocks", "kv_blocks"]
+        ins += mask_inputs(self.cfg)
         ins += list(DESCALES)
         return tuple(ins), ("o", "lse"), FLOAT_SCALARS, INT_SCALARS if self.cfg.has_window else ()
 
