@@ -164,6 +164,30 @@ def run_variant(name, cfg: LMConfig, args):
                 flush=_flush(douts) if douts else None)
 
 
+def lower_programs(names=("bf16", "fp8")):
+    """Trace (never run) the gpu preset's train step and its gradient for each variant, so
+    `tests.collect_variants --lower benchmarks.lm_precision:lower_programs` records the
+    kernels an H200 run reaches and builds them here (the GPU machine has no CuTe DSL)."""
+    from flax import nnx
+    base = PRESETS["gpu"]
+    for name in names:
+        cfg = dataclasses.replace(base["cfg"],
+                                  attention_precision="fp8" if name == "fp8" else None)
+        mesh = lm_train.make_mesh("1,1")
+        ns = argparse.Namespace(lr=1e-3, warmup=10, steps=10, weight_decay=0.1)
+        tx = lm_train.make_optimizer(ns)
+        graphdef, params, opt_state = lm_train.init_state(cfg, mesh, tx, 0)
+        state_sh = (jax.tree.map(lambda x: x.sharding, params),
+                    jax.tree.map(lambda x: x.sharding, opt_state))
+        batch_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+        step_fn = lm_train.make_train_step(graphdef, tx, state_sh, batch_sh)
+        batch = jax.ShapeDtypeStruct((base["batch"], cfg.seq_len + 1), jnp.int32)
+        step_fn.trace(params, opt_state, batch).lower(lowering_platforms=("cuda",))
+        vb = jax.ShapeDtypeStruct((base["batch"], cfg.seq_len + 1), jnp.int32)
+        jax.jit(jax.grad(lambda p, b: loss_fn(nnx.merge(graphdef, p), b))).trace(
+            params, vb).lower(lowering_platforms=("cuda",))
+
+
 def environment():
     from benchmarks.fp8_accuracy import environment as env
     return env()

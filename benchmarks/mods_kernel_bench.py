@@ -22,6 +22,7 @@ The mod variants are pending GPU checks: run with ``JAXFLASH_CUTE_UNVERIFIED=1``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -75,6 +76,83 @@ def _fns(S, kw):
     return B, jax.jit(fwd), jax.jit(fwdbwd)
 
 
+# Forward schedules tried on the sparse calls (``--schedules``): the default grid, and the
+# persistent loops that won on short dense key loops (`choose.schedule_for`'s list): a window or
+# a block-sparse row visits as few tiles as a short dense sequence does.
+SCHEDULES = {
+    "default": None,
+    "ps_tp": {"persistent": True, "tile_pipe": True},
+    "ps_tp_we": {"persistent": True, "tile_pipe": True, "wg_epilogue": True},
+    "ps_tp_pairs": {"persistent": True, "tile_pipe": True, "tile_order": "pairs"},
+}
+
+
+@contextlib.contextmanager
+def forced_schedule(sched):
+    """Every forward traced inside takes ``sched`` (plus the causal select, as the policy adds)
+    instead of `choose.schedule_for`'s pick."""
+    from jaxflash.kernels.policy import choose
+    if sched is None:
+        yield
+        return
+    orig = choose.schedule_for
+
+    def fixed(head_dim, kv_len, causal, plain=True, softcap=False):
+        return {**sched, **({"mask_select": True} if causal else {})}
+
+    choose.schedule_for = fixed
+    try:
+        yield
+    finally:
+        choose.schedule_for = orig
+
+
+def schedule_calls(rng):
+    """(case, call kwargs, S, schedule names, the mask_mod's kwargs) of the schedule comparison: the window as built-in
+    and as a mask_mod with its BlockMask, the documents with theirs, causal 16k as a mask_mod
+    (a dense-ish table: where the default grid should keep winning)."""
+    c = cases(rng)
+    out = []
+    for name, form in (("window-16k", "builtin"), ("window-16k", "modbm"),
+                       ("document-16k", "modbm"), ("causal-16k", "mod")):
+        S, builtin, mod, _ = c[name]
+        kw = builtin if form == "builtin" else dict(mod)
+        if form == "modbm":
+            kw["block_mask"] = mods.create_block_mask(mod["mask_mod"], TOKENS // S, 1, S, S,
+                                                      block=(128, 128), aux=mod.get("aux", ()))
+        causal = bool(kw.get("is_causal"))
+        names = [n for n in SCHEDULES if causal or n != "ps_tp_pairs"]
+        out.append((f"{name}/{form}", kw, S, names, mod))
+    return out
+
+
+def run_schedules(rng):
+    """Forward time of each sparse call under each schedule, interleaved with the dense
+    kernel; TFLOP/s over the visited tiles as `main` counts them."""
+    from benchmarks.timing import time_interleaved
+    rows = []
+    for case, kw, S, names, mask_kw in schedule_calls(rng):
+        B = TOKENS // S
+        x = jnp.asarray(rng.standard_normal((B, S, HEADS, D)).astype(np.float32), jnp.bfloat16)
+        fns = {}
+        for n in names:
+            with forced_schedule(SCHEDULES[n]):
+                fns[n] = _fns(S, kw)[1].lower(x, x, x).compile()
+        fns["dense"] = _fns(S, {})[1].lower(x, x, x).compile()
+        t = time_interleaved(fns, (x, x, x))
+        tiles = visible_tiles(S, mask_kw)
+        flops, dense_flops = 4.0 * 128 * 128 * D * tiles, 4.0 * S * S * D * B * HEADS
+        dense_tf = dense_flops / t["dense"].median_s / 1e12
+        row = {"case": case, "S": S, "B": B, "dense_fwd_ms": t["dense"].median_s * 1e3,
+               "visible_tile_fraction": tiles / (B * HEADS * (S // 128) ** 2)}
+        for n in names:
+            tf = flops / t[n].median_s / 1e12
+            row[n] = {"fwd_ms": t[n].median_s * 1e3, "sparse_over_dense_fwd": tf / dense_tf}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def visible_tiles(S, kw, tm=128, tn=128) -> float:
     """Tiles the forward computes (summed over batch and heads), from the kernel's table."""
     from jaxflash.kernels import mod_blocks
@@ -93,13 +171,17 @@ def main(argv=None):
     ap.add_argument("--out", default="-")
     ap.add_argument("--only", default="")
     ap.add_argument("--build", help="build the variants these calls reach into DIR instead")
+    ap.add_argument("--schedules", action="store_true",
+                    help="the sparse calls' forward under each of SCHEDULES instead")
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     sel = cases(rng)
+    if a.schedules and not a.build:
+        return _write(run_schedules(rng), a.out)
     if a.only:
         sel = {k: v for k, v in sel.items() if k in a.only.split(",")}
     if a.build:
-        return _build(sel, a.build)
+        return _build(sel, a.build, schedules=a.schedules)
     rows = []
     for name, (S, builtin, mod, sparse) in sel.items():
         B, mfwd, mfb = _fns(S, mod)
@@ -140,18 +222,22 @@ def main(argv=None):
                                                / (dense_flops / t["dense_fwdbwd"].median_s))
         print(json.dumps(row), flush=True)
         rows.append(row)
+    return _write(rows, a.out)
+
+
+def _write(rows, out):
     from benchmarks import envinfo
     text = json.dumps({"env": envinfo.collect(), "device": str(jax.devices()[0]), "rows": rows},
                       indent=1)
-    if a.out == "-":
+    if out == "-":
         print(text)
     else:
-        with open(a.out, "w") as f:
+        with open(out, "w") as f:
             f.write(text)
     return 0
 
 
-def _build(sel, out):
+def _build(sel, out, schedules=False):
     """Lower every timed call for CUDA here (CuTe DSL, no GPU needed) with the FFI call
     recorded instead of compiled (as `tests.collect_variants`), then build what was reached."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -171,6 +257,11 @@ def _build(sel, out):
                 x = jax.ShapeDtypeStruct((B, S, HEADS, D), jnp.bfloat16)
                 for f in (fwd, fb):
                     f.trace(x, x, x).lower(lowering_platforms=("cuda",))
+        for _, kw, S, names, _ in (schedule_calls(np.random.default_rng(0)) if schedules else ()):
+            x = jax.ShapeDtypeStruct((TOKENS // S, S, HEADS, D), jnp.bfloat16)
+            for n in names:
+                with forced_schedule(SCHEDULES[n]):
+                    _fns(S, kw)[1].trace(x, x, x).lower(lowering_platforms=("cuda",))
     counts = aot.build(list(launches.values()), out, progress=False)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
