@@ -44,6 +44,7 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 __all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "quantize", "dequantize", "expand_scale",
@@ -234,6 +235,17 @@ def hadamard_signed(x, signs) -> jax.Array:
     _check_dim(D)
     out_dt = jnp.float32 if is_fp8(x.dtype) else x.dtype
     y = fwht(x.astype(jnp.float32) * signs) * jnp.float32(1.0 / math.sqrt(D))
+    if out_dt != jnp.float32:
+        # The rounding as an op XLA keeps: with excess precision allowed (its GPU default) it
+        # folds the convert pair of `astype(out_dt)` and a consumer's `astype(float32)`, and
+        # the quantizer then rounds the float32 sums to FP8 directly (on the H200 1.4% of the
+        # codes differed from the rules that way). bfloat16: reduce_precision (same exponent
+        # range as float32, so the same rounding, and it still fuses); float16: a barrier
+        # (reduce_precision flushes float16's subnormals, the convert keeps them).
+        if jnp.dtype(out_dt) == jnp.dtype(jnp.bfloat16):
+            y = lax.reduce_precision(y, exponent_bits=8, mantissa_bits=7)
+        else:
+            return lax.optimization_barrier(y.astype(out_dt))
     return y.astype(out_dt)
 
 
