@@ -24,7 +24,9 @@ FEATURES = {
         "segments": "c.has_segments",
         "fp16": "c.dtype == 'float16'",
         "head_dim_64": "c.head_dim == 64",
+        "head_dim_96": "c.head_dim == 96",
         "head_dim_128": "c.head_dim == 128",
+        "head_dim_192": "c.head_dim == 192",
         "head_dim_256": "c.head_dim == 256",
         "rescale": "c.rescale_threshold > 0",
     },
@@ -42,6 +44,8 @@ FEATURES = {
     },
 }
 # Features every case has one of (head dim, the exp2 / rescale path) and the class itself.
+# Head dims 96 and 192 are not among them: they have their own tiles (SW64 rows at 96, 64-key
+# tiles at 192), so a failed plain case of theirs gates that head dim, not the class.
 COMMON = {"base", "rescale", "head_dim_64", "head_dim_128", "head_dim_256"}
 # GPU test files -> the config class their tests clear (all of it: a failing test keeps the
 # class's "base" rule). A backward test file the sm100 backward brings is matched by name.

@@ -113,6 +113,18 @@ def test_a_failed_plain_case_keeps_the_whole_class_gated():
     assert v["features"]["Sm100FwdConfig"]["head_dim_128"] is False
 
 
+def test_a_failed_head_dim_192_case_gates_that_head_dim_only():
+    """Head dim 192 has its own tiles (64 keys, 3 stages): its plain case failing keeps hd 192
+    gated and clears the rest."""
+    from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
+    v = V.verdict({"platform": "gpu"}, _rows(fail={"bf16 h192 dense gqa odd"}), TESTS, CLEAN)
+    rules = _gate(v["clear_gate"]["RULES"]["Sm100FwdConfig"])["Sm100FwdConfig"]
+    assert [name.split(" ")[0] for name, _ in rules] == ["head_dim_192"]
+    pred = rules[0][1]
+    assert pred(Sm100FwdConfig(head_dim=192)) and not pred(Sm100FwdConfig(head_dim=96))
+    assert v["features"]["Sm100FwdConfig"]["head_dim_96"] is True
+
+
 @pytest.mark.compile
 def test_every_kit_call_plans_onto_the_sm100_kernels(monkeypatch):
     """What the kit runs on a B200 (check cases, grid, the GPU test files' cases) is served by
