@@ -10,7 +10,7 @@ it runs, writing each step's results into DIR:
    "cute")`` (dispatch picks the sm100 kernels; each case asserts which one ran), output and LSE
    against the float64 oracle of `devtools.devrun`, cuDNN's error on the same inputs beside ours;
 2. ``gpu-tests.xml``: every ``tests/kernels/test_sm100*_gpu.py`` (the forward's, the FP8
-   forward's, the backward's when present) through pytest;
+   forward's, the 2-CTA forward's, the backward's when present) through pytest;
 3. ``memcheck.log`` / ``racecheck.log``: compute-sanitizer on a few check cases;
 4. ``grid.json``: the anchor grid (B*S = 16384, N*D = 2048; D 64 / 128 / 256, S 1k / 4k / 16k,
    dense and causal) ours beside cuDNN, FlashAttention-4 too when ``flash_attn.cute`` imports,
@@ -441,6 +441,13 @@ def build(out: str) -> None:
         if plan.backend != "cute":
             raise SystemExit(f"not planned on the sm100 kernels: {plan}")
         launches[plan.detail.fwd.key] = plan.detail.fwd
+    # the 2-CTA forward is never dispatched: its GPU test runs these launches directly
+    from jaxflash.kernels.variants.fwd_launch import sm100_fwd_launch
+    from tests.kernels.test_sm100_2cta_gpu import CASES as PAIR_CASES
+    from tests.kernels.test_sm100_2cta_gpu import pair_config
+    for c in PAIR_CASES:
+        launch = sm100_fwd_launch(pair_config(c))
+        launches[launch.key] = launch
     counts = aot.build(list(launches.values()), out, progress=False)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
 

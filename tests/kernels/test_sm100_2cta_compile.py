@@ -77,7 +77,8 @@ def test_pair_variant_issues_2cta_mmas(cfg, compiled, tmp_path):
 
 
 @pytest.mark.compile
-def test_pair_sass_is_utchmma_2cta(compiled):
+@pytest.mark.parametrize("cfg", [MATRIX[0], MATRIX[2]], ids=lambda c: c.key)
+def test_pair_sass_is_utchmma_2cta(cfg, compiled):
     import collections
     import subprocess
 
@@ -85,7 +86,7 @@ def test_pair_sass_is_utchmma_2cta(compiled):
     nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed")
-    ptx, cubin = compiled(MATRIX[0])
+    ptx, cubin = compiled(cfg)
     sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(re.findall(
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))

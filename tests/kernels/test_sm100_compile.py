@@ -189,7 +189,7 @@ def _cuda_tool(name):
     return None
 
 
-@pytest.mark.parametrize("cfg", [MATRIX[2], MATRIX[3]], ids=lambda c: c.key)
+@pytest.mark.parametrize("cfg", [MATRIX[2], MATRIX[3], MATRIX[9]], ids=lambda c: c.key)
 def test_sass_and_resources(cfg, compiled):
     """SASS (nvdisasm): one UTCHMMA per PTX MMA, MUFU.EX2 beside the polynomial's FADD2.RM /
     FFMA2, tensor-memory loads / stores (LDTM / STTM), TMA loads (UTMALDG); cuobjdump: no stack,
