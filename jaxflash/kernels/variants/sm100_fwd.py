@@ -74,8 +74,8 @@ class Sm100FwdConfig:
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        tn, st = ((self.two_cta and _TILES_2CTA.get(self.head_dim))
-                  or _TILES.get(self.head_dim, (128, 2)))
+        tiles = _TILES_2CTA if self.two_cta and self.head_dim in _TILES_2CTA else _TILES
+        tn, st = tiles.get(self.head_dim, (128, 2))
         if self.tile_n is None:
             object.__setattr__(self, "tile_n", tn)
         if self.num_stages is None:
