@@ -10,7 +10,7 @@ it runs, writing each step's results into DIR:
    "cute")`` (dispatch picks the sm100 kernels; each case asserts which one ran), output and LSE
    against the float64 oracle of `devtools.devrun`, cuDNN's error on the same inputs beside ours;
 2. ``gpu-tests.xml``: every ``tests/kernels/test_sm100*_gpu.py`` (the forward's, the FP8
-   forward's, the backward's when present) through pytest;
+   forward's, the 2-CTA forward's, the backward's when present) through pytest;
 3. ``memcheck.log`` / ``racecheck.log``: compute-sanitizer on a few check cases;
 4. ``grid.json``: the anchor grid (B*S = 16384, N*D = 2048; D 64 / 128 / 256, S 1k / 4k / 16k,
    dense and causal) ours beside cuDNN, FlashAttention-4 too when ``flash_attn.cute`` imports,
@@ -74,6 +74,23 @@ CASES = [
      (2, 1000, 1000, 8, 2, 128, "bfloat16"),
      {"causal": True, "q_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]],
       "kv_segs": [[(0, 1), (1, 300), (2, 129), (3, 570)], [(7, 1000)]]}),
+    # head dims 96 (SW64 operand rows, 352 tensor-memory columns) and 192 (64-key tiles)
+    ("fp16 h96 causal gqa", "Sm100FwdConfig", ("causal", "fp16", "head_dim_96", "rescale"),
+     (2, 555, 600, 6, 2, 96, "float16"), {"causal": True}),
+    ("bf16 h96 softcap lengths", "Sm100FwdConfig", ("softcap", "lengths", "head_dim_96",
+                                                    "rescale"),
+     (2, 400, 530, 4, 4, 96, "bfloat16"),
+     {"softcap": 20.0, "q_seqlen": [400, 77], "kv_seqlen": [530, 129]}),
+    ("bf16 h192 dense gqa odd", "Sm100FwdConfig", ("head_dim_192", "rescale"),
+     (2, 777, 900, 8, 2, 192, "bfloat16"), {}),
+    ("bf16 h192 causal window", "Sm100FwdConfig", ("causal", "window", "head_dim_192",
+                                                   "rescale"),
+     (2, 700, 700, 4, 4, 192, "bfloat16"), {"causal": True, "window": (150, 0)}),
+    ("bf16 h192 alibi segments causal", "Sm100FwdConfig",
+     ("alibi", "segments", "causal", "head_dim_192", "rescale"),
+     (2, 600, 600, 4, 2, 192, "bfloat16"),
+     {"causal": True, "alibi": 1, "q_segs": [[(0, 200), (1, 400)], [(3, 600)]],
+      "kv_segs": [[(0, 200), (1, 400)], [(3, 600)]]}),
     # long key loop, keys decaying right to left: every block raises the row max (the
     # conditional rescale and the polynomial exp2 over many blocks)
     ("bf16 h128 long ramp", "Sm100FwdConfig", ("head_dim_128", "rescale"),
@@ -98,7 +115,7 @@ CASES = [
       "kv_segs": [[(0, 100), (1, 37), (3, 513)], [(5, 650)]]}),
 ]
 SANITIZER_CASES = ("bf16 h128 seqlens", "bf16 h64 causal window", "fp8 h256 blocks",
-                   "bf16 h128 segments causal")
+                   "bf16 h128 segments causal", "bf16 h192 causal window")
 # output tolerance against float64 (rel L2); FP8: 1.25x the contract emulation's own error
 TOL = {"bfloat16": 2e-2, "float16": 4e-3}
 
@@ -424,6 +441,13 @@ def build(out: str) -> None:
         if plan.backend != "cute":
             raise SystemExit(f"not planned on the sm100 kernels: {plan}")
         launches[plan.detail.fwd.key] = plan.detail.fwd
+    # the 2-CTA forward is never dispatched: its GPU test runs these launches directly
+    from jaxflash.kernels.variants.fwd_launch import sm100_fwd_launch
+    from tests.kernels.test_sm100_2cta_gpu import CASES as PAIR_CASES
+    from tests.kernels.test_sm100_2cta_gpu import pair_config
+    for c in PAIR_CASES:
+        launch = sm100_fwd_launch(pair_config(c))
+        launches[launch.key] = launch
     counts = aot.build(list(launches.values()), out, progress=False)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
 

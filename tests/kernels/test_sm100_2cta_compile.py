@@ -19,7 +19,10 @@ from jaxflash.kernels.variants.sm100_fwd import REGS, Sm100FwdConfig
 
 C = Sm100FwdConfig
 MATRIX = [C(head_dim=128, two_cta=True),
-          C(head_dim=256, two_cta=True, has_softcap=True, has_kv_seqlen=True, has_alibi=True)]
+          C(head_dim=256, two_cta=True, has_softcap=True, has_kv_seqlen=True, has_alibi=True),
+          # 128-key tiles (each CTA holds 64 keys of K, 96 value columns of V: SW64 rows), 3
+          # stages, S0 | S1 | O = 448 tensor-memory columns
+          C(head_dim=192, two_cta=True)]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,8 @@ def test_pair_variant_issues_2cta_mmas(cfg, compiled, tmp_path):
 
 
 @pytest.mark.compile
-def test_pair_sass_is_utchmma_2cta(compiled):
+@pytest.mark.parametrize("cfg", [MATRIX[0], MATRIX[2]], ids=lambda c: c.key)
+def test_pair_sass_is_utchmma_2cta(cfg, compiled):
     import collections
     import subprocess
 
@@ -82,7 +86,7 @@ def test_pair_sass_is_utchmma_2cta(compiled):
     nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed")
-    ptx, cubin = compiled(MATRIX[0])
+    ptx, cubin = compiled(cfg)
     sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(re.findall(
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
@@ -95,7 +99,7 @@ def test_pair_sass_is_utchmma_2cta(compiled):
 
 def test_two_cta_is_for_dense_calls_and_not_dispatched():
     for bad in (dict(is_causal=True), dict(has_window=True), dict(has_q_seqlen=True),
-                dict(has_segments=True), dict(head_dim=64)):
+                dict(has_segments=True), dict(head_dim=64), dict(head_dim=96)):
         with pytest.raises(ValueError, match="two_cta"):
             C(two_cta=True, **{"head_dim": 128, **bad})
     assert C(head_dim=128, two_cta=True).key.endswith("_2cta")
@@ -107,6 +111,8 @@ def test_two_cta_is_for_dense_calls_and_not_dispatched():
     from jaxflash.kernels.policy import choose
     st = AttentionStatics(scale=0.1, is_causal=False, window=None, softcap=None,
                           deterministic=False)
-    p = Problem(batch=2, q_len=4096, kv_len=4096, num_heads=16, num_kv_heads=16, head_dim=128,
-                head_dim_v=128, dtype="bfloat16", statics=st, platform="cuda")
-    assert not choose.sm100_forward_config(p).two_cta
+    for hd in (128, 192):
+        p = Problem(batch=2, q_len=4096, kv_len=4096, num_heads=16, num_kv_heads=16,
+                    head_dim=hd, head_dim_v=hd, dtype="bfloat16", statics=st, platform="cuda")
+        cfg = choose.sm100_forward_config(p)
+        assert not cfg.two_cta and cfg.head_dim == hd

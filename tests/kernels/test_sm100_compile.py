@@ -23,9 +23,10 @@ from jaxflash.kernels.variants.sm100_fwd import REGS, Sm100FwdConfig  # noqa: E4
 
 cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
-# D 64 / 128 / 256 x dense / causal / window / softcap, bf16 and fp16; every compile has 8 query
-# heads on 2 K/V heads (GQA is a runtime ratio, one binary serves every ratio); plus lengths,
-# ALiBi and segment ids once.
+# D 64 / 128 / 256 x dense / causal / window / softcap, bf16 and fp16; D 96 (SW64 operand tiles:
+# 192-byte rows) and D 192 (64-key tiles, 3 stages) once each; every compile has 8 query heads
+# on 2 K/V heads (GQA is a runtime ratio, one binary serves every ratio); plus lengths, ALiBi
+# and segment ids once.
 MATRIX = [
     Sm100FwdConfig(head_dim=64),
     Sm100FwdConfig(head_dim=64, is_causal=True, dtype="float16"),
@@ -35,6 +36,8 @@ MATRIX = [
     Sm100FwdConfig(head_dim=128, has_softcap=True, dtype="float16"),
     Sm100FwdConfig(head_dim=256),
     Sm100FwdConfig(head_dim=256, is_causal=True, has_softcap=True),
+    Sm100FwdConfig(head_dim=96, is_causal=True, dtype="float16"),
+    Sm100FwdConfig(head_dim=192, has_window=True, has_softcap=True),
     Sm100FwdConfig(head_dim=128, is_causal=True, has_q_seqlen=True, has_kv_seqlen=True,
                    has_alibi=True, has_segments=True),
 ]
@@ -108,7 +111,8 @@ def test_compiles_with_the_blackwell_instructions(cfg, compiled):
     assert seconds < COMPILE_LIMIT_S, f"{cfg.key} took {seconds:.0f} s"
 
 
-@pytest.mark.parametrize("cfg", MATRIX[:1] + MATRIX[2:4] + MATRIX[6:7], ids=lambda c: c.key)
+@pytest.mark.parametrize("cfg", MATRIX[:1] + MATRIX[2:4] + MATRIX[6:7] + MATRIX[8:10],
+                         ids=lambda c: c.key)
 def test_no_stack_no_spills(cfg, compiled, tmp_path):
     from tests.common import ptxas_report
     ptx, _, _ = compiled(cfg)
@@ -123,8 +127,11 @@ def test_no_stack_no_spills(cfg, compiled, tmp_path):
 # Compiled as the bridge compiles them (head counts and lengths dynamic), these once spilled
 # (16 and 144 B of stack): values computed before the warp-role split lived into the
 # 104-register warps, and the per-element segment-id loads sat beside the row of scores. The
-# static-head compiles above did not show it. About 8 s each.
-BRIDGE = [Sm100FwdConfig(head_dim=128, has_window=True), MATRIX[-1]]
+# static-head compiles above did not show it. About 8 s each. The D 192 one: every mask input
+# beside the widest O row the correction warpgroup walks (6 chunks of 32 columns).
+BRIDGE = [Sm100FwdConfig(head_dim=128, has_window=True), MATRIX[-1],
+          Sm100FwdConfig(head_dim=192, is_causal=True, has_q_seqlen=True, has_kv_seqlen=True,
+                         has_alibi=True, has_segments=True)]
 
 
 @pytest.mark.parametrize("cfg", BRIDGE, ids=lambda c: c.key)
@@ -182,7 +189,7 @@ def _cuda_tool(name):
     return None
 
 
-@pytest.mark.parametrize("cfg", [MATRIX[2], MATRIX[3]], ids=lambda c: c.key)
+@pytest.mark.parametrize("cfg", [MATRIX[2], MATRIX[3], MATRIX[9]], ids=lambda c: c.key)
 def test_sass_and_resources(cfg, compiled):
     """SASS (nvdisasm): one UTCHMMA per PTX MMA, MUFU.EX2 beside the polynomial's FADD2.RM /
     FFMA2, tensor-memory loads / stores (LDTM / STTM), TMA loads (UTMALDG); cuobjdump: no stack,

@@ -75,16 +75,19 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
     pytest.importorskip("cutlass", reason="planning without the DSL needs an artifact")
     monkeypatch.setenv(verified.ENV, "1")
     gpu("10.0")
+    from jaxflash.kernels.variants.sm100_bwd import SUPPORTED_HEAD_DIMS as BWD_HEAD_DIMS
     for kw in (dict(is_causal=True), dict(local_window_size=(64, 0)), dict(softcap=20.0), dict(H=64),
-               dict(H=256)):
+               dict(H=256), dict(H=96, is_causal=True), dict(H=192, softcap=20.0)):
         h = kw.pop("H", 128)
         plan = _explain("cute", H=h, **kw)
         assert plan.backend == "cute", plan
         assert plan.detail.fwd.kernel.endswith(":FlashFwdSm100")
         assert plan.detail.fwd.arch == "sm_100a"
-        if h == 256:  # dK + dV take all of tensor memory: Pallas on the forward's (out, lse)
+        assert plan.detail.fwd.config.head_dim == h
+        if h not in BWD_HEAD_DIMS:  # e.g. 256: dK + dV take all of tensor memory; Pallas on
+            # the forward's (out, lse), and the plan says why
             assert plan.detail.bwd is None
-            assert "head dim 256 not supported by the sm_100a backward" in plan.detail.bwd_reason
+            assert f"head dim {h} not supported by the sm_100a backward" in plan.detail.bwd_reason
         else:
             assert plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), plan.detail
             assert plan.detail.bwd.arch == "sm_100a"

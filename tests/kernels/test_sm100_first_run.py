@@ -53,6 +53,7 @@ def test_cases_cover_every_gated_feature():
     assert set(kit.SANITIZER_CASES) <= set(names)
     for cls, feats in V.FEATURES.items():
         covered = {f for c in kit.CASES if c[1] == cls for f in c[2]} | {"base"}
+        covered |= {f for _, c, f in V.TEST_FEATURES if c == cls}
         assert covered == set(feats), (cls, set(feats) ^ covered)
     for _, cls, feats, shape, ex in kit.CASES:
         assert set(feats) <= set(V.FEATURES[cls])
@@ -66,7 +67,8 @@ def _rows(fail=()):
 
 CLEAN = {"memcheck": {"clean": True}, "racecheck": {"clean": True}}
 TESTS = {"tests/kernels/test_sm100_gpu.py::test_a": "passed",
-         "tests/kernels/test_sm100_fp8_gpu.py::test_b": "passed"}
+         "tests/kernels/test_sm100_fp8_gpu.py::test_b": "passed",
+         "tests.kernels.test_sm100_2cta_gpu::test_p": "passed"}
 
 
 def _gate(rule_src: str):
@@ -111,6 +113,33 @@ def test_a_failed_plain_case_keeps_the_whole_class_gated():
     v = V.verdict({"platform": "gpu"}, _rows(fail={"bf16 h128 dense gqa4 odd"}), TESTS, CLEAN)
     assert v["clear_gate"]["RULES"]["Sm100FwdConfig"].startswith("keep")
     assert v["features"]["Sm100FwdConfig"]["head_dim_128"] is False
+
+
+def test_the_2cta_tests_clear_two_cta_only():
+    """The 2-CTA forward (never dispatched, so in no check case) is cleared by its own GPU
+    tests: failed or not run, only ``two_cta`` stays gated."""
+    from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
+    for tests in (dict(TESTS, **{"tests.kernels.test_sm100_2cta_gpu::test_q": "failed"}),
+                  {k: o for k, o in TESTS.items() if "2cta" not in k}):
+        v = V.verdict({"platform": "gpu"}, _rows(), tests, CLEAN)
+        assert v["status"] == "partial"
+        rules = _gate(v["clear_gate"]["RULES"]["Sm100FwdConfig"])["Sm100FwdConfig"]
+        assert [name.split(" ")[0] for name, _ in rules] == ["two_cta"]
+        assert rules[0][1](Sm100FwdConfig(head_dim=192, two_cta=True))
+        assert not rules[0][1](Sm100FwdConfig(head_dim=192))
+        assert v["clear_gate"]["RULES"]["Sm100Fp8FwdConfig"] == "remove"
+
+
+def test_a_failed_head_dim_192_case_gates_that_head_dim_only():
+    """Head dim 192 has its own tiles (64 keys, 3 stages): its plain case failing keeps hd 192
+    gated and clears the rest."""
+    from jaxflash.kernels.variants.sm100_fwd import Sm100FwdConfig
+    v = V.verdict({"platform": "gpu"}, _rows(fail={"bf16 h192 dense gqa odd"}), TESTS, CLEAN)
+    rules = _gate(v["clear_gate"]["RULES"]["Sm100FwdConfig"])["Sm100FwdConfig"]
+    assert [name.split(" ")[0] for name, _ in rules] == ["head_dim_192"]
+    pred = rules[0][1]
+    assert pred(Sm100FwdConfig(head_dim=192)) and not pred(Sm100FwdConfig(head_dim=96))
+    assert v["features"]["Sm100FwdConfig"]["head_dim_96"] is True
 
 
 @pytest.mark.compile

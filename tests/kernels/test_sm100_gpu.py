@@ -5,7 +5,8 @@ anywhere else it skips with the reason, so on the H200 it refuses cleanly. It ha
 no Blackwell GPU was available.
 
 On a machine without the CuTe DSL, build the variants first (``python -m jaxflash.aot --arch
-sm_100a --out DIR --kernel sm100_fwd head_dim=64,128,256 ...`` and ``JAXFLASH_KERNEL_DIR=DIR``).
+sm_100a --out DIR --kernel sm100_fwd head_dim=64,96,128,192,256 ...`` and
+``JAXFLASH_KERNEL_DIR=DIR``; or ``python -m devtools.blackwell_first_run build --out DIR``).
 """
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ CASES = [
          kwargs=dict(local_window_size=(100, 37))),
     # long key loop: the conditional rescale and the polynomial exp2 on many blocks
     Case(B=1, T=256, S=8192, N=2, K=1, H=128, dtype="bfloat16"),
+    # head dims 96 (SW64 operand rows) and 192 (64-key tiles, 3 stages)
+    Case(B=2, T=555, S=600, N=6, K=2, H=96, dtype="float16", kwargs=dict(is_causal=True)),
+    Case(B=2, T=640, S=900, N=4, K=1, H=96, dtype="bfloat16", kwargs=dict(softcap=20.0)),
+    Case(B=2, T=777, S=900, N=8, K=2, H=192, dtype="bfloat16"),
+    Case(B=2, T=700, S=700, N=4, K=4, H=192, dtype="bfloat16",
+         kwargs=dict(is_causal=True, local_window_size=(150, 0))),
+    Case(B=1, T=256, S=4096, N=2, K=1, H=192, dtype="float16"),
 ]
 
 

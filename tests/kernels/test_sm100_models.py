@@ -138,13 +138,46 @@ def test_rescale_threshold_skips_rescales():
 
 
 # -- tensor-memory plan ------------------------------------------------------------------------------
-@pytest.mark.parametrize("hd", [64, 128, 256])
+@pytest.mark.parametrize("hd", [64, 96, 128, 192, 256])
 def test_every_forward_plan_fits(hd):
     cfg = Sm100FwdConfig(head_dim=hd)
     plan = cfg.tmem_plan()
     assert plan.check() == (True, "")
     assert max(r.end for r in plan.regions) <= tmem_plan.TMEM_COLUMNS
     assert plan.region("O").start >= plan.region("S1").end
+
+
+@pytest.mark.parametrize("hd, two_cta, tile_n, stages, columns, smem_kb", [
+    (96, False, 128, 3, 352, 24 + 3 * 48 + 4),
+    (192, False, 64, 3, 320, 48 + 3 * 48 + 4),
+    (192, True, 128, 3, 448, 48 + 3 * 48 + 4),  # per CTA: half of each K and V tile
+])
+def test_head_dims_96_and_192_tiles(hd, two_cta, tile_n, stages, columns, smem_kb):
+    """The default tiles of the head dims beside the Hopper kernels' 64 / 128 / 256: tensor
+    memory S0 | S1 | O and shared memory Q + stages x (K + V) within the SM's."""
+    from jaxflash.kernels.variants.sm100_fwd import SMEM_LIMIT_BYTES
+    cfg = Sm100FwdConfig(head_dim=hd, two_cta=two_cta)
+    assert (cfg.tile_n, cfg.num_stages) == (tile_n, stages)
+    plan = cfg.tmem_plan()
+    assert plan.region("O").end == columns and plan.region("O").cols == hd
+    assert cfg.smem_bytes() == smem_kb * 1024 <= SMEM_LIMIT_BYTES
+
+
+def test_head_dim_192_with_128_key_tiles_does_not_fit_one_cta():
+    """1-CTA: two 128-key stages of K and V beside Q are 240 KB (past 227 KB); refused before
+    tracing. One stage would fit but serialize every QK MMA behind its K load."""
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm100FwdConfig(head_dim=192, tile_n=128, num_stages=2)
+
+
+def test_fp8_keeps_the_hopper_fp8_head_dims():
+    """The FP8 forward serves the head dims the FP8 call rules (the Hopper FP8 forward's) do."""
+    from jaxflash.kernels.variants.sm100_fwd_fp8 import Sm100Fp8FwdConfig
+    for hd in (96, 192):
+        with pytest.raises(ValueError, match="for FP8"):
+            Sm100Fp8FwdConfig(head_dim=hd)
+    for hd in (64, 128, 256):
+        assert Sm100Fp8FwdConfig(head_dim=hd).tile_n == 128
 
 
 def test_overlay_on_a_live_o_bank_fails():

@@ -14,14 +14,20 @@ import dataclasses
 
 from jaxflash.kernels.variants import tmem_plan
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
 TILE_M = 128
-# Per head dim: (tile_n, K/V stages). Shared memory = Q + stages * (K + V): hd 64 3 x 32 KB + 16,
-# hd 128 2 x 64 + 32, hd 256 (64-key tiles) 2 x 64 + 64 KB. Tensor memory: 2 S buffers + O =
-# 320 / 384 / 384 columns.
-_TILES = {64: (128, 3), 128: (128, 2), 256: (64, 2)}
+# Per head dim: (tile_n, K/V stages). Shared memory = Q + stages * (K + V) (+ 4 KB): hd 64
+# 16 + 3 x 32 KB, hd 96 24 + 3 x 48, hd 128 32 + 2 x 64, hd 192 (64-key tiles) 48 + 3 x 48,
+# hd 256 (64-key tiles) 64 + 2 x 64 KB. At hd 192 two 128-key stages (48 + 2 x 96 = 240 KB) do
+# not fit, and one would stall every QK MMA on its K load. Tensor memory: 2 S buffers + O =
+# 320 / 352 / 384 / 320 / 384 columns.
+_TILES = {64: (128, 3), 96: (128, 3), 128: (128, 2), 192: (64, 3), 256: (64, 2)}
+# 2-CTA: each CTA holds half of every K and V tile, so hd 192 keeps 128-key tiles (per CTA
+# 48 + 3 x 48 KB; tensor memory 128 + 128 + 192 = 448 columns). Other head dims: `_TILES`.
+_TILES_2CTA = {192: (128, 3)}
+TWO_CTA_HEAD_DIMS = (128, 192, 256)
 # Registers per thread after setmaxnreg, per warpgroup: (softmax, correction, MMA + load).
 # 384 threads launch at 168 (65536 / 384, in 8-register steps); the raise must be covered by
 # what the two others give back: 240 + 160 + 104 = 3 x 168.
@@ -45,8 +51,8 @@ class Sm100FwdConfig:
       inputs; 0 rescales on any growth.
     two_cta: a cluster of two CTAs (consecutive 128-row tiles of one head) issues each MMA as
       one ``tcgen05.mma.cta_group::2`` of M = 256 (`sm100.fwd_2cta`): each CTA loads half of
-      every K and V tile. Dense head dims 128 / 256 only (no causal, window, query lengths or
-      segment ids: both CTAs of a pair must walk the same key blocks).
+      every K and V tile. Dense head dims 128 / 192 / 256 only (no causal, window, query lengths
+      or segment ids: both CTAs of a pair must walk the same key blocks).
     """
 
     dtype: str = "bfloat16"
@@ -68,7 +74,8 @@ class Sm100FwdConfig:
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
-        tn, st = _TILES.get(self.head_dim, (128, 2))
+        tiles = _TILES_2CTA if self.two_cta and self.head_dim in _TILES_2CTA else _TILES
+        tn, st = tiles.get(self.head_dim, (128, 2))
         if self.tile_n is None:
             object.__setattr__(self, "tile_n", tn)
         if self.num_stages is None:
@@ -109,17 +116,20 @@ class Sm100FwdConfig:
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(tile 128x{self.tile_n}, {self.num_stages} stages)")
-        if self.two_cta and (self.head_dim not in (128, 256) or self.is_causal
+        if self.two_cta and (self.head_dim not in TWO_CTA_HEAD_DIMS or self.is_causal
                              or self.has_window or self.has_q_seqlen or self.has_segments):
-            return False, ("two_cta: dense head dims 128 / 256 only (no causal, window, query "
-                           "lengths or segment ids: a CTA pair walks one key range)")
+            return False, ("two_cta: dense head dims 128 / 192 / 256 only (no causal, window, "
+                           "query lengths or segment ids: a CTA pair walks one key range)")
         if sum(REGS) > 3 * LAUNCH_REGS:
             return False, f"register budgets {REGS} exceed 3 x {LAUNCH_REGS}"
         return self.tmem_plan().check()
 
     def smem_bytes(self) -> int:
+        """Per CTA (a 2-CTA pair's CTA holds half of each K and V tile)."""
         q = TILE_M * self.head_dim * 2
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * 2
+        if self.two_cta:
+            kv //= 2
         return q + kv + 4096  # + barriers, per-row scales, alignment
 
     @property

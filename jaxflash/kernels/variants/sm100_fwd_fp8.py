@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxflash.kernels.variants import tmem_plan
+from jaxflash.kernels.variants.fwd_fp8 import FP8_HEAD_DIMS
 from jaxflash.kernels.variants.sm100_fwd import TILE_M, Sm100FwdConfig
 
 FP8_DTYPES = ("float8_e4m3fn",)
@@ -76,6 +77,9 @@ class Sm100Fp8FwdConfig(Sm100FwdConfig):
             return False, f"dtype {self.dtype} not in {FP8_DTYPES}"
         if self.out_dtype not in OUT_DTYPES:
             return False, f"out_dtype {self.out_dtype} not in {OUT_DTYPES}"
+        if self.head_dim not in FP8_HEAD_DIMS:
+            # the FP8 call rules are the Hopper FP8 forward's (`choose.sm100_fp8_forward_config`)
+            return False, f"head_dim {self.head_dim} not in {FP8_HEAD_DIMS} for FP8"
         if self.tile_n != FP8_TILE_N:
             return False, (f"tile_n {self.tile_n}: the FP8 forward's key tile is the contract's "
                            f"{FP8_TILE_N}-key softmax tile")
