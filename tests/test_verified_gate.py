@@ -563,3 +563,24 @@ def test_forward_256_row_tiles_cleared_and_picked_at_dense_hd64_up_to_2k():
     assert devrun._variant(64, False, devrun.VARIANTS["m256"]) is not None
     assert devrun._variant(64, True, devrun.VARIANTS["m256_pairs"]).mask_select
     assert {(64, 1024, False), (64, 2048, False)} <= devrun.VARIANT_POINTS
+
+
+def test_short_window_takes_the_short_loop_schedule():
+    """hd 128 windows of <= 2048 keys over > 4k keys take `SHORT_WINDOW_SCHEDULE` (measured
+    there); shorter keys, longer windows keep the plain pick (GPU check:
+    tests/kernels/test_short_window_gpu.py)."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.kernels.policy.choose import SHORT_WINDOW_SCHEDULE, forward_config
+    from tests.kernels.test_short_window_gpu import CASES
+
+    def problem(T, S, N, K, window, causal, softcap=None):
+        st = AttentionStatics(scale=128 ** -0.5, is_causal=causal, window=window,
+                              softcap=softcap)
+        return Problem(batch=1, q_len=T, kv_len=S, num_heads=N, num_kv_heads=K, head_dim=128,
+                       head_dim_v=128, dtype="bfloat16", statics=st)
+    for case in CASES:
+        cfg = forward_config(problem(*case))
+        assert all(getattr(cfg, k) == v for k, v in SHORT_WINDOW_SCHEDULE.items()), cfg.key
+    assert not forward_config(problem(4096, 4096, 4, 4, (1024, 0), True)).wg_epilogue
+    assert not forward_config(problem(8192, 8192, 4, 4, (4096, 0), True)).tile_pipe
+    assert not forward_config(problem(8192, 8192, 4, 4, (1024, 0), True, 30.0)).wg_epilogue
