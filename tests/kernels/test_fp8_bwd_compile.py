@@ -326,3 +326,22 @@ def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal,
         assert np.all(np.isfinite(g)), what
         err = np.linalg.norm(g - r) / np.linalg.norm(r)
         assert err < 1e-3, (what, err)   # measured ~5e-7 (exp2 vs exp: rare FP8 flips)
+
+
+@pytest.mark.parametrize("hd,k_block,tile_n", [(128, 128, 128), (256, 128, 64), (256, 64, 64),
+                                               (128, 64, None), (256, 32, None)])
+def test_backward_config_matches_kv_scale_blocks_to_the_key_tile(hd, k_block, tile_n):
+    """The plan's block check follows the variant's key tile: 128 keys, 64 at hd 256 (a 128-key
+    scale block then covers two tiles); a block that would straddle tiles is refused."""
+    from jaxflash._types import AttentionStatics, Fp8Spec, Problem
+    from jaxflash.kernels.policy.choose import fp8_backward_config
+    spec = Fp8Spec(k_block=k_block, v_block=k_block)
+    st = AttentionStatics(scale=hd ** -0.5, fp8=spec)
+    p = Problem(batch=2, q_len=1000, kv_len=1000, num_heads=4, num_kv_heads=4, head_dim=hd,
+                head_dim_v=hd, dtype="float8_e4m3fn", statics=st, platform="cuda")
+    if tile_n is None:
+        with pytest.raises(ValueError, match=f"k scales per {k_block}-row block"):
+            fp8_backward_config(p)
+    else:
+        cfg = fp8_backward_config(p)
+        assert cfg.tile_n == tile_n and cfg.split == ("headdim" if hd > 128 else "keys")
