@@ -24,7 +24,7 @@
 #             fwd+bwd vs our bf16 vs cuDNN FP8 at D 128, vs our bf16 at D 256 (benchmarks.fp8_bench
 #             run --bwd; FP8BWD_DIMS=256 for one head dim; needs `fp8_bench build --bwd` in
 #             prepare); FP8BWD_SAN=1 adds memcheck + racecheck on one small case
-#             (FP8BWD_SAN_K picks it, e.g. d256-small)                           (~4 min)
+#             (FP8BWD_SAN_K picks it, e.g. d256-small)                           (~6 min)
 #   mods      score / mask mods in the CuTe kernels and the Triton-compiled Pallas kernels
 #             against the float32 reference (tests/kernels/test_mods_gpu.py,
 #             tests/mods/test_mods_gpu.py)                                        (~4 min)
@@ -129,7 +129,7 @@ fp8)
   [ "${FP8_TILES:-0}" = 1 ] && timeout 150 python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
     2>&1 | grep -v -i warn | tail -14 ;;
 fp8bwd)
-  timeout ${FP8BWD_TEST_TIMEOUT:-160} python3 -m pytest -q -p no:cacheprovider -m gpu -rA -s \
+  timeout ${FP8BWD_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -rA -s \
     tests/kernels/test_fp8_bwd_gpu.py ${FP8BWD_K:+-k "$FP8BWD_K"} 2>&1 \
     | tee $OUT/gpu-fp8-bwd-tests-$D.log | grep -E "rel-L2|PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
   [ "${FP8BWD_BENCH:-1}" = 1 ] && timeout ${FP8BWD_BENCH_TIMEOUT:-130} python3 -m benchmarks.fp8_bench \
