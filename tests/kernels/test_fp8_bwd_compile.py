@@ -1,10 +1,11 @@
-"""The FP8 backward kernels (`FlashBwdSm90Fp8`, and `FlashBwdSm90Fp8Wide` at hd 256) without a
-GPU: head dims 64 / 128 / 256 with each mask feature compile for sm_90a with FP8 wgmma for all five GEMMs (e4m3 x e4m3 for S^T, dK, dQ;
-e4m3 x e5m2 for dP^T and dV: mixed operand types), packed e4m3 conversions, 16-bit dS stores,
-one bulk dQ reduce a step, no local memory (ptxas: no spills, no serialized wgmma); a
-precision="fp8" gradient through ``implementation="cute"`` lowers to two custom calls (forward,
-backward) with no T x S tensor and survives a jax.export round trip; the XLA-side copies
-(transposes with the kernel's orders, dO's quantization) agree with the contract's emulation.
+"""The FP8 backward kernels (`FlashBwdSm90Fp8`, and `FlashBwdSm90Fp8Wide` at hd 256) without a GPU:
+head dims 64 / 128 / 256 with each mask feature compile for sm_90a with FP8 wgmma for all five
+GEMMs (e4m3 x e4m3 for S^T, dK, dQ; e4m3 x e5m2 for dP^T and dV: mixed operand types), packed
+e4m3 conversions, 16-bit dS stores, one bulk dQ reduce a step, no local memory (ptxas: no
+spills, no serialized wgmma); a precision="fp8" gradient through ``implementation="cute"``
+lowers to two custom calls (forward, backward) with no T x S tensor and survives a jax.export
+round trip; the XLA-side copies (transposes with the kernel's orders, dO's quantization) agree
+with the contract's emulation.
 
 Each compile takes 2-8 s on 2 cores (+ under 1 s of ptxas).
 """
@@ -276,8 +277,8 @@ def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal,
     kernel's orders, per-tile descales, dq from fragment order) with the kernel replaced by its
     algorithm in NumPy agrees with the contract's emulated backward: the scale, unit and order
     bookkeeping of the kernel is the contract's, at hd 256 with 64-key tiles and 64 x 64 dS
-    blocks (the contract's `bwd_kv_tile`). (What NumPy cannot check, the register and shared-memory layouts inside
-    the kernel, is the GPU test's.)"""
+    blocks (the contract's `bwd_kv_tile`). (What NumPy cannot check, the register and
+    shared-memory layouts inside the kernel, is the GPU test's.)"""
     import jax
     import jax.numpy as jnp
 

@@ -1,11 +1,11 @@
-"""The FP8 backward kernels (`FlashBwdSm90Fp8`; `FlashBwdSm90Fp8Wide` at hd 256) on the GPU: dq / dk / dv of precision="fp8"
-(bf16 inputs quantized per 128-row block, random-sign Hadamard, E5M2 dO) through
-``implementation="cute"`` (the FP8 forward kernel, then the FP8 backward kernel) against the
-same call emulated (``implementation="xla"``, the contract's backward) and a float64
-reference on the bf16 inputs: odd lengths, GQA, causal, window, softcap with lengths,
-segment ids, cross attention, E4M3 dO; at hd 256 dense, causal GQA, softcap with lengths,
-window, segment ids and a small case for the sanitizers. The kernels are gated as unverified until these pass: the
-run sets JAXFLASH_CUTE_UNVERIFIED=1.
+"""The FP8 backward kernels (`FlashBwdSm90Fp8`; `FlashBwdSm90Fp8Wide` at hd 256) on the GPU: dq /
+dk / dv of precision="fp8" (bf16 inputs quantized per 128-row block, random-sign Hadamard, E5M2
+dO) through ``implementation="cute"`` (the FP8 forward kernel, then the FP8 backward kernel)
+against the same call emulated (``implementation="xla"``, the contract's backward) and a float64
+reference on the bf16 inputs: odd lengths, GQA, causal, window, softcap with lengths, segment
+ids, cross attention, E4M3 dO; at hd 256 dense, causal GQA, softcap with lengths, window,
+segment ids and a small case for the sanitizers. The kernels are gated as unverified until these
+pass: the run sets JAXFLASH_CUTE_UNVERIFIED=1.
 
 Tolerances (`tests/fp8/test_emulated.EMULATION_TOLERANCE`): kernel vs emulation rel-L2 <= 5e-2
 per gradient (P and dS are rounded to e4m3 independently: exp2 approximations and the order of

@@ -35,6 +35,10 @@ accumulation, by the numerics contract of `jaxflash.fp8.contract`. What differs 
 
 Masks (causal, window, lengths, segment ids) and softcap are the bf16 kernel's code
 (`mask.py`, `segments.py`). Gated unverified (`policy/verified.RULES`) until its GPU check.
+
+Head dim 256 runs the subclass `sm90.bwd_fp8_wide.FlashBwdSm90Fp8Wide` (the head-dim split of
+the bf16 `FlashBwdSm90Wide`): it replaces `fp8_tiled_mmas`, `ds_buffers` and `consume_fp8` and
+keeps the rest (launch, producer, `probs_grads`, `store_ds`, `store_dkdv_f32`).
 """
 from __future__ import annotations
 
