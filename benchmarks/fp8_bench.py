@@ -6,7 +6,7 @@ kernel), all in one process, interleaved per grid point (`timing.time_interleave
     python -m benchmarks.fp8_bench build --out .device/kernels     # here: compile the variants
     python -m benchmarks.fp8_bench run [--quick] [--out DIR]         # on the GPU
     python -m benchmarks.fp8_bench run --tiles                       # key tiles compared
-    python -m benchmarks.fp8_bench run --bwd                         # forward + backward, D 128
+    python -m benchmarks.fp8_bench run --bwd [--dims 256]            # forward + backward
     python -m benchmarks.fp8_bench build --bwd --out .device/kernels # only what --bwd and
                                                # tests/kernels/test_fp8_bwd_gpu.py reach
 
@@ -17,11 +17,12 @@ Results: ``fp8-fwd-bench-h200-<date>.json`` and ``.md`` in --out (default $OUT o
 benchmarks/results). The issue's targets are printed with the table: FP8 geomean >= 1.1x cuDNN
 FP8, >= 1200 TFLOP/s at D 256 S 16k dense, >= 1.5x our bf16 at S >= 4k (D 128 / 256).
 
-``run --bwd``: forward + backward at D 128 (`BWD_POINTS`): ours FP8 (FP8 operands and scales
+``run --bwd``: forward + backward at D 128 and 256 (`BWD_POINTS`): ours FP8 (FP8 operands and scales
 given, gradients with respect to them: the FP8 forward and backward kernels), ours
 ``precision="fp8"`` from bf16 (quantize + Hadamard in XLA, gradients to the bf16 inputs), ours
-bf16, cuDNN FP8 (vjp of JAX's private FP8 entry point; the timing does not depend on its scale
-order bug, see ../shared/anchors/fp8/), TFLOP/s = 3.5 x the forward's FLOPs / time. Results:
+bf16, cuDNN FP8 (vjp of JAX's private FP8 entry point, D 128 only: its FP8 backward runs at no
+other head dim; the timing does not depend on its scale order bug, see ../shared/anchors/fp8/),
+TFLOP/s = 3.5 x the forward's FLOPs / time. Results:
 ``fp8-fwdbwd-bench-h200-<date>.json`` / ``.md``.
 """
 from __future__ import annotations
@@ -41,6 +42,8 @@ QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, T
 # (three consumer warpgroups, the bf16 hd 64 pick); and V^T from the XLA side (`v_transposed`:
 # no transpose in the kernel, the XLA transpose of V inside the timed call).
 BWD_POINTS = [(128, s, c) for s in (1024, 4096, 16384) for c in (False, True)]
+# hd 256 (`FlashBwdSm90Fp8Wide`): beside our bf16 forward + backward only (no cuDNN FP8 backward)
+BWD_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
@@ -89,7 +92,7 @@ def _fp8_args(B, S, N, D, K=None, seed=0):
     return (q, k, v), (q8, k8, v8, qs, kss, vs)
 
 
-def build(out: str, bwd_only: bool = False) -> int:
+def build(out: str, bwd_only: bool = False, dims=None) -> int:
     """Compile our FP8 and bf16 forward variants of the grid and the FP8 GPU tests' cases, and
     the forward + backward variants of `BWD_POINTS` (``bwd_only``: those and the FP8 backward
     GPU test's cases only)."""
@@ -113,7 +116,7 @@ def build(out: str, bwd_only: bool = False) -> int:
             launches.setdefault(b.name, b)
 
     e4 = jnp.float8_e4m3fn
-    for d, s, c in (BWD_POINTS if bwd_only else GRID):
+    for d, s, c in (_only(BWD_POINTS, dims) if bwd_only else GRID):
         B, S, N, D = shapes(d, s)
         x8 = sds((B, S, N, D), e4)
         one = jnp.ones((), jnp.float32)
@@ -310,7 +313,7 @@ def run_bwd(points, out_dir: str) -> int:
 
         fns = {"ours_fp8": jax.jit(ours_fp8), "ours_fp8_e2e": jax.jit(ours("fp8")),
                "ours_bf16": jax.jit(ours(None))}
-        if fa is not None:
+        if fa is not None and d == 128:  # (cuDNN's FP8 backward: D 128 only)
             one = jnp.ones((1, 1, 1, 1), f32)
             params = {kk: one for kk in fa.fp8_params_keys}
             params.update(scale_s=one * 256.0, descale_s=one / 256.0)
@@ -358,6 +361,14 @@ def run_bwd(points, out_dir: str) -> int:
     return 0
 
 
+def _only(points, dims):
+    """`points` at the head dims of the comma-separated `dims` (all when None)."""
+    if not dims:
+        return points
+    keep = {int(x) for x in str(dims).split(",")}
+    return [p for p in points if p[0] in keep]
+
+
 def _gm(xs):
     xs = [x for x in xs if x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
@@ -401,17 +412,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="D 128 / 256, S 4k / 16k only")
     ap.add_argument("--bwd", action="store_true",
-                    help="instead: forward + backward at D 128 (BWD_POINTS)")
+                    help="instead: forward + backward at D 128 / 256 (BWD_POINTS)")
+    ap.add_argument("--dims", default=None,
+                    help="with --bwd: only these head dims (comma separated, e.g. 256)")
     ap.add_argument("--tiles", action="store_true",
                     help="instead: FP8 variants compared (TILE_POINTS x TILE_VARIANTS)")
     a = ap.parse_args(argv)
     if a.mode == "build":
-        return build(a.out or ".device/kernels", bwd_only=a.bwd)
+        return build(a.out or ".device/kernels", bwd_only=a.bwd, dims=a.dims)
     out = a.out or os.environ.get("OUT") or "benchmarks/results"
     if a.tiles:
         return run_tiles(out)
     if a.bwd:
-        return run_bwd(BWD_POINTS, out)
+        return run_bwd(_only(BWD_POINTS, a.dims), out)
     return run(QUICK if a.quick else GRID, out)
 
 

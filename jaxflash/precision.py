@@ -167,7 +167,8 @@ def describe(spec: Fp8Spec, seed) -> tuple[str, ...]:
             f"running row max per {C.FWD_KV_TILE}-key tile); output {spec.out_dtype}",
             f"FP8 backward: E4M3 Q, K, V, P, dS and "
             f"{spec.do_dtype.replace('float8_', '').upper().replace('FN', '')} dO, float32 accumulation, per-block "
-            f"scales ({C.BWD_Q_TILE} query rows; dS per {C.BWD_DS_Q_TILE}x{C.BWD_KV_TILE} block); "
+            f"scales ({C.BWD_Q_TILE} query rows; dS per {C.BWD_DS_Q_TILE}x{C.BWD_KV_TILE} block, "
+            f"{C.BWD_DS_Q_TILE}x{C.BWD_KV_TILE_WIDE} at head dims > {C.BWD_WIDE_HEAD_DIM}); "
             f"{grads}")
 
 

@@ -20,9 +20,11 @@
 #             grid (benchmarks.fp8_bench; FP8_QUICK=1: D 128/256 x S 4k/16k; FP8_TILES=1 adds
 #             the FP8 variants' comparison, +2.5 min; needs `fp8_bench build` in prepare)  (~4 min)
 #   fp8bwd    the Hopper FP8 backward kernel (gated) against its emulated contract and float64
-#             (tests/kernels/test_fp8_bwd_gpu.py), then FP8 fwd+bwd vs our bf16 vs cuDNN FP8 at
-#             D 128 (benchmarks.fp8_bench run --bwd; needs `fp8_bench build --bwd` in prepare);
-#             FP8BWD_SAN=1 adds memcheck + racecheck on one small case          (~3 min)
+#             (tests/kernels/test_fp8_bwd_gpu.py; FP8BWD_K selects cases, e.g. d256), then FP8
+#             fwd+bwd vs our bf16 vs cuDNN FP8 at D 128, vs our bf16 at D 256 (benchmarks.fp8_bench
+#             run --bwd; FP8BWD_DIMS=256 for one head dim; needs `fp8_bench build --bwd` in
+#             prepare); FP8BWD_SAN=1 adds memcheck + racecheck on one small case
+#             (FP8BWD_SAN_K picks it, e.g. d256-small)                           (~6 min)
 #   mods      score / mask mods in the CuTe kernels and the Triton-compiled Pallas kernels
 #             against the float32 reference (tests/kernels/test_mods_gpu.py,
 #             tests/mods/test_mods_gpu.py)                                        (~4 min)
@@ -127,15 +129,15 @@ fp8)
   [ "${FP8_TILES:-0}" = 1 ] && timeout 150 python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
     2>&1 | grep -v -i warn | tail -14 ;;
 fp8bwd)
-  timeout ${FP8BWD_TEST_TIMEOUT:-100} python3 -m pytest -q -p no:cacheprovider -m gpu -rA -s \
+  timeout ${FP8BWD_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -rA -s \
     tests/kernels/test_fp8_bwd_gpu.py ${FP8BWD_K:+-k "$FP8BWD_K"} 2>&1 \
     | tee $OUT/gpu-fp8-bwd-tests-$D.log | grep -E "rel-L2|PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
-  [ "${FP8BWD_BENCH:-1}" = 1 ] && timeout ${FP8BWD_BENCH_TIMEOUT:-70} python3 -m benchmarks.fp8_bench \
-    run --bwd --out $OUT 2>&1 | grep -v -i warn | tail -14
+  [ "${FP8BWD_BENCH:-1}" = 1 ] && timeout ${FP8BWD_BENCH_TIMEOUT:-130} python3 -m benchmarks.fp8_bench \
+    run --bwd ${FP8BWD_DIMS:+--dims $FP8BWD_DIMS} --out $OUT 2>&1 | grep -v -i warn | tail -18
   if [ "${FP8BWD_SAN:-0}" = 1 ]; then
     for tool in memcheck racecheck; do
       timeout 90 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -m gpu \
-        -p no:cacheprovider tests/kernels/test_fp8_bwd_gpu.py -k d64-tensor-scales \
+        -p no:cacheprovider tests/kernels/test_fp8_bwd_gpu.py -k ${FP8BWD_SAN_K:-d64-tensor-scales} \
         > $OUT/gpu-fp8-bwd-$tool-$D.log 2>&1
       echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" $OUT/gpu-fp8-bwd-$tool-$D.log | tail -2
     done

@@ -24,7 +24,8 @@ Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the L
   dV_j  += sum_i p8_ij dO8_i                     (dequantized operands, float32 accumulate)
   dP_ij  = dO8_i . v_j;   dZ_ij = p_ij (dP_ij - D_i)   (float32)
   dX_ij  = dZ_ij * softcap'(.)   (gradient at s_ij * scale; dZ itself feeds dbias / dALiBi)
-  dS8    = E4M3 of dX, scales per (b, n, BWD_DS_Q_TILE query rows x BWD_KV_TILE keys), amax rule
+  dS8    = E4M3 of dX, scales per (b, n, BWD_DS_Q_TILE query rows x bwd_kv_tile(H) keys), amax
+           rule (128 keys, 64 at head dims above BWD_WIDE_HEAD_DIM)
   dQ_i  += scale * sum_j dS8_ij k_j;   dK_j += scale * sum_i dS8_ij q_i
   with q, k, v the dequantized FP8 operands of the forward (E4M3 unless the caller gave E5M2).
   Gradients are float32, with respect to the dequantized operands.
@@ -69,8 +70,18 @@ BWD_Q_TILE = 128          # query rows per dO (E5M2) scale
 # amax per 64 x 128 block, finer than a 128 x 128 one and reduced inside one step.
 BWD_DS_Q_TILE = 64
 BWD_KV_TILE = 128         # keys per dS block
+# Above this head dim the kernel's CTA holds 64 keys (its two warpgroups split the head dim: the
+# dK + dV accumulators of 128 keys do not fit the registers), and a dS block cannot span two
+# CTAs: the dS block is BWD_DS_Q_TILE x BWD_KV_TILE_WIDE there.
+BWD_WIDE_HEAD_DIM = 128
+BWD_KV_TILE_WIDE = 64
 BWD_AMAX_FLOOR = 2.0 ** -64  # least amax of a nonzero dO / dS block (see the amax rule)
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 DEFAULT_BLOCK = 128       # sequence rows per scale when precision="fp8" quantizes itself
 HADAMARD_DEFAULT_SEED = 0
+
+
+def bwd_kv_tile(head_dim: int) -> int:
+    """Keys per dS scale block of the backward at this (query / key) head dim."""
+    return BWD_KV_TILE if head_dim <= BWD_WIDE_HEAD_DIM else BWD_KV_TILE_WIDE

@@ -201,7 +201,7 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
     B, T, N, H = q8.shape
     S, K, Hv = k8.shape[1], k8.shape[2], v8.shape[3]
     G = N // K
-    tile = C.BWD_KV_TILE
+    tile = C.bwd_kv_tile(H)           # the dS blocks' keys (and the scan's tile)
     qc, qs, kc, ks, vd = _operands(q8, k8, v8, arrays, spec)
     qd = qc * qs[..., None]
     do = _split(dout.astype(jnp.float32), K)                               # [B,K,G,T,Hv]

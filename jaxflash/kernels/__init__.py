@@ -73,10 +73,11 @@ KERNELS: dict[str, Kernel] = {
                         ("wide", "jaxflash.kernels.sm90.bwd_wide:FlashBwdSm90Wide")),
                        ("sm_90a",)),
     # FP8 backward for Hopper: E4M3 Q / K / V / P / dS, E5M2 dO; Q^T, K^T and dO^T come from
-    # XLA (FP8 wgmma reads K-major operands only).
+    # XLA (FP8 wgmma reads K-major operands only). hd 256 splits the head dim ("wide").
     "sm90_bwd_fp8": Kernel("jaxflash.kernels.variants.bwd_fp8:Fp8BwdConfig",
                            "jaxflash.kernels.variants.bwd_fp8_launch:bwd_fp8_launch",
-                           (("main", "jaxflash.kernels.sm90.bwd_fp8:FlashBwdSm90Fp8"),),
+                           (("main", "jaxflash.kernels.sm90.bwd_fp8:FlashBwdSm90Fp8"),
+                            ("wide", "jaxflash.kernels.sm90.bwd_fp8_wide:FlashBwdSm90Fp8Wide")),
                            ("sm_90a",)),
     # FlashAttention forward for Blackwell: tcgen05 MMAs with S, P and O in tensor memory.
     # Compiled and instruction-checked only; dispatch gates it until a Blackwell run.

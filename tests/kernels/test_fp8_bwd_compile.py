@@ -1,12 +1,13 @@
-"""The FP8 backward kernel (`FlashBwdSm90Fp8`) without a GPU: head dims 64 / 128 with each mask
-feature compile for sm_90a with FP8 wgmma for all five GEMMs (e4m3 x e4m3 for S^T, dK, dQ;
-e4m3 x e5m2 for dP^T and dV: mixed operand types), packed e4m3 conversions, 16-bit dS stores,
-one bulk dQ reduce a step, no local memory (ptxas: no spills, no serialized wgmma); a
-precision="fp8" gradient through ``implementation="cute"`` lowers to two custom calls (forward,
-backward) with no T x S tensor and survives a jax.export round trip; the XLA-side copies
-(transposes with the kernel's orders, dO's quantization) agree with the contract's emulation.
+"""The FP8 backward kernels (`FlashBwdSm90Fp8`, and `FlashBwdSm90Fp8Wide` at hd 256) without a GPU:
+head dims 64 / 128 / 256 with each mask feature compile for sm_90a with FP8 wgmma for all five
+GEMMs (e4m3 x e4m3 for S^T, dK, dQ; e4m3 x e5m2 for dP^T and dV: mixed operand types), packed
+e4m3 conversions, 16-bit dS stores, one bulk dQ reduce a step, no local memory (ptxas: no
+spills, no serialized wgmma); a precision="fp8" gradient through ``implementation="cute"``
+lowers to two custom calls (forward, backward) with no T x S tensor and survives a jax.export
+round trip; the XLA-side copies (transposes with the kernel's orders, dO's quantization) agree
+with the contract's emulation.
 
-Each compile takes 6-8 s on 2 cores (+ about 1 s of ptxas).
+Each compile takes 2-8 s on 2 cores (+ under 1 s of ptxas).
 """
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig  # noqa: E402
 
-# The register-heaviest variant (hd 128 with softcap's tanh values and both lengths) and hd 64
-# with the rest of the features and E4M3 dO: two compiles keep the file's CI time near 60 s.
+# The register-heaviest variants (softcap's tanh values and both lengths) and the rest of the
+# features with E4M3 dO, at hd 128 / 64 and at hd 256 (the head-dim split): four compiles of a
+# few seconds each.
 MATRIX = [
     Fp8BwdConfig(head_dim=128, is_causal=True, has_softcap=True, has_q_seqlen=True,
                  has_kv_seqlen=True),
     Fp8BwdConfig(head_dim=64, has_window=True, has_segments=True, do_dtype="float8_e4m3fn"),
+    Fp8BwdConfig(head_dim=256, is_causal=True, has_softcap=True, has_q_seqlen=True,
+                 has_kv_seqlen=True),
+    Fp8BwdConfig(head_dim=256, has_window=True, has_segments=True, do_dtype="float8_e4m3fn"),
 ]
 
 
@@ -40,14 +45,20 @@ def test_fp8_bwd_variant_compiles_with_fp8_wgmma_and_no_spills(cfg, tmp_path):
     assert ".target sm_90a" in ptx
     do = "e5m2" if cfg.do_dtype == "float8_e5m2" else "e4m3"
     w = "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.{}"
-    for n, b in ((cfg.tile_m, "e4m3"),           # S^T = K Q^T
-                 (cfg.tile_m, do),               # dP^T = V dO^T
-                 (cfg.head_dim, do),             # dV += P^T dO^T   (A from registers)
-                 (cfg.head_dim, "e4m3"),         # dK += dS^T Q^T   (A from registers)
+    # key split: 64 keys x all queries (S^T, dP^T) and x the head dim (dK, dV) per warpgroup;
+    # head-dim split (hd 256): 64 keys x half the queries, x half the head dim
+    wide = cfg.split == "headdim"
+    sq, kv = (cfg.tile_m // 2, cfg.head_dim // 2) if wide else (cfg.tile_m, cfg.head_dim)
+    for n, b in ((sq, "e4m3"),                   # S^T = K Q^T
+                 (sq, do),                       # dP^T = V dO^T
+                 (kv, do),                       # dV += P^T dO^T   (A: registers / smem)
+                 (kv, "e4m3"),                   # dK += dS^T Q^T   (A: registers / smem)
                  (cfg.head_dim // 2, "e4m3")):   # dQ = dS K^T, head dim split over 2 WGs
         assert w.format(n, b) in ptx, w.format(n, b)
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx       # P and dS to e4m3, two at a time
     assert "st.shared.b16" in ptx                      # dS rows into shared memory
+    if wide:  # P^T and dS^T rows, 4 queries a store (`bwd_fp8_wide.store_rows_t`)
+        assert ptx.count("st.shared.b32") >= 8
     assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
     assert "shfl.sync.bfly" in ptx and "bar.sync 	4, 256" in ptx   # dS amax over the block
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx and "ex2.approx" in ptx
@@ -75,7 +86,7 @@ def test_kernel_constants_follow_the_contract():
     assert AMAX_FLOOR == C.BWD_AMAX_FLOOR
     assert DO_SCALE_ROWS == C.BWD_Q_TILE and DO_SCALE_ROWS % MATRIX[0].tile_m == 0
     for c in MATRIX:
-        assert (c.tile_m, c.tile_n) == (C.BWD_DS_Q_TILE, C.BWD_KV_TILE)
+        assert (c.tile_m, c.tile_n) == (C.BWD_DS_Q_TILE, C.bwd_kv_tile(c.head_dim))
 
 
 def test_transposed_copies_follow_the_kernels_orders():
@@ -161,27 +172,33 @@ def test_explain_names_the_backward_that_runs(monkeypatch):
     x = jax.ShapeDtypeStruct((2, 200, 4, 128), jnp.bfloat16)
     # gated: the emulated backward runs, and explain says why
     monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
+    y = jax.ShapeDtypeStruct((2, 200, 4, 256), jnp.bfloat16)
     with jaxflash.target_platform("cuda"):
         text = str(jaxflash.explain(x, x, x, is_causal=True, precision="fp8"))
+        text256 = str(jaxflash.explain(y, y, y, precision="fp8"))
     assert "emulated FP8 backward" in text and "FlashBwdSm90Fp8, no GPU run yet" in text, text
+    assert "FlashBwdSm90Fp8Wide, no GPU run yet" not in text, text
+    assert "emulated FP8 backward" in text256 and "FlashBwdSm90Fp8Wide, no GPU run yet" in text256
     # admitted: the kernel
     monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
     with jaxflash.target_platform("cuda"):
         text = str(jaxflash.explain(x, x, x, is_causal=True, precision="fp8"))
         assert "backward: CuTe FP8 kernel FlashBwdSm90Fp8 (bwd8_sm90_e4m3_doe5m2_h128" in text
-        # what it does not serve falls back, naming the reason: hd 256, deterministic
-        y = jax.ShapeDtypeStruct((2, 200, 4, 256), jnp.bfloat16)
+        # hd 256: the head-dim split
         text = str(jaxflash.explain(y, y, y, precision="fp8"))
-        assert "emulated FP8 backward" in text and "head dim 256" in text, text
+        assert ("backward: CuTe FP8 kernel FlashBwdSm90Fp8Wide "
+                "(bwd8_sm90_e4m3_doe5m2_h256_t64x64s1") in text, text
+        # what it does not serve falls back, naming the reason
         text = str(jaxflash.explain(x, x, x, precision="fp8", deterministic=True))
         assert "emulated FP8 backward" in text and "deterministic FP8 backward" in text, text
 
 
-def _kernel_in_numpy(inputs, scale, causal, T, S, G):
+def _kernel_in_numpy(inputs, scale, causal, T, S, G, tn=128):
     """The kernel's algorithm (`sm90.bwd_fp8`), step by step in NumPy, on the launch's inputs
     as the kernel reads them: the permuted transposed copies, the per-tile descales, P x 2^8,
-    dS scaled per 64 x 128 block, dK / dV accumulated in the step's units and rescaled when
-    they change, dQ per step x (dS x k) unit, dq_acc in fragment order. Dense or causal MHA/GQA."""
+    dS scaled per 64 x tn block (tn: the kernel's key tile, 128, or 64 at hd 256), dK / dV
+    accumulated in the step's units and rescaled when they change, dQ per step x (dS x k) unit,
+    dq_acc in fragment order. Dense or causal MHA/GQA."""
     import ml_dtypes
 
     from jaxflash.kernels.variants.bwd_fp8_launch import K_ORDER, Q_ORDER
@@ -190,30 +207,30 @@ def _kernel_in_numpy(inputs, scale, causal, T, S, G):
     q8, k8, v8, do8, qt, kt, dot, lse2, delta, qd, dod, kd, vd = [f(x) for x in inputs]
     B, _, N, H = q8.shape
     K = k8.shape[2]
-    nq, nk = -(-T // 64), -(-S // 128)
+    nq, nk = -(-T // 64), -(-S // tn)
     qperm = np.array([16 * (p // 16) + Q_ORDER[p % 16] for p in range(64)])
-    kperm = np.array([16 * (p // 16) + K_ORDER[p % 16] for p in range(128)])
+    kperm = np.array([16 * (p // 16) + K_ORDER[p % 16] for p in range(tn)])
     pad = lambda x, L: np.pad(x, [(0, L - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
     cvt = lambda x: np.clip(x, -448, 448).astype(e4).astype(np.float32)
     dq = np.zeros((B, nq * 64, N, H), np.float32)
-    dk = np.zeros((B, nk * 128, K, H), np.float32)
+    dk = np.zeros((B, nk * tn, K, H), np.float32)
     dv = np.zeros_like(dk)
     l2e = np.float32(np.log2(np.e))
     for b in range(B):
         for kh in range(K):
             for n in range(nk):
-                kt_ = pad(k8[b, n * 128:(n + 1) * 128, kh], 128)
-                vt_ = pad(v8[b, n * 128:(n + 1) * 128, kh], 128)
-                ktt = kt[b, kh, :, n * 128:(n + 1) * 128]                 # H x 128 positions
-                acc_dk = np.zeros((128, H), np.float32)
-                acc_dv = np.zeros((128, H), np.float32)
+                kt_ = pad(k8[b, n * tn:(n + 1) * tn, kh], tn)
+                vt_ = pad(v8[b, n * tn:(n + 1) * tn, kh], tn)
+                ktt = kt[b, kh, :, n * tn:(n + 1) * tn]                   # H x tn positions
+                acc_dk = np.zeros((tn, H), np.float32)
+                acc_dv = np.zeros((tn, H), np.float32)
                 unit_k = unit_v = np.float32(1)
-                keys = n * 128 + np.arange(128)
+                keys = n * tn + np.arange(tn)
                 for g in range(G):
                     h = kh * G + g
                     for m in range(nq):
                         rows = m * 64 + np.arange(64)
-                        if causal and rows.max() < n * 128:
+                        if causal and rows.max() < n * tn:
                             continue                      # the block range skips it
                         qt_ = pad(q8[b, m * 64:(m + 1) * 64, h], 64)
                         dot_ = pad(do8[b, m * 64:(m + 1) * 64, h], 64)
@@ -241,33 +258,37 @@ def _kernel_in_numpy(inputs, scale, causal, T, S, G):
                         acc_dk += ds8[:, qperm] @ qt[b, h, :, m * 64:(m + 1) * 64].T
                         sds = ds8[kperm].T                                # queries x positions
                         dq[b, m * 64:(m + 1) * 64, h] += (sds @ ktt.T) * (ds_s * kd[b, kh, n])
-                dk[b, n * 128:(n + 1) * 128, kh] = acc_dk * unit_k * np.float32(scale)
-                dv[b, n * 128:(n + 1) * 128, kh] = acc_dv * unit_v / 256
+                dk[b, n * tn:(n + 1) * tn, kh] = acc_dk * unit_k * np.float32(scale)
+                dv[b, n * tn:(n + 1) * tn, kh] = acc_dv * unit_v / 256
     # dq in the accumulator's fragment order (the inverse of `bwd_launch.dq_from_flat`)
     a = dq.reshape(B, nq, 4, 2, 8, N, 2, H // 16, 4, 2)
     a = a.transpose(np.argsort((0, 2, 5, 8, 6, 1, 3, 4, 7, 9)))
     return a.reshape(B, N, nq, 64 * H), dk[:, :S], dv[:, :S]
 
 
-@pytest.mark.parametrize("causal,do_dtype,far", [(False, "float8_e5m2", False),
-                                                 (True, "float8_e4m3fn", False),
-                                                 (False, "float8_e5m2", True)])
+@pytest.mark.parametrize("causal,do_dtype,far,H", [(False, "float8_e5m2", False, 64),
+                                                   (True, "float8_e4m3fn", False, 64),
+                                                   (False, "float8_e5m2", True, 64),
+                                                   (True, "float8_e5m2", False, 256),
+                                                   (False, "float8_e5m2", True, 256)])
 def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal, do_dtype, far,
-                                                                         monkeypatch):
+                                                                         H, monkeypatch):
     """`call.backward_fp8` (dO quantized per 128 rows, E5M2 or E4M3, Q^T / K^T / dO^T in the
-    kernel's orders, per-tile descales, dq from fragment order) with the kernel replaced by its algorithm in NumPy agrees
-    with the contract's emulated backward: the scale, unit and order bookkeeping of the kernel
-    is the contract's. (What NumPy cannot check, the register and shared-memory layouts inside
-    the kernel, is the GPU test's.)"""
+    kernel's orders, per-tile descales, dq from fragment order) with the kernel replaced by its
+    algorithm in NumPy agrees with the contract's emulated backward: the scale, unit and order
+    bookkeeping of the kernel is the contract's, at hd 256 with 64-key tiles and 64 x 64 dS
+    blocks (the contract's `bwd_kv_tile`). (What NumPy cannot check, the register and
+    shared-memory layouts inside the kernel, is the GPU test's.)"""
     import jax
     import jax.numpy as jnp
 
     from jaxflash import ffi
     from jaxflash._types import AttentionArrays, AttentionStatics, Fp8Spec
+    from jaxflash.fp8 import contract as C
     from jaxflash.fp8 import emulated
     from jaxflash.kernels import call
     from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
-    B, T, N, K, H = 1, 200, 4, 2, 64
+    B, T, N, K = 1, 200, 4, 2
     rng = np.random.default_rng(3)
     x = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     # codes and 128-row block scales that differ block to block (the kernel's units change)
@@ -294,13 +315,34 @@ def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal,
 
     def fake_call(launch, *inputs, out_shapes, scalars=(), int_scalars=()):
         assert scalars[0] == st.scale
-        return _kernel_in_numpy(inputs, st.scale, causal, T, T, N // K)
+        return _kernel_in_numpy(inputs, st.scale, causal, T, T, N // K, cfg.tile_n)
 
     monkeypatch.setattr(ffi, "call", fake_call)
-    launch = bwd_fp8_launch(Fp8BwdConfig(head_dim=H, is_causal=causal, do_dtype=do_dtype))
+    cfg = Fp8BwdConfig(head_dim=H, is_causal=causal, do_dtype=do_dtype)
+    assert cfg.tile_n == C.bwd_kv_tile(H)
+    launch = bwd_fp8_launch(cfg)
     got = call.backward_fp8(launch, q8, k8, v8, arrays, st, out, lse, dout)[:3]
     for what, g, r in zip(("dq", "dk", "dv"), got, ref):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.all(np.isfinite(g)), what
         err = np.linalg.norm(g - r) / np.linalg.norm(r)
         assert err < 1e-3, (what, err)   # measured ~5e-7 (exp2 vs exp: rare FP8 flips)
+
+
+@pytest.mark.parametrize("hd,k_block,tile_n", [(128, 128, 128), (256, 128, 64), (256, 64, 64),
+                                               (128, 64, None), (256, 32, None)])
+def test_backward_config_matches_kv_scale_blocks_to_the_key_tile(hd, k_block, tile_n):
+    """The plan's block check follows the variant's key tile: 128 keys, 64 at hd 256 (a 128-key
+    scale block then covers two tiles); a block that would straddle tiles is refused."""
+    from jaxflash._types import AttentionStatics, Fp8Spec, Problem
+    from jaxflash.kernels.policy.choose import fp8_backward_config
+    spec = Fp8Spec(k_block=k_block, v_block=k_block)
+    st = AttentionStatics(scale=hd ** -0.5, fp8=spec)
+    p = Problem(batch=2, q_len=1000, kv_len=1000, num_heads=4, num_kv_heads=4, head_dim=hd,
+                head_dim_v=hd, dtype="float8_e4m3fn", statics=st, platform="cuda")
+    if tile_n is None:
+        with pytest.raises(ValueError, match=f"k scales per {k_block}-row block"):
+            fp8_backward_config(p)
+    else:
+        cfg = fp8_backward_config(p)
+        assert cfg.tile_n == tile_n and cfg.split == ("headdim" if hd > 128 else "keys")

@@ -1,10 +1,11 @@
-"""The FP8 backward kernel (`FlashBwdSm90Fp8`) on the GPU: dq / dk / dv of precision="fp8"
-(bf16 inputs quantized per 128-row block, random-sign Hadamard, E5M2 dO) through
-``implementation="cute"`` (the FP8 forward kernel, then the FP8 backward kernel) against the
-same call emulated (``implementation="xla"``, the contract's backward) and a float64
-reference on the bf16 inputs: odd lengths, GQA, causal, window, softcap with lengths,
-segment ids, cross attention, E4M3 dO. The kernel is gated as unverified until these pass: the
-run sets JAXFLASH_CUTE_UNVERIFIED=1.
+"""The FP8 backward kernels (`FlashBwdSm90Fp8`; `FlashBwdSm90Fp8Wide` at hd 256) on the GPU: dq /
+dk / dv of precision="fp8" (bf16 inputs quantized per 128-row block, random-sign Hadamard, E5M2
+dO) through ``implementation="cute"`` (the FP8 forward kernel, then the FP8 backward kernel)
+against the same call emulated (``implementation="xla"``, the contract's backward) and a float64
+reference on the bf16 inputs: odd lengths, GQA, causal, window, softcap with lengths, segment
+ids, cross attention, E4M3 dO; at hd 256 dense, causal GQA, softcap with lengths, window,
+segment ids and a small case for the sanitizers. The kernels are gated as unverified until these
+pass: the run sets JAXFLASH_CUTE_UNVERIFIED=1.
 
 Tolerances (`tests/fp8/test_emulated.EMULATION_TOLERANCE`): kernel vs emulation rel-L2 <= 5e-2
 per gradient (P and dS are rounded to e4m3 independently: exp2 approximations and the order of
@@ -37,6 +38,15 @@ CASES = [
     ("d128-segments-causal", 2, 700, 700, 4, 2, 128, dict(is_causal=True, segments=True)),
     ("d128-e4m3-dO", 1, 1024, 1024, 4, 4, 128, dict(dout_dtype="e4m3")),
     ("d64-tensor-scales", 1, 640, 640, 4, 4, 64, dict(scale_granularity="tensor")),
+    # hd 256: the head-dim split (`FlashBwdSm90Fp8Wide`, 64-key tiles, 64 x 64 dS blocks)
+    ("d256-dense", 1, 1024, 1024, 4, 4, 256, {}),
+    ("d256-causal-gqa", 1, 1031, 1031, 8, 2, 256, dict(is_causal=True)),
+    ("d256-softcap-lengths", 2, 900, 1100, 4, 4, 256, dict(softcap=20.0, lengths=True)),
+    ("d256-window-gqa", 1, 1500, 1500, 4, 2, 256, dict(local_window_size=(200, 0))),
+    ("d256-segments-causal", 2, 700, 700, 4, 2, 256, dict(is_causal=True, segments=True)),
+    # small, for the sanitizers (run.sh fp8bwd: FP8BWD_SAN=1 FP8BWD_SAN_K=d256-small)
+    ("d256-small-causal-e4m3-dO", 1, 300, 300, 2, 1, 256,
+     dict(is_causal=True, dout_dtype="e4m3")),
 ]
 
 
@@ -115,7 +125,7 @@ def test_fp8_backward_against_emulation_and_float64(case, monkeypatch):
     if kw.get("dout_dtype") == "e4m3":
         kw["dout_dtype"] = jnp.float8_e4m3fn
     expl = str(jaxflash.explain(q, k, v, precision="fp8", implementation="cute", **kw))
-    assert "FlashBwdSm90Fp8" in expl, expl
+    assert ("FlashBwdSm90Fp8Wide" if D > 128 else "FlashBwdSm90Fp8 ") in expl, expl
 
     def grads(impl):
         def loss(a, b, c):

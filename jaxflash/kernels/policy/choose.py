@@ -153,8 +153,9 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
 
 def fp8_backward_config(problem) -> Fp8BwdConfig:
     """The FP8 backward variant serving an FP8 `Problem` (ValueError if none can): e4m3 q, k,
-    v, dO in the spec's format, 64-query steps over 128-key blocks. Every scale block must lie
-    within one kernel tile's rows (q: 64 queries, k / v: 128 keys) or cover the sequence."""
+    v, dO in the spec's format, 64-query steps over 128-key blocks (64-key blocks at hd 256).
+    Every scale block must lie within one kernel tile's rows (q: 64 queries, k / v: the key
+    tile) or cover the sequence."""
     _nonempty(problem, keys=True)
     spec = problem.statics.fp8
     if spec is None:
@@ -162,12 +163,6 @@ def fp8_backward_config(problem) -> Fp8BwdConfig:
     if {spec.q_dtype, spec.k_dtype, spec.v_dtype} != {"float8_e4m3fn"}:
         raise ValueError(f"FP8 backward kernel operands are e4m3 only (got q/k/v "
                          f"{spec.q_dtype}, {spec.k_dtype}, {spec.v_dtype})")
-    for name, block, length, tile in (("q", spec.q_block, problem.q_len, 64),
-                                      ("k", spec.k_block, problem.kv_len, 128),
-                                      ("v", spec.v_block, problem.kv_len, 128)):
-        if block < length and block % tile:
-            raise ValueError(f"{name} scales per {block}-row block: the FP8 backward kernel "
-                             f"needs blocks of a multiple of {tile} rows (its tiles)")
     ok, why = fp8_bwd_can_implement(dtype=problem.dtype, head_dim=problem.head_dim,
                                     head_dim_v=problem.head_dim_v, do_dtype=spec.do_dtype,
                                     features=tuple(f for f in problem.features() if f != "fp8"))
@@ -175,7 +170,14 @@ def fp8_backward_config(problem) -> Fp8BwdConfig:
         raise ValueError(why)
     if problem.statics.deterministic:
         raise ValueError("deterministic FP8 backward: not implemented (dQ adds are unordered)")
-    return Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
+    cfg = Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
+    for name, block, length, tile in (("q", spec.q_block, problem.q_len, cfg.tile_m),
+                                      ("k", spec.k_block, problem.kv_len, cfg.tile_n),
+                                      ("v", spec.v_block, problem.kv_len, cfg.tile_n)):
+        if block < length and block % tile:
+            raise ValueError(f"{name} scales per {block}-row block: the FP8 backward kernel "
+                             f"needs blocks of a multiple of {tile} rows (its tiles)")
+    return cfg
 
 
 def mod_schedule(head_dim: int, kv_len: int, causal: bool, score_mod: bool) -> dict:

@@ -35,6 +35,10 @@ accumulation, by the numerics contract of `jaxflash.fp8.contract`. What differs 
 
 Masks (causal, window, lengths, segment ids) and softcap are the bf16 kernel's code
 (`mask.py`, `segments.py`). Gated unverified (`policy/verified.RULES`) until its GPU check.
+
+Head dim 256 runs the subclass `sm90.bwd_fp8_wide.FlashBwdSm90Fp8Wide` (the head-dim split of
+the bf16 `FlashBwdSm90Wide`): it replaces `fp8_tiled_mmas`, `ds_buffers` and `consume_fp8` and
+keeps the rest (launch, producer, `probs_grads`, `store_ds`, `store_dkdv_f32`).
 """
 from __future__ import annotations
 
@@ -85,6 +89,21 @@ def cvt_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int16:
     return Int16(res)
 
 
+@dsl_user_op
+def cvt_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None,
+               ip=None) -> Int32:
+    """Four floats to four e4m3 bytes in one 32-bit word (``a`` the lowest byte), as
+    `cvt_e4m3x2`."""
+    res = llvm.inline_asm(
+        Int32.mlir_type,
+        [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}",
+        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(res)
+
+
 class FlashBwdSm90Fp8(FlashBwdSm90):
     """Hopper FP8 backward for one `Fp8BwdConfig` variant.
 
@@ -92,6 +111,10 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
     [q_seqlen], [kv_seqlen], [q_segment_ids, kv_segment_ids, kv_blocks, q_blocks], q_descale,
     do_descale, k_descale, v_descale, dq_acc, dk, dv, fscalars, [iscalars], stream.
     """
+
+    # tile_m x tile_n FP8 tiles in the dS buffer: dS, twice (the dQ GEMM of step i reads one
+    # while step i + 1 writes the other)
+    ds_buffers = 2
 
     def __init__(self, config: Fp8BwdConfig):
         ok, why = config.check()
@@ -124,6 +147,26 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         ins += list(DESCALES)
         return (tuple(ins), ("dq_acc", "dk", "dv"), FLOAT_SCALARS,
                 INT_SCALARS if self.cfg.has_window else ())
+
+    def fp8_tiled_mmas(self):
+        """(S^T, dP^T, dK, dV, dQ) tiled MMAs, every operand K-major. Plain Python."""
+        K_ = cute.nvgpu.OperandMajorMode.K
+        e4, e5 = self.dtype, self.do_dtype
+        # S^T = K Q^T, dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, k = head dim
+        mma_s = sm90_helpers.make_trivial_tiled_mma(e4, e4, K_, K_, Float32, (2, 1, 1),
+                                                     (64, self.tile_m))
+        mma_dp = sm90_helpers.make_trivial_tiled_mma(e4, e5, K_, K_, Float32, (2, 1, 1),
+                                                      (64, self.tile_m))
+        # dK += dS^T Q, dV += P^T dO: A from registers (k = queries), B = Q^T / dO^T
+        rm = warpgroup.OperandSource.RMEM
+        mma_dk = sm90_helpers.make_trivial_tiled_mma(e4, e4, K_, K_, Float32, (2, 1, 1),
+                                                      (64, self.hd), a_source=rm)
+        mma_dv = sm90_helpers.make_trivial_tiled_mma(e4, e5, K_, K_, Float32, (2, 1, 1),
+                                                      (64, self.hdv), a_source=rm)
+        # dQ = dS K: A = dS (queries x key positions), B = K^T; warpgroups split the head dim
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(e4, e4, K_, K_, Float32, self.dq_atoms,
+                                                      (64, self.dq_cols))
+        return mma_s, mma_dp, mma_dk, mma_dv, mma_dq
 
     @cute.jit
     def __call__(self, *args):
@@ -162,22 +205,8 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         mQt, mKt, mdOt = [layouts.select_modes(t, [2, 3, 1, 0]) for t in (mQt, mKt, mdOt)]
         mLSE, mDelta = [layouts.select_modes(t, [2, 1, 0]) for t in (mLSE, mDelta)]
 
-        K_ = cute.nvgpu.OperandMajorMode.K
         e4, e5 = self.dtype, self.do_dtype
-        # S^T = K Q^T, dP^T = V dO^T: M = keys (64 per warpgroup), N = queries, k = head dim
-        mma_s = sm90_helpers.make_trivial_tiled_mma(e4, e4, K_, K_, Float32, (2, 1, 1),
-                                                     (64, self.tile_m))
-        mma_dp = sm90_helpers.make_trivial_tiled_mma(e4, e5, K_, K_, Float32, (2, 1, 1),
-                                                      (64, self.tile_m))
-        # dK += dS^T Q, dV += P^T dO: A from registers (k = queries), B = Q^T / dO^T
-        rm = warpgroup.OperandSource.RMEM
-        mma_dk = sm90_helpers.make_trivial_tiled_mma(e4, e4, K_, K_, Float32, (2, 1, 1),
-                                                      (64, self.hd), a_source=rm)
-        mma_dv = sm90_helpers.make_trivial_tiled_mma(e4, e5, K_, K_, Float32, (2, 1, 1),
-                                                      (64, self.hdv), a_source=rm)
-        # dQ = dS K: A = dS (queries x key positions), B = K^T; warpgroups split the head dim
-        mma_dq = sm90_helpers.make_trivial_tiled_mma(e4, e4, K_, K_, Float32, self.dq_atoms,
-                                                      (64, self.dq_cols))
+        mma_s, mma_dp, mma_dk, mma_dv, mma_dq = self.fp8_tiled_mmas()
 
         st = self.num_stages
         sQ_l = layouts.smem_layout(e4, self.tile_m, self.hd, st)
@@ -187,7 +216,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         sK_l = layouts.smem_layout(e4, self.tile_n, self.hd)
         sV_l = layouts.smem_layout(e4, self.tile_n, self.hdv)
         sKt_l = layouts.smem_layout(e4, self.hd, self.tile_n)
-        sdS_l = layouts.smem_layout(e4, self.tile_m, self.tile_n, 2)
+        sdS_l = layouts.smem_layout(e4, self.tile_m, self.tile_n, self.ds_buffers)
         sRow_l = self.row_layout()
         sdQ_l = self.dq_flat_layout()
 

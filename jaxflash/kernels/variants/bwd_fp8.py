@@ -17,8 +17,17 @@ per-head / per-block scales into these. dS gets one scale per tile_m x 128 block
 the block, reduced over both consumer warpgroups before the convert: the contract's
 BWD_DS_Q_TILE x BWD_KV_TILE).
 
+Head dim 256 (``split == "headdim"``, `sm90.bwd_fp8_wide.FlashBwdSm90Fp8Wide`): the dK + dV
+accumulators of 64 keys per warpgroup (hd/2 + hd/2 floats a thread) do not fit beside S^T and
+dP^T, so as the bf16 `FlashBwdSm90Wide` the CTA takes ``tile_n`` = 64 keys and the two
+consumer warpgroups split the head dim of dK, dV and dQ; P^T, dS^T and dS go through shared
+memory. The dS scale block is then tile_m x 64 (the contract's `bwd_kv_tile`), k / v scales
+are read per 64-key tile (a 128-key block covers two), one Q / dO stage (the float32 dQ tile
+takes 64 KB).
+
 Shared memory (bytes, hd 128, 2 stages): Q, Q^T, dO, dO^T 4 x 2 x 8 K; K, V, K^T 3 x 16 K; dS 2 x 8 K;
-the float32 dQ tile 32 K; LSE / delta rows; ~165 KB.
+the float32 dQ tile 32 K; LSE / delta rows; ~165 KB. At hd 256, 1 stage: Q, Q^T, dO, dO^T 4 x 16 K;
+K, V, K^T 3 x 16 K; P^T, dS^T, dS 3 x 4 K; dQ 64 K; ~194 KB.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ import dataclasses
 
 from jaxflash.kernels.variants.bwd import SMEM_LIMIT_BYTES, BwdConfig
 
-FP8_BWD_HEAD_DIMS = (64, 128)
+FP8_BWD_HEAD_DIMS = (64, 128, 256)
 DO_DTYPES = ("float8_e5m2", "float8_e4m3fn")
 # Features the FP8 backward serves (the bf16 kernel's shared mask code).
 FP8_BWD_FEATURES = ("causal", "window", "softcap", "seq_lengths", "segment_ids")
@@ -50,7 +59,8 @@ class Fp8BwdConfig(BwdConfig):
     "float8_e4m3fn"). dq_acc is float32 in fragment order (``dq_flat``, as the bf16 kernel's),
     dk / dv float32 (gradients with respect to the dequantized operands; the scale of dK is
     applied in the kernel, dQ's softmax scale by the caller).
-    tile_m: 64 queries per step (the dS scale block's rows), tile_n 128, 2 stages.
+    tile_m: 64 queries per step (the dS scale block's rows); tile_n 128 keys, 2 stages, or at
+    hd 256 (``split == "headdim"``) tile_n 64 and the stages that fit (1).
     Other fields: `BwdConfig` (ALiBi, mods, q_multicast, deterministic, early_dv refused).
     """
 
@@ -64,13 +74,14 @@ class Fp8BwdConfig(BwdConfig):
         if self.do_dtype not in DO_DTYPES:
             return False, f"FP8 backward: do_dtype {self.do_dtype} not in {DO_DTYPES}"
         if self.head_dim not in FP8_BWD_HEAD_DIMS:
-            return False, (f"FP8 backward: head_dim {self.head_dim} not in {FP8_BWD_HEAD_DIMS} "
-                           "(hd 256 would need the head-dim split of FlashBwdSm90Wide)")
+            return False, f"FP8 backward: head_dim {self.head_dim} not in {FP8_BWD_HEAD_DIMS}"
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
-        if self.tile_m != 64 or self.tile_n != 128 or self.num_stages != 2:
+        wide = self.split == "headdim"
+        if self.tile_m != 64 or self.tile_n != (64 if wide else 128) or (
+                not wide and self.num_stages != 2):
             return False, (f"FP8 backward: tile {self.tile_m}x{self.tile_n}, {self.num_stages} "
-                           "stages (only 64 x 128, 2 stages)")
+                           "stages (only 64 x 128 with 2 stages, 64 x 64 at head dims > 128)")
         extra = [n for n, on in (("ALiBi", self.has_alibi), ("score_mod", bool(self.score_mod)),
                                  ("mask_mod", bool(self.mask_mod)),
                                  ("deterministic", self.deterministic),
@@ -88,10 +99,16 @@ class Fp8BwdConfig(BwdConfig):
         h = self.head_dim
         kv = 3 * self.tile_n * h                          # K, V, K^T
         qdo = self.num_stages * self.tile_m * h * 4       # Q, Q^T, dO, dO^T
-        ds = 2 * self.tile_m * self.tile_n
+        ds = self.ds_buffers * self.tile_m * self.tile_n
         rows = 2 * self.num_stages * self.tile_m * 4 + 2 * 8 * 4
         dq = self.tile_m * h * 4
         return kv + qdo + ds + rows + dq + 1024
+
+    @property
+    def ds_buffers(self) -> int:
+        """FP8 tile_m x tile_n tiles of the dS buffer: dS twice (key split), or P^T, dS^T and
+        dS once each (head-dim split: the flush's barrier guards their reuse)."""
+        return 2 if self.split == "keys" else 3
 
     @property
     def key(self) -> str:

@@ -2,15 +2,15 @@
 orders of the transposed copies (DSL-free).
 
 Inputs: q8 [B, T, N, H], k8 [B, S, K, H], v8 [B, S, K, Hv] float8_e4m3fn, do8 [B, T, N, Hv]
-(``do_dtype``), then the transposed copies q8t [B, N, H, Tp], k8t [B, K, H, Sp] e4m3 and
-do8t [B, N, Hv, Tp] (``do_dtype``), their last axis permuted within each 16 (`Q_ORDER` for the
-queries, `K_ORDER` for the keys; Tp = `bwd_launch.padded_len`, Sp = S rounded up to 128,
-zero padding), lse2 / delta [B, N, Tp] float32 (as the bf16 backward's), the optional lengths
-and segment inputs (as `bwd_launch`), and the descales q [B, N, ceil(T / 64)], do [B, N,
-ceil(T / 64)], k [B, K, ceil(S / 128)], v [B, K, ceil(S / 128)] float32 (one per kernel step /
-key block). Outputs: dq_acc [B, N, ceil(T / 64), 64 H] float32 in fragment order
-(`bwd_launch.dq_from_flat`; the caller multiplies by the softmax scale), dk [B, S, K, H] and
-dv [B, S, K, Hv] float32. Scalars as `bwd_launch`.
+(``do_dtype``), then the transposed copies q8t [B, N, H, Tp], k8t [B, K, H, Sp] e4m3 and do8t
+[B, N, Hv, Tp] (``do_dtype``), their last axis permuted within each 16 (`Q_ORDER` for the
+queries, `K_ORDER` for the keys; Tp = `bwd_launch.padded_len`, Sp = S rounded up to 128, zero
+padding), lse2 / delta [B, N, Tp] float32 (as the bf16 backward's), the optional lengths and
+segment inputs (as `bwd_launch`), and the descales q [B, N, ceil(T / 64)], do [B, N, ceil(T /
+64)], k [B, K, ceil(S / 128)], v [B, K, ceil(S / 128)] float32 (one per kernel step / key block;
+k and v one per 64-key block at hd 256, the wide kernel's tile). Outputs: dq_acc [B, N, ceil(T /
+64), 64 H] float32 in fragment order (`bwd_launch.dq_from_flat`; the caller multiplies by the
+softmax scale), dk [B, S, K, H] and dv [B, S, K, Hv] float32. Scalars as `bwd_launch`.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jaxflash.kernels.variants.bwd import FLOAT_SCALARS, INT_SCALARS, LSE_PAD
 from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
 
 KERNEL_REF = KERNELS["sm90_bwd_fp8"].kernel_class()
+WIDE_KERNEL_REF = KERNELS["sm90_bwd_fp8"].kernel_class("wide")
 # Position p (mod 16) of a transposed copy's last axis holds this row (mod 16).
 # Queries: the FP8 A operand's k position 4q + i is the accumulator column 2q + i % 2 + 8 (i // 2)
 # (`layouts.acc_as_fp8_operand_a`), so P^T / dS^T need no exchange between threads.
@@ -56,6 +57,7 @@ def bwd_fp8_launch(config: Fp8BwdConfig, arch: str = "sm_90a") -> Launch:
     outputs = (TensorArg("float32", (None, None, None, config.tile_m * h)),
                TensorArg("float32", (None, None, None, h)),
                TensorArg("float32", (None, None, None, hv)))
-    return Launch(kernel=KERNEL_REF, config=config, inputs=tuple(inputs), outputs=outputs,
+    ref = KERNEL_REF if config.split == "keys" else WIDE_KERNEL_REF
+    return Launch(kernel=ref, config=config, inputs=tuple(inputs), outputs=outputs,
                   scalars=FLOAT_SCALARS, int_scalars=INT_SCALARS if config.has_window else (),
                   arch=arch)
