@@ -229,10 +229,12 @@ def _offsets(layout_str: str, rows_modes, cols_modes, n_rows: int, n_cols: int):
     return {(r, c): offset(r, *rs) + offset(c, *cs) for r in range(n_rows) for c in range(n_cols)}
 
 
-def test_dkdq_operand_views():
-    """The "dkdq" pass reads K as K^T (A of dQ^T, MN-major, per 128-dim half at 128 x 128
-    elements) and dS^T as B of dQ^T from the bytes the TMA (K, as S^T's K-major A) and the
-    compute warps (dS^T, row-major keys x queries) wrote: same swizzle, same offsets."""
+def test_hd256_operand_views():
+    """At hd 256 each shared tile is read under two views of the bytes its writer (the TMA, or
+    the compute warps for dS^T) laid out: dO as dP^T's K-major B and dV's MN-major B ("dv"); Q
+    as S^T's K-major B and dK's MN-major B, K as S^T's K-major A and, per 128-dim half at
+    128 x 128 elements, dQ^T's MN-major A, dS^T row-major (keys x queries) and as dQ^T's
+    MN-major B ("dkdq"). Same swizzle, same offsets, element for element."""
     import cutlass.cute as cute
     import cutlass.tensor_utils
     import cutlass.utils.blackwell_helpers as sm100_helpers
@@ -242,26 +244,36 @@ def test_dkdq_operand_views():
 
     @cute.jit
     def probe():
-        k = FlashBwdSm100(Sm100BwdConfig(head_dim=256, bwd_pass="dkdq"))
-        s_mma, _, _, _, dq_mma = k.tiled_mmas()
         la, lb = sm100_helpers.make_smem_layout_a, sm100_helpers.make_smem_layout_b
-        lays = dict(sK=la(s_mma, (128, 64, 256), k.dtype, 1),
-                    sKt=la(dq_mma, (128, 64, 128), k.dtype, 1),
-                    sdS=lb(dq_mma, (128, 64, 128), k.dtype, 1),
-                    sdSw=sm100_helpers.make_smem_layout_epi(
+        k = FlashBwdSm100(Sm100BwdConfig(head_dim=256, bwd_pass="dv"))
+        _, dp_mma, dv_mma, _, _ = k.tiled_mmas()
+        lays = dict(dO=lb(dp_mma, (128, 128, 256), k.dtype, 1),
+                    dOt=lb(dv_mma, (128, 256, 128), k.dtype, 1))
+        k = FlashBwdSm100(Sm100BwdConfig(head_dim=256, bwd_pass="dkdq"))
+        s_mma, _, _, dk_mma, dq_mma = k.tiled_mmas()
+        lays.update(K=la(s_mma, (128, 64, 256), k.dtype, 1),
+                    Kt=la(dq_mma, (128, 64, 128), k.dtype, 1),
+                    Q=lb(s_mma, (128, 64, 256), k.dtype, 1),
+                    Qt=lb(dk_mma, (128, 256, 64), k.dtype, 1),
+                    dS=lb(dq_mma, (128, 64, 128), k.dtype, 1),
+                    dSw=sm100_helpers.make_smem_layout_epi(
                         k.dtype, cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, (128, 64), 1))
         for n, l in lays.items():
             got[n] = (str(l.inner), str(l.outer))
 
     cute.compile(probe)
-    assert len({sw for sw, _ in got.values()}) == 1, got  # one swizzle for all four views
-    # operand layouts: mode 0 = (M part, K part), mode 1 = M repeats, mode 2 = K repeats
-    k_tma = _offsets(got["sK"][1], [(0, 0), (1,)], [(0, 1), (2,)], 128, 256)  # (key, hd)
-    k_t = _offsets(got["sKt"][1], [(0, 0), (1,)], [(0, 1), (2,)], 128, 128)  # (hd, key)
-    assert all(k_tma[key, hd] == hd // 128 * 128 * 128 + k_t[hd % 128, key]
-               for key in range(128) for hd in range(256))
-    ds_b = _offsets(got["sdS"][1], [(0, 0), (1,)], [(0, 1), (2,)], 64, 128)  # (query, key)
-    ds_w = _offsets(got["sdSw"][1], [(0,)], [(1,)], 128, 64)  # (key, query)
+    assert len({sw for sw, _ in got.values()}) == 1, got  # one swizzle for every view
+    # operand layouts: mode 0 = (M or N part, K part), mode 1 = M / N repeats, 2 = K repeats
+    op = lambda name, mn, k: _offsets(got[name][1], [(0, 0), (1,)], [(0, 1), (2,)], mn, k)
+    do, do_t = op("dO", 128, 256), op("dOt", 256, 128)  # (query, hd) / (hd, query)
+    assert all(do[q, d] == do_t[d, q] for q in range(128) for d in range(256))
+    q_, q_t = op("Q", 64, 256), op("Qt", 256, 64)
+    assert all(q_[q, d] == q_t[d, q] for q in range(64) for d in range(256))
+    k_tma, k_t = op("K", 128, 256), op("Kt", 128, 128)  # (key, hd) / (hd in a half, key)
+    assert all(k_tma[key, d] == d // 128 * 128 * 128 + k_t[d % 128, key]
+               for key in range(128) for d in range(256))
+    ds_b = op("dS", 64, 128)  # (query, key)
+    ds_w = _offsets(got["dSw"][1], [(0,)], [(1,)], 128, 64)  # (key, query)
     assert all(ds_b[q, key] == ds_w[key, q] for key in range(128) for q in range(64))
 
 

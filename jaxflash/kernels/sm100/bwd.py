@@ -346,7 +346,7 @@ class FlashBwdSm100(BwdRoles):
         if const_expr(self.dq_t):
             # K^T per 128-row half of the head dims: the half's K columns start 128 x 128
             # elements further (K-major K tiles the keys first: checked in
-            # `test_sm100_bwd_compile.py::test_dkdq_operand_views`)
+            # `test_sm100_bwd_compile.py::test_hd256_operand_views`)
             sKt = [cute.make_tensor(cute.recast_ptr(sK.iterator + h * _DQT_ROWS * TILE_N,
                                                     sKt_l.inner), sKt_l.outer)
                    for h in range(self.hd // _DQT_ROWS)]
