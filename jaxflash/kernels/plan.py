@@ -59,6 +59,11 @@ class CutePlan:
         if self.bwd is None:
             return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
         cls = self.bwd.kernel.rpartition(":")[2]
+        # a backward of several passes (the sm_100a one at head dim 256) names each
+        passes = getattr(self.bwd.config, "passes", lambda: (self.bwd.config,))()
+        if len(passes) > 1:
+            return (f"backward: CuTe kernel {cls} in {len(passes)} passes "
+                    f"({', then '.join(c.key for c in passes)})")
         return f"backward: CuTe kernel {cls} ({self.bwd.config.key})"
 
 

@@ -88,6 +88,7 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
         assert "FlashBwdSm100" in plan.detail.note
         # hd 256: dK + dV take all of tensor memory, so the backward is two passes ("dv" first)
         assert plan.detail.bwd.config.bwd_pass == ("dv" if h == 256 else "all")
+        assert ("in 2 passes" in plan.detail.note) == (h == 256), plan.detail.note
 
 
 def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):
