@@ -22,9 +22,9 @@ cutlass = pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
 
 # bf16 / fp16, D 64 / 128 / 256, dense / causal, window, softcap, deterministic, lengths, ALiBi
 # and segment ids. Every compile serves any GQA ratio (the head counts are runtime values of the
-# bridge's launch). D 256: the "dv" pass (fp16, causal) and the "dkdq" pass (deterministic
-# causal; lengths + ALiBi + segment ids), the passes' other variants differ only in the shared
-# mask code (`python -m devtools.sm100_bwd_compile 256 ...` compiles any).
+# bridge's launch). D 256: the "dv" pass (fp16, causal) and the "dkdq" pass (causal, lengths,
+# ALiBi, deterministic); the passes' other variants differ only in the shared mask code
+# (`python -m devtools.sm100_bwd_compile 256 ...` compiles any; docs/blackwell.md lists 16).
 MATRIX = [
     Sm100BwdConfig(head_dim=64),
     Sm100BwdConfig(head_dim=64, is_causal=True, dtype="float16"),
@@ -38,9 +38,8 @@ MATRIX = [
     Sm100BwdConfig(head_dim=128, is_causal=True, has_alibi=True, has_segments=True,
                    has_q_seqlen=True, has_kv_seqlen=True),
     Sm100BwdConfig(head_dim=256, is_causal=True, dtype="float16"),
-    Sm100BwdConfig(head_dim=256, is_causal=True, deterministic=True, bwd_pass="dkdq"),
-    Sm100BwdConfig(head_dim=256, is_causal=True, has_alibi=True, has_segments=True,
-                   has_q_seqlen=True, has_kv_seqlen=True, bwd_pass="dkdq"),
+    Sm100BwdConfig(head_dim=256, is_causal=True, has_alibi=True, has_q_seqlen=True,
+                   has_kv_seqlen=True, deterministic=True, bwd_pass="dkdq"),
 ]
 COMPILE_LIMIT_S = 60.0
 
@@ -277,7 +276,13 @@ def test_hd256_operand_views():
     assert all(ds_b[q, key] == ds_w[key, q] for key in range(128) for q in range(64))
 
 
-def test_head_dim_256_lowers_and_exports_both_passes(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def hd256_cache(tmp_path_factory):
+    """One disk cache for the hd 256 bridge tests: the forward and both passes compile once."""
+    return tmp_path_factory.mktemp("hd256_cache")
+
+
+def test_head_dim_256_lowers_and_exports_both_passes(hd256_cache, monkeypatch):
     """At head dim 256 the gradient lowers to the forward and the backward's two passes (three
     custom calls, deterministic mode on), with no T x S tensor."""
     import jax
@@ -289,7 +294,7 @@ def test_head_dim_256_lowers_and_exports_both_passes(tmp_path, monkeypatch):
     from jaxflash.kernels.policy import verified
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
     monkeypatch.setenv(verified.ENV, "1")
-    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(hd256_cache))
     monkeypatch.delenv(cache.ENV_KERNEL_DIR, raising=False)
     B, T, S, N, K, H = 1, 384, 320, 4, 2, 256
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -305,3 +310,42 @@ def test_head_dim_256_lowers_and_exports_both_passes(tmp_path, monkeypatch):
     txt = exp.mlir_module()
     assert txt.count(f"custom_call @{ffi.TARGET}") == 3
     assert f"{T}x{S}" not in txt and f"{S}x{T}" not in txt
+
+
+def test_runtime_only_needs_both_passes(hd256_cache, tmp_path, monkeypatch):
+    """Without the DSL (the Blackwell machine) the hd 256 backward is planned only when both
+    passes' binaries are in JAXFLASH_KERNEL_DIR; with the "dkdq" one missing, the plan says
+    which and prints the command that builds it (the Pallas backward serves meanwhile)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxflash
+    from jaxflash import aot
+    from jaxflash.ffi import cache
+    from jaxflash.kernels.policy import verified
+    from jaxflash.kernels.variants.sm100_bwd_launch import pass_launches
+    from tests.common import runtime_only
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(hd256_cache))
+    monkeypatch.delenv(cache.ENV_KERNEL_DIR, raising=False)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
+    kw = dict(is_causal=True, deterministic=True)  # (the export test's variants: cached)
+    with jaxflash.target_platform("cuda"):
+        plan = jaxflash.explain(q, q, q, **kw).detail
+    dv, dkdq = pass_launches(plan.bwd)
+    out = tmp_path / "kernels"
+    aot.build([plan.fwd, dv], str(out), progress=False, log=lambda *_: None)
+    with monkeypatch.context() as m:
+        runtime_only(m, out)
+        with jaxflash.target_platform("cuda"):
+            missing = jaxflash.explain(q, q, q, **kw).detail
+    assert missing.fwd.key == plan.fwd.key and missing.bwd is None
+    assert dkdq.name in missing.bwd_reason
+    command = missing.bwd_reason.split("build it with: ")[1]
+    assert "python -m jaxflash.aot" in command and "dkdq" in command
+    aot.build([dkdq], str(out), progress=False, log=lambda *_: None)
+    runtime_only(monkeypatch, out)
+    with jaxflash.target_platform("cuda"):
+        both = jaxflash.explain(q, q, q, **kw).detail
+    assert both.bwd is not None and both.bwd.key == dv.key
