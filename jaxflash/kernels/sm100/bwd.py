@@ -262,7 +262,7 @@ class FlashBwdSm100(BwdRoles):
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * st], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, m * st], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["sK"])], 1024]
-            if const_expr(has_dkdq):  # ("dv" has no V, dS or dQ staging: shared memory for Q and dO)
+            if const_expr(has_dkdq):  # ("dv": no V, dS or dQ staging; Q and dO get the room)
                 sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["sV"])],
                                       1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(lay["sQ"])], 1024]
