@@ -69,12 +69,6 @@ from jaxflash.kernels.variants.sm100_bwd_launch import output_names
 
 LOG2_E = math.log2(math.e)
 _DQT_ROWS = 128  # head dims per dQ^T MMA (its M) in the "dkdq" pass
-
-
-def _when(flag: bool, make, *args):
-    """make(*args) if a pass has the piece, else None (plain Python: the DSL's rewrite of an
-    ``x if c else y`` inside a jit function traces both sides)."""
-    return make(*args) if flag else None
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
@@ -339,10 +333,10 @@ class FlashBwdSm100(BwdRoles):
         # (the hd 64 / 128 kernel creates these views in this order; the passes skip some)
         dkdq = self.has_dkdq
         sK = view(storage.sK, sK_l)
-        sV = _when(dkdq, lambda: view(storage.sV, sV_l))
+        sV = view(storage.sV, sV_l) if dkdq else None
         sQ = view(storage.sQ, sQ_l)
         sdO = view(storage.sdO, sdO_l)
-        sdS = _when(dkdq, lambda: view(storage.sdS, sdS_l))
+        sdS = view(storage.sdS, sdS_l) if dkdq else None
         if const_expr(self.dq_t):
             # K^T per 128-row half of the head dims: the half's K columns start 128 x 128
             # elements further (K-major K tiles the keys first: checked in
@@ -351,13 +345,13 @@ class FlashBwdSm100(BwdRoles):
                                                     sKt_l.inner), sKt_l.outer)
                    for h in range(self.hd // _DQT_ROWS)]
         else:
-            sKt = _when(dkdq, alias, sK, sKt_l)
-        smem_t = dict(sK=sK, sKt=sKt, sV=sV, sQ=sQ, sQt=_when(dkdq, alias, sQ, sQt_l),
+            sKt = alias(sK, sKt_l) if dkdq else None
+        smem_t = dict(sK=sK, sKt=sKt, sV=sV, sQ=sQ, sQt=alias(sQ, sQt_l) if dkdq else None,
                       sdO=sdO, sdOt=alias(sdO, sdOt_l), sdS=sdS,
-                      sdSw=_when(dkdq, alias, sdS, sdSw_l),
+                      sdSw=alias(sdS, sdSw_l) if dkdq else None,
                       sLSE=storage.sLSE.get_tensor(sRow_l),
-                      sDelta=_when(dkdq, storage.sDelta.get_tensor, sRow_l),
-                      sdQ=_when(dkdq, lambda: view(storage.sdQ, sdQ_l)))
+                      sDelta=storage.sDelta.get_tensor(sRow_l) if dkdq else None,
+                      sdQ=view(storage.sdQ, sdQ_l) if dkdq else None)
 
         softmax_scale = mFScalars[0]
         pre_scale = Float32(1.0)
@@ -530,16 +524,16 @@ class FlashBwdSm100(BwdRoles):
         tSrK = s_thr.make_fragment_A(smem_t["sK"])
         tSrQ = s_thr.make_fragment_B(smem_t["sQ"])
         dkdq = self.has_dkdq
-        tPrV = _when(dkdq, dp_thr.make_fragment_A, smem_t["sV"])
-        tPrdO = _when(dkdq, dp_thr.make_fragment_B, smem_t["sdO"])
-        tVrdO = _when(self.has_dv, dv_thr.make_fragment_B, smem_t["sdOt"])
-        tKrQ = _when(dkdq, dk_thr.make_fragment_B, smem_t["sQt"])
+        tPrV = dp_thr.make_fragment_A(smem_t["sV"]) if dkdq else None
+        tPrdO = dp_thr.make_fragment_B(smem_t["sdO"]) if dkdq else None
+        tVrdO = dv_thr.make_fragment_B(smem_t["sdOt"]) if self.has_dv else None
+        tKrQ = dk_thr.make_fragment_B(smem_t["sQt"]) if dkdq else None
         if const_expr(self.dq_t):  # dQ^T = K^T dS^T: K^T is A (per head-dim half), dS^T is B
             tQrdS = dq_thr.make_fragment_B(smem_t["sdS"])
             tQrK = [dq_thr.make_fragment_A(t) for t in smem_t["sKt"]]
         else:
-            tQrdS = _when(dkdq, dq_thr.make_fragment_A, smem_t["sdS"])
-            tQrK = _when(dkdq, dq_thr.make_fragment_B, smem_t["sKt"])
+            tQrdS = dq_thr.make_fragment_A(smem_t["sdS"]) if dkdq else None
+            tQrK = dq_thr.make_fragment_B(smem_t["sKt"]) if dkdq else None
         pkv, pq, pdo = pipes["kv"], pipes["q"], pipes["do"]
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
