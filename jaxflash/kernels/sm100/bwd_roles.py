@@ -79,33 +79,33 @@ class BwdRoles:
         n_block, kv_head, batch, group, m_min, num_m, num_steps = walk
         mAlibi, mdAlibi = alibi
         mQSeg, mKVSeg, mKVBlk, mQBlk = segs
-        _HALF = self.tile_m // 2  # query columns per compute warpgroup
+        half = self.tile_m // 2  # query columns per compute warpgroup
         wg = ct // 128
         lane = ct % 128
-        col0 = wg * _HALF
+        col0 = wg * half
         ld_atom = cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition(32)), Float32)
-        st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(_HALF // 2)),
+        st_atom = cute.make_copy_atom(tcgen05.St32x32bOp(tcgen05.Repetition(half // 2)),
                                       Float32)
-        tS = _cols(tm["S"], 0, _HALF)
+        tS = _cols(tm["S"], 0, half)
         tiled_ld = tcgen05.make_tmem_copy(ld_atom, tS)
         thr_ld = tiled_ld.get_slice(lane)
         tS_t = thr_ld.partition_S(tS)
-        cS = cute.make_identity_tensor((TILE_N, _HALF))
+        cS = cute.make_identity_tensor((TILE_N, half))
         tScS = thr_ld.partition_D(cS)
         t0ScS = tiled_ld.get_slice(0).partition_D(cS)
-        tP = _cols(tm["S"], 0, _HALF // 2)
+        tP = _cols(tm["S"], 0, half // 2)
         tiled_st = tcgen05.make_tmem_copy(st_atom, tP)
         thr_st = tiled_st.get_slice(lane)
         tP_t = thr_st.partition_D(tP)
-        p_shape = thr_st.partition_S(cute.make_identity_tensor((TILE_N, _HALF // 2))).shape
+        p_shape = thr_st.partition_S(cute.make_identity_tensor((TILE_N, half // 2))).shape
         # the row as a (rows, cols) = (1, 64) view for the shared mask helpers
-        flat = cute.make_layout(((2, 1, _HALF // 2), 1, 1))
+        flat = cute.make_layout(((2, 1, half // 2), 1, 1))
         t0 = cute.make_tensor(t0ScS.iterator, cute.composition(t0ScS.layout, flat))
         coords = TileCoords(tScS[0][0], tScS[0][1] + col0, layouts.acc_as_rows_cols(t0))
-        # dS^T into shared memory: this thread's key row, its 64 query columns
+        # dS^T into shared memory: this thread's key row, its warpgroup's query columns
         sdSw = smem_t["sdSw"]
         if const_expr(self.has_dkdq):
-            sdS_row = cute.local_tile(sdSw[lane, None, 0], (_HALF,), (wg,))
+            sdS_row = cute.local_tile(sdSw[lane, None, 0], (half,), (wg,))
         sLSE, sDelta = smem_t["sLSE"], smem_t["sDelta"]
         s_shift = col0  # this warpgroup's S^T / dP^T columns
         if const_expr(self.has_dv):
@@ -203,7 +203,7 @@ class BwdRoles:
                 # TMEM
                 if i > 0:
                     cute.arch.mbarrier_wait(mbar + DQ_FULL, (i - 1) % 2)
-                rdS = cute.make_rmem_tensor(cute.make_layout(_HALF), self.dtype)
+                rdS = cute.make_rmem_tensor(cute.make_layout(half), self.dtype)
                 rdS.store(rdP.load().to(self.dtype))
                 cute.autovec_copy(rdS, sdS_row)
                 cute.arch.fence_view_async_shared()  # generic-proxy writes -> the MMA's reads
