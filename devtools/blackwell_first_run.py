@@ -2,6 +2,7 @@
 
     python -m devtools.blackwell_first_run --out DIR            # on a B200 / GB200
     python -m devtools.blackwell_first_run build --out KDIR     # here (DSL): the kernels it needs
+                                                                # (forwards, backwards: every pass)
 
 On a compute capability 10.0 GPU, with the gate opened for the run (JAXFLASH_CUTE_UNVERIFIED=1),
 it runs, writing each step's results into DIR:
@@ -448,8 +449,40 @@ def build(out: str) -> None:
     for c in PAIR_CASES:
         launch = sm100_fwd_launch(pair_config(c))
         launches[launch.key] = launch
+    from jaxflash.kernels.variants.sm100_bwd_launch import pass_launches
+    for name, q, k, kw in _bwd_test_calls():
+        with jaxflash.target_platform("cuda"):
+            plan = jaxflash.explain(q, k, k, implementation="cute", **kw)
+        if plan.backend != "cute" or plan.detail.bwd is None:
+            raise SystemExit(f"{name}: backward not planned on the sm100 kernel: {plan}")
+        launches[plan.detail.fwd.key] = plan.detail.fwd
+        for one in pass_launches(plan.detail.bwd):  # hd 256: both passes
+            launches[one.key] = one
     counts = aot.build(list(launches.values()), out, progress=False)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
+
+
+def _bwd_test_calls():
+    """(name, q, k(=v), kwargs) of the backward GPU test's cases
+    (tests/kernels/test_sm100_bwd_gpu.py: head dims 64 / 128 / 256), for `build`."""
+    import jax
+    import jax.numpy as jnp
+    from tests.kernels.test_sm100_bwd_gpu import CASES
+    sds = jax.ShapeDtypeStruct
+    out = []
+    for name, dtype, (B, T, S, N, K, H), kw in CASES:
+        kw = dict(kw)
+        for n, L in (("query_seq_lengths", T), ("key_value_seq_lengths", S)):
+            if n in kw:
+                kw[n] = sds((B,), jnp.int32)
+        if "alibi_slopes" in kw:
+            kw["alibi_slopes"] = sds((N,), jnp.float32)
+        if "segments" in kw:
+            kw.pop("segments")
+            kw.update(q_segment_ids=sds((B, T), jnp.int32), kv_segment_ids=sds((B, S), jnp.int32))
+        dt = jnp.dtype(dtype)
+        out.append((name, sds((B, T, N, H), dt), sds((B, S, K, H), dt), kw))
+    return out
 
 
 def _grid_and_test_calls():

@@ -2,8 +2,8 @@
 
 Compiles the very launch the bridge builds (`sm100_bwd_launch`: dynamic batch, lengths and
 head counts) through the bridge's own launcher, like `devtools.bwd_standalone` for Hopper.
-``python -m devtools.sm100_bwd_compile [head_dim] [feature ...]`` compiles one variant and
-prints where its PTX / cubin went and the time it took.
+``python -m devtools.sm100_bwd_compile [head_dim] [feature | FIELD=value ...]`` compiles one
+variant and prints where its PTX / cubin went and the time it took.
 """
 from __future__ import annotations
 
@@ -41,10 +41,9 @@ def compile_bwd_sm100(config: Sm100BwdConfig, dump_dir: Optional[str] = None):
 
 if __name__ == "__main__":
     hd = int(sys.argv[1]) if len(sys.argv) > 1 else 128
-    feats = {f: True for f in sys.argv[2:]}
-    if "dtype=float16" in feats:
-        feats.pop("dtype=float16")
-        feats["dtype"] = "float16"
+    # a feature name turns it on; FIELD=value sets a string field (dtype=float16,
+    # bwd_pass=dkdq: the hd 256 passes; the default is the first)
+    feats = dict(a.split("=", 1) if "=" in a else (a, True) for a in sys.argv[2:])
     cfg = Sm100BwdConfig(head_dim=hd, **feats)
     out = os.environ.get("DUMP", "/tmp/sm100_bwd_dump")
     os.makedirs(out, exist_ok=True)

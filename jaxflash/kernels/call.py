@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxflash import ffi
 from jaxflash.kernels.common.segments import block_summaries
+from jaxflash.kernels.variants import sm100_bwd_launch
 from jaxflash.kernels.variants.bwd import ALIBI_PARTS
 from jaxflash.kernels.variants.bwd_launch import (dq_acc_shape, dq_from_flat, num_k_blocks,
                                                   num_q_blocks, padded_len)
@@ -166,42 +167,66 @@ def _join(parts, batch: bool):
     return dq, dk, dv, None, dslopes
 
 
+def _backward_passes(launch) -> tuple:
+    """The launches of a backward: one, or (the sm_100a backward at hd 256) its passes."""
+    if hasattr(launch.config, "passes"):
+        return sm100_bwd_launch.pass_launches(launch)
+    return (launch,)
+
+
+def _output_names(cfg) -> tuple[str, ...]:
+    if hasattr(cfg, "passes"):
+        return sm100_bwd_launch.output_names(cfg)
+    return (("dq_acc", "dk", "dv") + ("alibi_parts",) * cfg.has_alibi
+            + ("dq_sem",) * cfg.deterministic)
+
+
 def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
     B, T, N, H = q.shape
-    cfg = launch.config
-    Tp = padded_len(T, cfg)
+    launches = _backward_passes(launch)
+    Tp = max(padded_len(T, l.config) for l in launches)
     dout = dout.astype(q.dtype)
     lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
-    inputs = [q, k, v, dout, lse2, delta]
-    if cfg.has_q_seqlen:
-        inputs.append(arrays.q_seqlen.astype(jnp.int32))
-    if cfg.has_kv_seqlen:
-        inputs.append(arrays.kv_seqlen.astype(jnp.int32))
-    if cfg.has_alibi:
-        inputs.append(jnp.asarray(arrays.alibi_slopes, jnp.float32).reshape(1, N))
-    if cfg.has_segments:
-        # Block summaries with rows = keys, columns = queries (the backward's loop).
-        qs = jnp.asarray(arrays.q_segment_ids, jnp.int32)
-        ks = jnp.asarray(arrays.kv_segment_ids, jnp.int32)
-        kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
-        inputs += [qs, ks, kv_blocks, q_blocks]
-    inputs += mod_inputs(cfg, arrays, q, k, backward=True)
     fs, is_ = fwd_scalars(statics)
-    out_shapes = [jax.ShapeDtypeStruct(dq_acc_shape(B, T, N, H, cfg), jnp.float32),
-                  jax.ShapeDtypeStruct(k.shape, k.dtype),
-                  jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    if cfg.has_alibi:  # per-warp partial sums of dS_ij |i - j|
-        out_shapes.append(jax.ShapeDtypeStruct(
-            (B, N, num_k_blocks(k.shape[1], cfg), ALIBI_PARTS), jnp.float32))
-    if cfg.deterministic:  # the kernel's ordering semaphores (scratch)
-        out_shapes.append(jax.ShapeDtypeStruct((B, N, num_q_blocks(T, cfg)), jnp.int32))
-    outs = ffi.call(launch, *inputs, out_shapes=out_shapes, scalars=fs, int_scalars=is_)
-    dq_acc, dk, dv = outs[:3]
+    res = {}
+    for one in launches:  # the passes of a split backward write disjoint outputs
+        cfg = one.config
+        inputs = [q, k, v, dout, lse2, delta]
+        if cfg.has_q_seqlen:
+            inputs.append(arrays.q_seqlen.astype(jnp.int32))
+        if cfg.has_kv_seqlen:
+            inputs.append(arrays.kv_seqlen.astype(jnp.int32))
+        if cfg.has_alibi:
+            inputs.append(jnp.asarray(arrays.alibi_slopes, jnp.float32).reshape(1, N))
+        if cfg.has_segments:
+            # Block summaries with rows = keys, columns = queries (the backward's loop).
+            qs = jnp.asarray(arrays.q_segment_ids, jnp.int32)
+            ks = jnp.asarray(arrays.kv_segment_ids, jnp.int32)
+            kv_blocks, q_blocks = block_summaries(ks, qs, cfg.tile_n, cfg.tile_m)
+            inputs += [qs, ks, kv_blocks, q_blocks]
+        inputs += mod_inputs(cfg, arrays, q, k, backward=True)
+        shapes = {
+            "dq_acc": jax.ShapeDtypeStruct(dq_acc_shape(B, T, N, H, cfg), jnp.float32),
+            "dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+            "dv": jax.ShapeDtypeStruct(v.shape, v.dtype),
+            # per-warp partial sums of dS_ij |i - j|
+            "alibi_parts": jax.ShapeDtypeStruct(
+                (B, N, num_k_blocks(k.shape[1], cfg), ALIBI_PARTS), jnp.float32),
+            # the kernel's ordering semaphores (scratch)
+            "dq_sem": jax.ShapeDtypeStruct((B, N, num_q_blocks(T, cfg)), jnp.int32)}
+        names = _output_names(cfg)
+        outs = ffi.call(one, *inputs, out_shapes=[shapes[n] for n in names], scalars=fs,
+                        int_scalars=is_)
+        res.update(zip(names, outs))
+        if "dq_acc" in names:
+            dq_cfg = cfg
+    dq_acc, dk, dv = res["dq_acc"], res["dk"], res["dv"]
+    cfg = dq_cfg
     dq = bwd_finish(dq_acc, T, cfg, statics.scale, q.dtype)
     dslopes = None
     if cfg.has_alibi:
         # The logit holds -slope * |i - j|: d(slope) = -sum dS_ij |i - j| over b, i, j.
-        dslopes = -outs[3].sum(axis=(0, 2, 3))
+        dslopes = -res["alibi_parts"].sum(axis=(0, 2, 3))
     if statics.mods is not None:  # the aux leaves' cotangents, blockwise in XLA
         from jaxflash.mods import aux_grad
         daux = aux_grad.aux_grads(q, k, v, arrays, statics, lse, dout, delta[..., :T])

@@ -59,6 +59,11 @@ class CutePlan:
         if self.bwd is None:
             return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
         cls = self.bwd.kernel.rpartition(":")[2]
+        # a backward of several passes (the sm_100a one at head dim 256) names each
+        passes = getattr(self.bwd.config, "passes", lambda: (self.bwd.config,))()
+        if len(passes) > 1:
+            return (f"backward: CuTe kernel {cls} in {len(passes)} passes "
+                    f"({', then '.join(c.key for c in passes)})")
         return f"backward: CuTe kernel {cls} ({self.bwd.config.key})"
 
 
@@ -87,12 +92,15 @@ def _launch(table: dict, what: str, problem, arch: str) -> Launch:
         raise NotImplementedError(f"the CuTe {what} kernel is not in this checkout "
                                   f"(module {module} missing)")
     if not ffi.dsl_available():
-        data, tried = ffi.find_artifact(launch)
-        if data is None:
-            raise NotImplementedError(
-                f"the CuTe DSL is not installed here and no precompiled artifact of variant "
-                f"{launch.name} was found ({'; '.join(tried)}); build it with: "
-                f"{ffi.aot_command(launch)}")
+        # a backward of several passes (`Sm100BwdConfig.passes`) needs every pass's binary
+        passes = getattr(config, "passes", lambda: (config,))()
+        for one in (load_ref(entry.launch)(c, arch) for c in passes):
+            data, tried = ffi.find_artifact(one)
+            if data is None:
+                raise NotImplementedError(
+                    f"the CuTe DSL is not installed here and no precompiled artifact of variant "
+                    f"{one.name} was found ({'; '.join(tried)}); build it with: "
+                    f"{ffi.aot_command(one)}")
     return launch
 
 

@@ -5,7 +5,8 @@ through `FlashBwdSm100` against the float64 NumPy gradient oracle of the Hopper 
 until this passes); anywhere else it skips with the reason, so on the H200 it refuses cleanly.
 It has never run: no Blackwell GPU was available.
 
-Cases: bf16 / fp16, head dims 64 / 128, dense and causal with GQA (T < S and T > S), a window,
+Cases: bf16 / fp16, head dims 64 / 128 / 256 (256: the two passes, "dv" then "dkdq"), dense
+and causal with GQA (T < S and T > S), a window,
 softcap, query / key lengths with empty rows (exact zeros where no key or query is visible),
 ALiBi (with d(slopes)), segment ids (packed documents), and the deterministic mode
 (bitwise-identical gradients over repeated runs).
@@ -58,6 +59,16 @@ CASES = [
     # has no key: its dq rows are exactly 0)
     ("bf16 h128 segments causal", "bfloat16", (2, 700, 700, 4, 2, 128),
      {"is_causal": True, "segments": ([0, 150, 400, 650], [0, 150, 400, 700])}),
+    # head dim 256: two launches ("dv"; "dkdq" with 64-query steps and dQ^T = K^T dS^T)
+    ("bf16 h256 causal gqa T<S", "bfloat16", (2, 500, 700, 4, 2, 256), {"is_causal": True}),
+    ("fp16 h256 dense lengths empty rows", "float16", (3, 300, 400, 2, 1, 256),
+     {"query_seq_lengths": [300, 131, 0], "key_value_seq_lengths": [400, 0, 255]}),
+    ("bf16 h256 deterministic causal", "bfloat16", (1, 1024, 1024, 4, 2, 256),
+     {"is_causal": True, "deterministic": True}),
+    ("bf16 h256 alibi window gqa", "bfloat16", (2, 600, 600, 4, 2, 256),
+     {"local_window_size": (100, 37), "alibi_slopes": [0.25, 0.0625, 0.015625, 0.00390625]}),
+    ("bf16 h256 softcap segments", "bfloat16", (2, 700, 700, 2, 2, 256),
+     {"softcap": 20.0, "segments": ([0, 150, 400, 650], [0, 150, 400, 700])}),
 ]
 TOL = {"bfloat16": 1e-2, "float16": 2e-3}  # as `devtools.bwd_devrun.TOL`
 

@@ -1,8 +1,8 @@
 """The sm_100a backward's static plan, checked on the CPU (no DSL): its tensor-memory plan
 (`variants.tmem_plan.backward_plan`: at most 512 columns, P^T / dS^T only over score columns
-their own warpgroup has read, dQ never over the live dK / dV accumulators), its register
-budgets, its shared memory, what the config refuses (head dim 256, and why), and that the
-shared XLA side reads it like the Hopper config.
+their own warpgroup has read, dQ never over the live dK / dV accumulators; at head dim 256
+the plans of its two passes), its register budgets, its shared memory, what the config
+refuses, and that the shared XLA side reads it like the Hopper config.
 """
 from __future__ import annotations
 
@@ -81,11 +81,67 @@ def test_config_refuses_a_bad_plan(monkeypatch):
         Sm100BwdConfig(head_dim=128)
 
 
-def test_head_dim_256_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="512 tensor-memory columns"):
-        Sm100BwdConfig(head_dim=256)
-    ok, why = can_implement(dtype="bfloat16", head_dim=256, features=())
-    assert not ok and "2-CTA" in why
+def test_head_dim_256_runs_as_two_passes():
+    """hd 256: dK and dV alone would take all 512 columns, and K, V, Q, dO tiles of 128 x 256
+    all of shared memory: the backward is a "dv" pass, then a "dkdq" pass of 64-query steps."""
+    cfg = Sm100BwdConfig(head_dim=256, is_causal=True, deterministic=True)
+    assert cfg.bwd_pass == "dv"
+    dv, dkdq = cfg.passes()
+    assert (dv.bwd_pass, dkdq.bwd_pass) == ("dv", "dkdq") and dv == cfg
+    assert (dv.tile_m, dkdq.tile_m) == (128, 64)
+    assert (dv.has_dv, dv.has_dkdq, dkdq.has_dv, dkdq.has_dkdq) == (True, False, False, True)
+    assert dkdq.passes() == (dv, dkdq)  # either pass names the whole backward
+    assert Sm100BwdConfig(head_dim=128).passes() == (Sm100BwdConfig(head_dim=128),)
+    for c in (dv, dkdq):
+        assert c.num_stages == 1 and c.smem_bytes() <= SMEM_LIMIT_BYTES
+    assert dv.key != dkdq.key and "_dv_" in dv.key and "_dkdq_" in dkdq.key
+    # the hd 64 / 128 keys (artifact names) are unchanged: no pass in them
+    assert Sm100BwdConfig(head_dim=128).key == "bwd_sm100_bfloat16_h128_hv128_t128x128s1_dense"
+    with pytest.raises(ValueError, match="runs as the passes"):
+        Sm100BwdConfig(head_dim=256, bwd_pass="all")
+    with pytest.raises(ValueError, match="one pass"):
+        Sm100BwdConfig(head_dim=128, bwd_pass="dv")
+    assert can_implement(dtype="bfloat16", head_dim=256, features=("causal",)) == (True, "")
+
+
+def test_head_dim_256_pass_plans():
+    dv = Sm100BwdConfig(head_dim=256).tmem_plan()
+    dkdq = Sm100BwdConfig(head_dim=256, bwd_pass="dkdq").tmem_plan()
+    for plan in (dv, dkdq):
+        assert plan.check() == (True, "") and plan.alloc_cols == tmem_plan.TMEM_COLUMNS
+        assert max(r.end for r in plan.regions) <= tmem_plan.TMEM_COLUMNS
+    # "dv": S^T | dV, P^T over the S^T columns each warpgroup read
+    assert {r.name for r in dv.regions} == {"S^T", "dV", "P^T0", "P^T1"}
+    assert (dv.region("S^T").cols, dv.region("dV").cols) == (128, 256)
+    # "dkdq": S^T | dP^T (64 queries each) | dK | dQ^T (two 128-dim halves x 64 queries)
+    assert {r.name for r in dkdq.regions} == {"S^T", "dP^T", "dK", "dQ", "dS^T0", "dS^T1"}
+    assert [(dkdq.region(n).start, dkdq.region(n).cols) for n in ("S^T", "dP^T", "dK", "dQ")] \
+        == [(0, 64), (64, 64), (128, 256), (384, 128)]
+
+
+def test_head_dim_256_overlays_over_live_accumulators_fail():
+    """The pass plans refuse an overlay or dQ^T over an accumulator live across the query
+    loop, as the one-pass plans do."""
+    dv = tmem_plan.backward_plan(128, 256, 256, bwd_pass="dv")
+    ok, why = _swap(dv, "P^T1", start=dv.region("dV").start).check()
+    assert not ok and "overlaps live dV" in why
+    dkdq = tmem_plan.backward_plan(64, 256, 256, bwd_pass="dkdq")
+    ok, why = _swap(dkdq, "dS^T0", start=dkdq.region("dK").start).check()
+    assert not ok and "overlaps live dK" in why
+    ok, why = _swap(dkdq, "dQ", start=dkdq.region("dK").start + 128).check()
+    assert not ok and "dQ overlaps dK, an accumulator live across the query loop" in why
+    ok, why = tmem_plan.backward_plan(64, 256, 256, bwd_pass="dkdq", dq_start=100).check()
+    assert not ok and "dK" in why
+    # a warpgroup's dS^T store over the other's unread dP^T columns
+    order = tuple((key, (("load", 32 * key[1], 32), ("store", 32 * (1 - key[1]), 16)))
+                  for key, _ in dkdq.order)
+    ok, why = dataclasses.replace(dkdq, order=order).check()
+    assert not ok and "before reading them" in why
+
+
+def test_refusals_with_the_reason():
+    ok, why = can_implement(dtype="bfloat16", head_dim=96, features=())
+    assert not ok and "head dim 96" in why
     ok, why = can_implement(dtype="bfloat16", head_dim=128, features=("score_mod",))
     assert not ok and "score_mod" in why
     with pytest.raises(ValueError, match="deterministic with segment ids"):
@@ -108,7 +164,7 @@ def test_register_budgets_fit_the_sm():
     assert all(r % 8 == 0 and 24 <= r <= 256 for r in REGS)
 
 
-@pytest.mark.parametrize("hd,stages", [(64, 2), (128, 1)])
+@pytest.mark.parametrize("hd,stages", [(64, 2), (128, 1), (256, 1)])
 def test_shared_memory_and_stages(hd, stages):
     cfg = Sm100BwdConfig(head_dim=hd)
     assert cfg.num_stages == stages and cfg.smem_bytes() <= SMEM_LIMIT_BYTES
@@ -133,3 +189,27 @@ def test_shared_xla_side_reads_it_like_the_hopper_config():
     launch = sm100_bwd_launch(dataclasses.replace(cfg, has_alibi=True))
     assert launch.inputs[-1].shape == (1, None)
     assert launch.outputs[3].shape[-1] == ALIBI_PARTS == 8 and len(launch.outputs) == 5
+
+
+def test_head_dim_256_launches_both_passes():
+    """The launch side runs both passes with the same inputs: "dv" writes dv only, "dkdq" dq_acc,
+    dk and the ALiBi partials / semaphores; the semaphores count 64-query blocks there, and lse2
+    is padded for both passes' tiles."""
+    from jaxflash.kernels import call
+    from jaxflash.kernels.variants.bwd_launch import num_q_blocks, padded_len
+    from jaxflash.kernels.variants.sm100_bwd_launch import (output_names, pass_launches,
+                                                             sm100_bwd_launch)
+    cfg = Sm100BwdConfig(head_dim=256, has_alibi=True, deterministic=True)
+    launches = pass_launches(sm100_bwd_launch(cfg))
+    assert [l.config.bwd_pass for l in launches] == ["dv", "dkdq"]
+    assert [output_names(l.config) for l in launches] == [
+        ("dv",), ("dq_acc", "dk", "alibi_parts", "dq_sem")]
+    assert [len(l.outputs) for l in launches] == [1, 4]
+    assert launches[0].inputs == launches[1].inputs and len(launches[0].inputs) == 7
+    assert launches[0].key != launches[1].key
+    assert num_q_blocks(1000, launches[1].config) == 16
+    assert padded_len(1000, launches[0].config) % 64 == 0
+    assert call._backward_passes(launches[1]) == launches
+    one = sm100_bwd_launch(Sm100BwdConfig(head_dim=128, deterministic=True))
+    assert call._backward_passes(one) == (one,)
+    assert call._output_names(one.config) == ("dq_acc", "dk", "dv", "dq_sem")

@@ -3,8 +3,9 @@
 - on 10.x the sm100 variants are gated like any unverified variant: `explain` says they are
   compiled and instruction-checked only, gated until a Blackwell run, and another backend serves;
 - ``JAXFLASH_CUTE_UNVERIFIED=1`` admits them (the plan's forward is `FlashFwdSm100`, its
-  backward `FlashBwdSm100`; where that cannot serve, e.g. head dim 256, the Pallas kernels on
-  the forward's (out, lse), and the plan says why);
+  backward `FlashBwdSm100` (at head dim 256 two passes of it); where that cannot serve, e.g.
+  deterministic with segment ids, the Pallas kernels on the forward's (out, lse), and the plan
+  says why);
 - on Hopper (9.0) they are never chosen, and on other architectures there is no CuTe kernel.
 """
 from __future__ import annotations
@@ -84,14 +85,17 @@ def test_switch_admits_the_blackwell_forward(gpu, monkeypatch):
         assert plan.detail.fwd.kernel.endswith(":FlashFwdSm100")
         assert plan.detail.fwd.arch == "sm_100a"
         assert plan.detail.fwd.config.head_dim == h
-        if h not in BWD_HEAD_DIMS:  # e.g. 256: dK + dV take all of tensor memory; Pallas on
-            # the forward's (out, lse), and the plan says why
+        if h not in BWD_HEAD_DIMS:  # e.g. 96 / 192: Pallas on the forward's (out, lse), and
+            # the plan says why
             assert plan.detail.bwd is None
             assert f"head dim {h} not supported by the sm_100a backward" in plan.detail.bwd_reason
         else:
             assert plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), plan.detail
             assert plan.detail.bwd.arch == "sm_100a"
             assert "FlashBwdSm100" in plan.detail.note
+            # hd 256: dK + dV take all of tensor memory, so the backward is two passes
+            assert plan.detail.bwd.config.bwd_pass == ("dv" if h == 256 else "all")
+            assert ("in 2 passes" in plan.detail.note) == (h == 256), plan.detail.note
 
 
 def test_blackwell_backward_is_gated_with_the_forward(gpu, monkeypatch):

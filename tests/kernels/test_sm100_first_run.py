@@ -180,3 +180,24 @@ def test_every_kit_call_plans_onto_the_sm100_kernels(monkeypatch):
         assert plan.backend == "cute", (name, str(plan))
         want = ":FlashFwdSm100Fp8" if "q_scale" in kw else ":FlashFwdSm100"
         assert plan.detail.fwd.kernel.endswith(want) and plan.detail.fwd.arch == "sm_100a", name
+
+
+def test_kit_builds_every_backward_pass(monkeypatch):
+    """`build` also compiles the backward GPU test's variants (`test_sm100_bwd_gpu.CASES`):
+    each plans onto `FlashBwdSm100`, the head dim 256 cases onto both passes."""
+    pytest.importorskip("cutlass", reason="planning without the DSL needs artifacts")
+    import jaxflash
+    from jaxflash.kernels.policy import verified
+    from jaxflash.kernels.variants.sm100_bwd_launch import pass_launches
+    monkeypatch.setenv(verified.ENV, "1")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    passes = {}
+    for name, q, k, kw in kit._bwd_test_calls():
+        with jaxflash.target_platform("cuda"):
+            plan = jaxflash.explain(q, k, k, implementation="cute", **kw)
+        assert plan.detail.bwd is not None, (name, str(plan))
+        assert plan.detail.bwd.kernel.endswith(":FlashBwdSm100"), name
+        passes[name] = [one.config.bwd_pass for one in pass_launches(plan.detail.bwd)]
+    hd256 = [n for n in passes if "h256" in n]
+    assert len(hd256) >= 3 and all(passes[n] == ["dv", "dkdq"] for n in hd256), passes
+    assert all(passes[n] == ["all"] for n in passes if n not in hd256), passes

@@ -202,7 +202,8 @@ def sm100_forward_config(problem) -> Sm100FwdConfig:
 def sm100_backward_config(problem) -> Sm100BwdConfig:
     """The sm_100a backward variant for a problem (ValueError if none can). Nothing is
     measured on Blackwell yet: the config's defaults (1-CTA, 128 x 128 tiles, Q / dO stages
-    as shared memory allows)."""
+    as shared memory allows; at head dim 256 the first of its two passes, whose `passes()`
+    the launch side runs)."""
     _nonempty(problem, keys=True)
     if problem.mods is not None:
         raise ValueError("score / mask mods are not implemented in the sm_100a backward")

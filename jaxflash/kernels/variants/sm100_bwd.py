@@ -20,7 +20,12 @@ import dataclasses
 
 from jaxflash.kernels.variants import tmem_plan
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The passes of a backward: "all" computes dV, dK and dQ in one kernel (hd 64 / 128); at hd 256
+# "dv" (dV only) runs first, then "dkdq" (dK and dQ). Each pass recomputes S^T and P^T.
+PASSES = {"all": ("all",), "split": ("dv", "dkdq")}
+SPLIT_HEAD_DIMS = (256,)
+TILE_M_DKDQ = 64  # queries per step of the "dkdq" pass (shared memory: K, V 64 KB each)
 SUPPORTED_DTYPES = ("bfloat16", "float16")
 SMEM_LIMIT_BYTES = 227 * 1024
 TILE_M = 128  # queries per step (the N of the S^T / dP^T MMAs, the M of the dQ MMA)
@@ -50,7 +55,11 @@ class Sm100BwdConfig:
     has_q_seqlen, has_kv_seqlen, deterministic), plus:
 
     num_stages: pipeline depth of the Q (+ lse2) and dO (+ delta) loads (None: the most, up to
-      2, that shared memory holds: 2 at hd 64, 1 at hd 128).
+      2, that shared memory holds: 2 at hd 64, 1 at hd 128 and 256).
+    bwd_pass: "all" (hd 64 / 128: dV, dK and dQ in one kernel) or, at hd 256, one of the two
+      passes: "dv" (S^T, P^T and dV += P^T dO, 128-query steps) and "dkdq" (S^T, dP^T, dS^T,
+      dK += dS^T Q and dQ^T = K^T dS^T, 64-query steps). `passes` gives the configs a
+      backward runs, in order.
 
     has_alibi: slopes [1, N]; the bias -slope |i - j| enters S^T before the masks, and the
     kernel writes per-compute-warp partial sums of dS_ij |i - j| (``ALIBI_PARTS`` = its 8
@@ -73,10 +82,14 @@ class Sm100BwdConfig:
     has_segments: bool = False
     deterministic: bool = False
     num_stages: int | None = None
+    bwd_pass: str | None = None
 
     def __post_init__(self):
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.bwd_pass is None:
+            object.__setattr__(self, "bwd_pass",
+                               "dv" if self.head_dim in SPLIT_HEAD_DIMS else "all")
         if self.num_stages is None:
             object.__setattr__(self, "num_stages", 2)
             if self.smem_bytes() > SMEM_LIMIT_BYTES:
@@ -86,26 +99,46 @@ class Sm100BwdConfig:
             raise ValueError(f"invalid Sm100BwdConfig {self}: {why}")
 
     # what the shared XLA side (`kernels.call._backward`) reads of a backward config
-    tile_m = TILE_M
     tile_n = TILE_N
     dq_flat = False
     score_mod = ""
     mask_mod = ""
     aux = ()
 
+    @property
+    def tile_m(self) -> int:
+        return TILE_M_DKDQ if self.bwd_pass == "dkdq" else TILE_M
+
+    @property
+    def has_dv(self) -> bool:
+        return self.bwd_pass in ("all", "dv")
+
+    @property
+    def has_dkdq(self) -> bool:
+        return self.bwd_pass in ("all", "dkdq")
+
+    def passes(self) -> tuple["Sm100BwdConfig", ...]:
+        """The configs a backward with this config runs, in order (one, or "dv" then "dkdq")."""
+        if self.bwd_pass == "all":
+            return (self,)
+        return tuple(dataclasses.replace(self, bwd_pass=p, num_stages=None)
+                     for p in PASSES["split"])
+
     def tmem_plan(self) -> tmem_plan.BwdTmemPlan:
-        return tmem_plan.backward_plan(TILE_M, self.head_dim, self.head_dim_v)
+        return tmem_plan.backward_plan(self.tile_m, self.head_dim, self.head_dim_v,
+                                       bwd_pass=self.bwd_pass)
 
     def check(self) -> tuple[bool, str]:
         if self.dtype not in SUPPORTED_DTYPES:
             return False, f"dtype {self.dtype} not in {SUPPORTED_DTYPES}"
-        if self.head_dim == 256:
-            return False, ("head_dim 256: dK and dV accumulators alone need 2 x 256 = 512 "
-                           "tensor-memory columns, all there are, before S^T and dP^T (256 "
-                           "more); it needs the 2-CTA MMA (each CTA of a pair holds half of "
-                           "the key rows' dK / dV) or dK and dV in separate passes")
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             return False, f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        split = self.head_dim in SPLIT_HEAD_DIMS
+        if self.bwd_pass not in (PASSES["split"] if split else PASSES["all"]):
+            return False, (f"bwd_pass {self.bwd_pass!r} at head_dim {self.head_dim}: "
+                           + ("dK and dV accumulators alone need 2 x 256 = 512 tensor-memory "
+                              "columns, so hd 256 runs as the passes 'dv' and 'dkdq'" if split
+                              else "hd 64 / 128 run in one pass, 'all'"))
         if self.head_dim_v != self.head_dim:
             return False, f"head_dim_v {self.head_dim_v} != head_dim {self.head_dim}"
         if self.has_segments and self.deterministic:
@@ -124,12 +157,16 @@ class Sm100BwdConfig:
         return self.tmem_plan().check()
 
     def smem_bytes(self) -> int:
-        elt = 2
+        elt, m = 2, self.tile_m
+        if self.bwd_pass == "dv":  # K; Q (+ lse2) and dO per stage: no V, dS, delta or dQ
+            return (TILE_N * self.head_dim * elt
+                    + self.num_stages * m * ((self.head_dim + self.head_dim_v) * elt + 4)
+                    + 2048)
         kv = TILE_N * (self.head_dim + self.head_dim_v) * elt
-        qdo = self.num_stages * TILE_M * (self.head_dim + self.head_dim_v) * elt
-        ds = TILE_N * TILE_M * elt
-        rows = 2 * self.num_stages * TILE_M * 4  # lse2 / delta per stage
-        dq = 2 * TILE_M * DQ_CHUNK * 4
+        qdo = self.num_stages * m * (self.head_dim + self.head_dim_v) * elt
+        ds = TILE_N * m * elt
+        rows = 2 * self.num_stages * m * 4  # lse2 / delta per stage
+        dq = 2 * m * DQ_CHUNK * 4  # "dkdq": one 32 x 32 box per reduce warp, the same bytes
         return kv + qdo + ds + rows + dq + 2048  # + barriers and alignment
 
     @property
@@ -139,8 +176,10 @@ class Sm100BwdConfig:
                                  ("kvlen", self.has_kv_seqlen), ("alibi", self.has_alibi),
                                  ("seg", self.has_segments), ("det", self.deterministic))
                  if on]
+        part = "" if self.bwd_pass == "all" else f"_{self.bwd_pass}"
         return (f"bwd_sm100_{self.dtype}_h{self.head_dim}_hv{self.head_dim_v}"
-                f"_t{TILE_M}x{TILE_N}s{self.num_stages}_{'-'.join(feats) or 'dense'}")
+                f"_t{self.tile_m}x{TILE_N}s{self.num_stages}{part}_"
+                f"{'-'.join(feats) or 'dense'}")
 
 
 FEATURES = ("causal", "window", "softcap", "seq_lengths", "alibi", "segment_ids")
@@ -155,9 +194,6 @@ def can_implement(config: Sm100BwdConfig | None = None, **problem) -> tuple[bool
     if dtype not in SUPPORTED_DTYPES:
         return False, f"dtype {dtype} not supported (only {SUPPORTED_DTYPES})"
     hd, hdv = problem.get("head_dim"), problem.get("head_dim_v", problem.get("head_dim"))
-    if hd == 256:
-        return False, ("head dim 256 not supported by the sm_100a backward: dK and dV take "
-                       "all 512 tensor-memory columns (needs the 2-CTA MMA)")
     if hd not in SUPPORTED_HEAD_DIMS:
         return False, (f"head dim {hd} not supported by the sm_100a backward (only "
                        f"{SUPPORTED_HEAD_DIMS})")

@@ -210,22 +210,40 @@ class BwdTmemPlan:
 
 
 def backward_plan(tile_m: int, head_dim: int, head_dim_v: int, num_wg: int = 2,
-                  p_offset: int = 0, dq_start: int | None = None) -> BwdTmemPlan:
+                  p_offset: int = 0, dq_start: int | None = None,
+                  bwd_pass: str = "all") -> BwdTmemPlan:
     """The backward's plan: S^T | dP^T | dV | dK (| dQ when it fits, else dQ over dP^T). Each
     of the ``num_wg`` compute warpgroups loads its tile_m / num_wg columns of a buffer in
     32-column steps, then stores its 16-bit values (half as many columns) at ``p_offset``
-    inside its own columns. ``dq_start`` overrides where dQ goes (tests)."""
+    inside its own columns. ``dq_start`` overrides where dQ goes (tests).
+
+    The passes of a split backward (hd 256, `variants.sm100_bwd.PASSES`) hold only what they
+    compute: "dv" is S^T | dV with P^T over S^T (no dP^T, dK or dQ); "dkdq" is S^T | dP^T | dK
+    | dQ^T with dS^T over dP^T and no P^T in tensor memory (no dV MMA reads it): dQ^T = K^T
+    dS^T has the head dims on the lanes, head_dim / 128 MMAs of tile_m columns each."""
     part = tile_m // num_wg
     s = Region("S^T", "S", 0, tile_m, 0)
-    dp = Region("dP^T", "S", tile_m, tile_m, 1)
-    dv = Region("dV", "acc", 2 * tile_m, head_dim_v)
-    dk = Region("dK", "acc", dv.end, head_dim)
-    if dq_start is None:
-        dq_start = dk.end if dk.end + head_dim <= TMEM_COLUMNS else dp.start
-    dq = Region("dQ", "dQ", dq_start, head_dim)
-    regions = [s, dp, dv, dk, dq]
+    regions = [s]
+    overlays = []
+    if bwd_pass == "dv":
+        regions.append(Region("dV", "acc", s.end, head_dim_v))
+        overlays.append((0, s, "P^T"))
+    else:
+        dp = Region("dP^T", "S", tile_m, tile_m, 1)
+        regions.append(dp)
+        if bwd_pass == "all":
+            dv = Region("dV", "acc", 2 * tile_m, head_dim_v)
+            regions.append(dv)
+            overlays.append((0, s, "P^T"))
+        dk = Region("dK", "acc", regions[-1].end, head_dim)
+        regions.append(dk)
+        dq_cols = head_dim if bwd_pass == "all" else head_dim // LANES * tile_m
+        if dq_start is None:
+            dq_start = dk.end if dk.end + dq_cols <= TMEM_COLUMNS else dp.start
+        regions.append(Region("dQ", "dQ", dq_start, dq_cols))
+        overlays.append((1, dp, "dS^T"))
     order = []
-    for buf, host, name in ((0, s, "P^T"), (1, dp, "dS^T")):
+    for buf, host, name in overlays:
         for w in range(num_wg):
             regions.append(Region(f"{name}{w}", "P", host.start + w * part + p_offset,
                                   part // 2, buf))
