@@ -18,9 +18,11 @@ the scale broadcast over its block (`dequantize`). It is not the softmax ``scale
 
 Rules (the FP8 kernels follow them bit for bit when they quantize):
 
-- ``amax = max |x|`` over the block, in float32. ``scale = amax / FMAX`` and the values are
-  encoded as ``x8 = satfinite_rne(x * (FMAX / amax))`` (FMAX = 448 for E4M3, 57344 for E5M2;
-  both divisions float32 round-to-nearest). So each block's largest value maps to FMAX.
+- ``amax = max |x|`` over the block, in float32. ``scale = amax * (1 / FMAX)`` (the float32
+  reciprocal, `inverse_fmax`: XLA makes that product of ``amax / FMAX`` on every platform) and
+  the values are encoded as ``x8 = satfinite_rne(x * (FMAX / amax))`` (FMAX = 448 for E4M3,
+  57344 for E5M2; the division float32 round-to-nearest). So each block's largest value maps
+  to FMAX.
 - Saturation: values whose scaled magnitude exceeds FMAX (only possible by a rounding ulp, or
   with a caller's ``scale=``) clip to +-FMAX, never to NaN / Inf. E5M2's Inf is never produced.
 - Zero blocks: ``amax == 0`` gives ``scale = 1`` and all-zero codes (no division by zero; a
@@ -50,6 +52,11 @@ import numpy as np
 __all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "quantize", "dequantize", "expand_scale",
            "scale_shape", "hadamard", "hadamard_signed", "inverse_hadamard", "hadamard_signs",
            "fwht", "saturating_cast", "is_fp8"]
+
+
+def inverse_fmax(dtype) -> np.float32:
+    """``1 / FMAX`` of an FP8 dtype, float32 round-to-nearest (the scale rule's factor)."""
+    return np.float32(1.0) / np.float32(FP8_MAX[jnp.dtype(dtype)])
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
@@ -137,7 +144,10 @@ def quantize(x, dtype=jnp.float8_e4m3fn, *, granularity: str = "block", block_si
         amax = jnp.where(jnp.any(jnp.isnan(xb), axis=axes), jnp.nan, amax)
         fmax = jnp.float32(FP8_MAX[d])
         zero = amax == 0
-        scale = jnp.where(zero, jnp.float32(1.0), amax / fmax)
+        # amax times the float32 reciprocal of FMAX: what XLA makes of ``amax / fmax`` anyway
+        # (its simplifier turns a division by a constant into that product), written out so
+        # that a kernel computing the rules (`jaxflash.fp8.prologue`) multiplies too.
+        scale = jnp.where(zero, jnp.float32(1.0), amax * inverse_fmax(d))
         inv = jnp.where(zero, jnp.float32(1.0), fmax / jnp.where(zero, 1.0, amax))
     else:
         scale = jnp.asarray(scale, jnp.float32)

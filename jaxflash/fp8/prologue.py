@@ -58,7 +58,7 @@ def _xla(x, dtype, block, signs):
     amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4)), jnp.nan, amax)
     fmax = jnp.float32(Q.FP8_MAX[d])
     zero = amax == 0
-    scale = jnp.where(zero, jnp.float32(1.0), amax / fmax)
+    scale = jnp.where(zero, jnp.float32(1.0), amax * Q.inverse_fmax(d))
     inv = jnp.where(zero, jnp.float32(1.0), fmax / jnp.where(zero, 1.0, amax))
     x8 = Q.saturating_cast(xb * inv[:, :, None, :, None], d)
     x8 = x8.reshape(B, nb * block, H, D)[:, :L]

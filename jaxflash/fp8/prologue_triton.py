@@ -8,8 +8,9 @@ Bit for bit the rules of `jaxflash.quantize` (``hadamard_signed`` then ``quantiz
 float32 butterflies in the same order (tile reshapes and transposes move values, never combine
 them differently), the Hadamard output rounded once to the input's dtype, the amax over the
 block with NaN detected separately (Triton's max drops NaNs, XLA's rule poisons the block), the
-two divisions correctly rounded (``div.rn.f32``: Triton's ``/`` is the approximate
-``div.full.f32``), saturation before the round-to-nearest-even cast. Under
+scale as the product by the float32 ``1 / FMAX`` (XLA's form of the rule), the codes' FMAX / amax
+correctly rounded (``div.rn.f32``: Triton's ``/`` is the approximate ``div.full.f32``),
+saturation before the round-to-nearest-even cast. Under
 ``interpret=True`` (any device) the same body runs as JAX ops with IEEE division.
 """
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int,
     fmax = float(Q.FP8_MAX[jnp.dtype(out_dtype)])     # a Python constant: Triton folds it
     zero = amax == 0
     one = jnp.ones_like(amax)
-    scale = jnp.where(zero, one, _div_rn(amax, jnp.full_like(amax, fmax), interpret))
+    scale = jnp.where(zero, one, amax * Q.inverse_fmax(out_dtype))  # the rules' product
     inv = jnp.where(zero, one, _div_rn(jnp.full_like(amax, fmax), jnp.where(zero, one, amax),
                                        interpret))
     for r0 in range(0, block, rows):
