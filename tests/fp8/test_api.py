@@ -75,7 +75,7 @@ def test_cute_fp8_kernel_serves_e4m3_and_refuses_the_rest():
     with jaxflash.target_platform("cuda"):
         p = jaxflash.explain(qb, kb, kb, precision="fp8", implementation="cute")
         assert p.backend == "cute" and "FlashFwdSm90Fp8" in str(p)
-        assert "emulated FP8 backward" in str(p)   # no FP8 backward kernel: said, not hidden
+        assert "backward: CuTe FP8 kernel FlashBwdSm90Fp8" in str(p)  # the backward named too
         # E5M2 V is outside the kernel's operand set: asked by name it refuses, naming why.
         p = jaxflash.explain(q8, k8, v8, implementation="cute", **SC)
         assert p.backend is None and "e4m3 only" in str(p), str(p)

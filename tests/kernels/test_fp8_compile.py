@@ -139,7 +139,7 @@ def test_fp8_plan_serves_128_row_blocks_and_refuses_others(monkeypatch):
     with jaxflash.target_platform("cuda"):
         d = jaxflash.explain(*args[:3], q_scale=args[3], k_scale=args[4], v_scale=args[5])
     assert d.backend == "cute", str(d)
-    assert "FlashFwdSm90Fp8" in str(d) and "emulated FP8 backward" in str(d)
+    assert "FlashFwdSm90Fp8" in str(d) and "backward: CuTe FP8 kernel FlashBwdSm90Fp8" in str(d)
     import jax
     sds = jax.ShapeDtypeStruct
     # the contract's 128-row blocks over 200 query / 300 key rows: the kernel's tiles
@@ -192,16 +192,16 @@ def test_pre_transposed_v_is_in_the_order_p_is_packed():
         assert (got == (want + 1 if want < S else 0)).all(), (p, want, got.ravel()[:4])
 
 
-def test_pre_transposed_v_waits_for_its_gpu_check(monkeypatch):
-    """Dispatch picks the in-kernel transpose until the V^T variant is cleared; the switch
-    admits it."""
+def test_pre_transposed_v_is_dispatched(monkeypatch):
+    """V^T from the XLA side is the FP8 forward dispatch picks (cleared on the H200 by
+    tests/kernels/test_fp8_gpu.py), without the switch."""
     from jaxflash._types import AttentionStatics, Fp8Spec, Problem
     from jaxflash.kernels.policy.choose import fp8_forward_config
+    from jaxflash.kernels.policy.verified import pending
     spec = Fp8Spec(q_block=512, k_block=512, v_block=512, granularity=("tensor",) * 3)
     p = Problem(batch=2, q_len=512, kv_len=512, num_heads=4, num_kv_heads=4, head_dim=128,
                 head_dim_v=128, dtype="float8_e4m3fn",
                 statics=AttentionStatics(scale=0.1, fp8=spec), platform="cuda")
     monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
-    assert not fp8_forward_config(p).v_transposed
-    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
-    assert fp8_forward_config(p).v_transposed
+    cfg = fp8_forward_config(p)
+    assert cfg.v_transposed and not pending(cfg)
