@@ -99,6 +99,8 @@ class AttentionStatics:
     fp8: Optional[Fp8Spec] = None
     # score_mod / mask_mod: a `jaxflash.mods.ModSpec` (hashable by the mods' code), or None.
     mods: Optional[object] = None
+    # Set when a mask_mod was found equal to a built-in mask and runs as it (`explain` says so).
+    mods_note: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,15 +164,45 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
 
     mods, aux_c = _mods.make_spec(score_mod, mask_mod, aux)
     _check_block_mask(block_mask, mods, B, N, T, S, shapes)
+    mods_note = None
+    form = None if (block_mask is not None or is_causal or window is not None) else \
+        _builtin_mask_form(mods, T, S)
+    if form is not None:  # the mask_mod is a built-in mask: run it as that (same result)
+        is_causal, window = form
+        mods_note = (f"mask_mod {getattr(mask_mod, '__name__', 'mask')} equals the built-in "
+                     f"{_describe_mask(is_causal, window)} at (T, S) = ({T}, {S}): runs as that")
+        mods, aux_c = _mods.make_spec(score_mod, None, aux if score_mod is not None else ())
     arrays = AttentionArrays(bias=bias_c, mask=mask_c, q_seqlen=qlen_c, kv_seqlen=kvlen_c,
                              alibi_slopes=alibi_c, q_segment_ids=qseg_c, kv_segment_ids=kvseg_c,
                              mod_aux=aux_c, block_mask=block_mask)
     statics = AttentionStatics(scale=float(scale), is_causal=bool(is_causal), window=window,
-                               softcap=softcap, deterministic=bool(deterministic), mods=mods)
+                               softcap=softcap, deterministic=bool(deterministic), mods=mods,
+                               mods_note=mods_note)
     q = q.reshape((B,) + qs[-3:])
     k = k.reshape((B,) + ks[-3:])
     v = v.reshape((B,) + vs[-3:])
     return q, k, v, arrays, statics, batch_shape
+
+
+def _builtin_mask_form(mods, T: int, S: int):
+    """`jaxflash.kernels.mod_builtin.builtin_form` of the call's mask_mod, or None (no
+    mask_mod, one the kernels' program form cannot express, or no built-in)."""
+    if mods is None or mods.mask_mod is None:
+        return None
+    from jaxflash.kernels import mod_builtin
+    from jaxflash.kernels.variants.mod_program import spec_texts
+    try:
+        text = spec_texts(_mods.make_spec(None, mods.mask_mod, mods.aux(
+            [jnp.zeros(s, d) for s, d in mods.aux_avals]))[0])["mask"]
+    except (NotImplementedError, ValueError):
+        return None
+    return mod_builtin.builtin_form(text, T, S)
+
+
+def _describe_mask(is_causal: bool, window) -> str:
+    if window is None:
+        return "causal mask" if is_causal else "no mask (every pair visible)"
+    return ("causal " if is_causal else "") + f"window local_window_size={tuple(window)}"
 
 
 def _check_block_mask(block_mask, mods, B, N, T, S, shapes):

@@ -117,6 +117,12 @@ def _try(name: str, problem: Problem):
 def plan(problem: Problem, implementation: str | None) -> Plan:
     """The plan of `problem`, made once per call (it depends on the environment too: the
     verified gate, precompiled artifacts, the DSL's presence). Never raises; see `select`."""
+    p = _plan(problem, implementation)
+    note = problem.statics.mods_note
+    return dataclasses.replace(p, notes=(note,) + p.notes) if note else p
+
+
+def _plan(problem: Problem, implementation: str | None) -> Plan:
     if implementation is not None:
         detail, why = _try(implementation, problem)
         if why is None:

@@ -70,11 +70,13 @@ def test_explain_names_who_cannot_serve_mods():
     cuDNN refuses them by name; a mod the kernels cannot translate falls to Pallas, and explain
     says why."""
     with jaxflash.target_platform("cuda"):
-        plan = jaxflash.explain(_Q, _K, _K, score_mod=mods.softcap(5.0), mask_mod=mods.causal())
+        # (chunks: no built-in mask, so the mask_mod stays one; a causal mask_mod would run
+        # as is_causal, `test_builtin_form`)
+        plan = jaxflash.explain(_Q, _K, _K, score_mod=mods.softcap(5.0), mask_mod=mods.chunked(4))
         text = str(plan)
         assert plan.backend == "cute" and "FlashBwdSm90" in text, text
         assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
-        cudnn = str(jaxflash.explain(_Q, _K, _K, mask_mod=mods.causal(), implementation="cudnn"))
+        cudnn = str(jaxflash.explain(_Q, _K, _K, mask_mod=mods.chunked(4), implementation="cudnn"))
         assert "'cudnn' refused: score_mod / mask_mod" in cudnn, cudnn
         # a cumulative sum has no kernel translation: Pallas runs, and cute's refusal is named
         odd = lambda s, b, h, qi, ki: s + jnp.cumsum(jnp.ones(3))[1]
