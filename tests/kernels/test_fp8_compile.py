@@ -9,6 +9,8 @@ Each compile takes 5-10 s on 2 cores (+ about 1 s of ptxas).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 
@@ -50,6 +52,8 @@ MATRIX = [
                  v_blocks=True, v_transposed=True),
     Fp8FwdConfig(head_dim=64, has_window=True, has_softcap=True, has_kv_seqlen=True,
                  v_transposed=True),
+    # hd 64's pick with per-tensor / per-head q scales (gated until its GPU check)
+    Fp8FwdConfig(head_dim=64, tile_m=192, is_causal=True, v_transposed=True),
 ]
 
 
@@ -205,3 +209,12 @@ def test_pre_transposed_v_is_dispatched(monkeypatch):
     monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
     cfg = fp8_forward_config(p)
     assert cfg.v_transposed and not pending(cfg)
+    # hd 64 with per-tensor q scales: 192-row tiles once cleared (the switch admits them);
+    # q scales per 128-row block keep 128-row tiles
+    p64 = dataclasses.replace(p, head_dim=64, head_dim_v=64)
+    assert fp8_forward_config(p64).tile_m == 128
+    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
+    assert fp8_forward_config(p64).tile_m == 192
+    blocks = Fp8Spec(q_block=128, k_block=128, v_block=128, granularity=("block",) * 3)
+    pb = dataclasses.replace(p64, statics=AttentionStatics(scale=0.1, fp8=blocks))
+    assert fp8_forward_config(pb).tile_m == 128
