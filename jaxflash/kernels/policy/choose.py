@@ -148,7 +148,7 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
                        v_transposed=True, **_common_fields(problem, alibi=False), **blocks)
     if problem.head_dim == 64 and not blocks["q_blocks"]:
         # 192-row tiles at hd 64 (the bf16 pick): +25-31% with the in-kernel transpose
-        # (`fp8-fwd-diag-h200-2026-12-04.json`, "m192"); q scales in 128-row blocks do not
+        # (`fp8-fwd-diag-h200-*.json`, "m192"); q scales in 128-row blocks do not
         # tile them. Taken once their GPU check clears them (`verified.RULES`).
         wide = dataclasses.replace(cfg, tile_m=192, mask_select=False)
         if not verified.pending(wide) or verified.allowed():
