@@ -480,25 +480,10 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 layouts.wgmma(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, stage],
                               zero_init=True, wait=-1)
                 warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
-                sl2 = scale_log2
-                if const_expr(self.cfg.has_softcap):
-                    pre = pre_scale * qd * kd
-                    for i in cutlass.range_constexpr(cute.size(acc_S)):
-                        acc_S[i] = cute.math.tanh(acc_S[i] * pre, fastmath=True)
-                else:
-                    sl2 = scale_log2 * qd * kd
-                if const_expr(self.cfg.has_segments):
-                    if key_segs.block_needs_compare(seg[3][batch, m_block, 0],
-                                                    seg[3][batch, m_block, 1]):
-                        apply_segment_mask(acc_S, coords, key_segs, m_block * self.tile_m,
-                                           seg[0][batch, None], T)
-                if blocks.needs_mask(n_block, m_block, seqlen_k):
-                    apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
-                                  seqlen_k, window_left, window_right, self.has_right,
-                                  self.has_left)
-                warpgroup.wait_group(0)
-                amax = self.probs_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, sl2,
-                                        vd * dod * Float32(2.0 ** -P_SHIFT_LOG2))
+                amax = self.step_probs_grads(
+                    acc_S, acc_dP, coords, key_segs, seg, blocks, batch, n_block, m_block, T,
+                    seqlen_k, window_left, window_right, sLSE, sDelta, stage, scale_log2,
+                    pre_scale, qd, kd, vd * dod)
                 if dod != unit_v:
                     r = unit_v / dod
                     for i in cutlass.range_constexpr(cute.size(acc_dV)):
@@ -558,6 +543,36 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         self.store_dkdv_f32(acc_dK, acc_dV, unit_k * softmax_scale,
                             unit_v * Float32(2.0 ** -P_SHIFT_LOG2), mma_dk, mma_dv, tidx, mdK,
                             mdV, kv_head, batch, n_block, S)
+
+    @cute.jit
+    def step_probs_grads(self, acc_S, acc_dP, coords: TileCoords, key_segs, seg, blocks,
+                         batch: Int32, n_block: Int32, m_block: Int32, T: Int32,
+                         seqlen_k: Int32, window_left: Int32, window_right: Int32, sLSE, sDelta,
+                         stage: Int32, scale_log2: Float32, pre_scale: Float32,
+                         qd: Float32, kd: Float32, vdo_descale: Float32) -> Float32:
+        """One step's S^T (ready) and dP^T (in flight) to P^T and dS^T: the softcap or the
+        descales folded into the exp2 scale, the segment and causal / window / length masks,
+        the wait for dP^T, then `probs_grads`. Both the 128-key and the head-dim-split
+        kernels run it. Returns the thread's max |dS|."""
+        sl2 = scale_log2
+        if const_expr(self.cfg.has_softcap):
+            pre = pre_scale * qd * kd
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * pre, fastmath=True)
+        else:
+            sl2 = scale_log2 * qd * kd
+        if const_expr(self.cfg.has_segments):
+            if key_segs.block_needs_compare(seg[3][batch, m_block, 0],
+                                            seg[3][batch, m_block, 1]):
+                apply_segment_mask(acc_S, coords, key_segs, m_block * self.tile_m,
+                                   seg[0][batch, None], T)
+        if blocks.needs_mask(n_block, m_block, seqlen_k):
+            apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
+                          seqlen_k, window_left, window_right, self.has_right,
+                          self.has_left)
+        warpgroup.wait_group(0)
+        return self.probs_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, sl2,
+                                vdo_descale * Float32(2.0 ** -P_SHIFT_LOG2))
 
     @cute.jit
     def probs_grads(self, acc_S, acc_dP, coords: TileCoords, sLSE, sDelta, stage: Int32,

@@ -37,8 +37,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from jaxflash.kernels.common import layouts
-from jaxflash.kernels.common.mask import (QueryBlockRange, SegmentRows, TileCoords,
-                                          apply_mask_kq, apply_segment_mask)
+from jaxflash.kernels.common.mask import QueryBlockRange, SegmentRows, TileCoords
 from jaxflash.kernels.sm90.bwd import _BAR_DS
 from jaxflash.kernels.sm90.bwd_fp8 import (_BAR_AMAX, E4M3_MAX, P_SHIFT_LOG2, FlashBwdSm90Fp8,
                                            cvt_e4m3x4)
@@ -147,25 +146,10 @@ class FlashBwdSm90Fp8Wide(FlashBwdSm90Fp8):
                 layouts.wgmma(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, stage],
                               zero_init=True, wait=-1)
                 warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
-                sl2 = scale_log2
-                if const_expr(self.cfg.has_softcap):
-                    pre = pre_scale * qd * kd
-                    for i in cutlass.range_constexpr(cute.size(acc_S)):
-                        acc_S[i] = cute.math.tanh(acc_S[i] * pre, fastmath=True)
-                else:
-                    sl2 = scale_log2 * qd * kd
-                if const_expr(self.cfg.has_segments):
-                    if key_segs.block_needs_compare(seg[3][batch, m_block, 0],
-                                                    seg[3][batch, m_block, 1]):
-                        apply_segment_mask(acc_S, coords, key_segs, m_block * self.tile_m,
-                                           seg[0][batch, None], T)
-                if blocks.needs_mask(n_block, m_block, seqlen_k):
-                    apply_mask_kq(acc_S, coords, n_block, m_block, self.tile_n, self.tile_m,
-                                  seqlen_k, window_left, window_right, self.has_right,
-                                  self.has_left)
-                warpgroup.wait_group(0)
-                amax = self.probs_grads(acc_S, acc_dP, coords, sLSE, sDelta, stage, sl2,
-                                        vd * dod * Float32(2.0 ** -P_SHIFT_LOG2))
+                amax = self.step_probs_grads(
+                    acc_S, acc_dP, coords, key_segs, seg, blocks, batch, n_block, m_block, T,
+                    seqlen_k, window_left, window_right, sLSE, sDelta, stage, scale_log2,
+                    pre_scale, qd, kd, vd * dod)
                 if dod != unit_v:
                     r = unit_v / dod
                     for i in cutlass.range_constexpr(cute.size(acc_dV)):
