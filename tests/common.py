@@ -150,6 +150,17 @@ def assert_close(x, ref, tol, what=""):
     return err
 
 
+def assert_forward_close(out, lse, ref_out, ref_lse, dtype: str):
+    """A forward's (out, lse) against the oracle's: finite output within the dtype's
+    tolerance, -inf LSE exactly where the reference has it, finite LSE within 1e-4."""
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    assert_close(out, ref_out, FWD_TOL[dtype], "out")
+    fin = np.isfinite(np.asarray(ref_lse))
+    assert (np.isfinite(np.asarray(lse)) == fin).all()
+    assert_close(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], 1e-4, "lse")
+
+
 def runtime_only(monkeypatch, kernel_dir=None, forbid_compile=True):
     """Simulate a machine without the CuTe DSL (the GPU machine here): the env switch, `import
     cutlass` failing, no compiler, and artifacts read from `kernel_dir` when given."""
