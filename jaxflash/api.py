@@ -190,10 +190,10 @@ def _builtin_mask_form(mods, T: int, S: int):
     if mods is None or mods.mask_mod is None:
         return None
     from jaxflash.kernels import mod_builtin
-    from jaxflash.kernels.variants.mod_program import spec_texts
+    from jaxflash.kernels.variants.mod_program import program_from_jaxpr, to_text
+    from jaxflash.mods.spec import mask_jaxpr
     try:
-        text = spec_texts(_mods.make_spec(None, mods.mask_mod, mods.aux(
-            [jnp.zeros(s, d) for s, d in mods.aux_avals]))[0])["mask"]
+        text = to_text(program_from_jaxpr(mask_jaxpr(mods), "mask"))
     except (NotImplementedError, ValueError):
         return None
     return mod_builtin.builtin_form(text, T, S)
