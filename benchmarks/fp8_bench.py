@@ -37,22 +37,21 @@ import sys
 GRID = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
 QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, True)]
 # `run --tiles`: FP8 variants beside the pick (per-tensor scales: block scales need the
-# contract's 128-key tiles): wider key tiles (FlashAttention-3's FP8 choice at hd 128 is 224)
-# the persistent tile loop (the bf16 kernel's gain at S = 1k) and, at hd 64, 192-row tiles
-# (three consumer warpgroups, the bf16 hd 64 pick); and V^T from the XLA side (`v_transposed`:
-# no transpose in the kernel, the XLA transpose of V inside the timed call).
+# contract's 128-key tiles; V^T from the XLA side in every one, as picked): at hd 64 the
+# 128-row tiles beside the 192-row pick (three consumer warpgroups), the persistent tile loop
+# (the bf16 kernel's gain at S = 1k), wider key tiles (FlashAttention-3's FP8 choice at hd 128
+# is 224), and the conditional O rescale (FlashAttention-4's, bitwise the same result).
 BWD_POINTS = [(128, s, c) for s in (1024, 4096, 16384) for c in (False, True)]
 # hd 256 (`FlashBwdSm90Fp8Wide`): beside our bf16 forward + backward only (no cuDNN FP8 backward)
 BWD_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
-    64: {"t128": {}, "t192": dict(tile_n=192), "t256": dict(tile_n=256),
-         "persistent": dict(persistent=True), "m192": dict(tile_m=192, mask_select=False),
-         "vt": dict(v_transposed=True)},
-    128: {"t128": {}, "t192": dict(tile_n=192), "t224": dict(tile_n=224),
-          "persistent": dict(persistent=True), "vt": dict(v_transposed=True)},
-    256: {"t128": {}, "vt": dict(v_transposed=True)},
+    64: {"pick": {}, "m128": dict(tile_m=128), "persistent": dict(persistent=True),
+         "lazy": dict(lazy_rescale=True)},
+    128: {"pick": {}, "t192": dict(tile_n=192), "persistent": dict(persistent=True),
+          "lazy": dict(lazy_rescale=True)},
+    256: {"pick": {}, "lazy": dict(lazy_rescale=True)},
 }
 
 
@@ -69,7 +68,10 @@ def tile_launch(d, s, c, **change):
     st = AttentionStatics(scale=D ** -0.5, is_causal=c, fp8=spec)
     p = Problem(batch=B, q_len=S, kv_len=S, num_heads=N, num_kv_heads=N, head_dim=D,
                 head_dim_v=D, dtype="float8_e4m3fn", statics=st, platform="cuda")
-    return fwd_fp8_launch(dataclasses.replace(fp8_forward_config(p), **change)), st
+    cfg = fp8_forward_config(p)
+    if change.get("tile_m") == 128 and cfg.tile_m != 128:   # the 128-row tiles' causal pick
+        change = dict(change, mask_select=c)
+    return fwd_fp8_launch(dataclasses.replace(cfg, **change)), st
 
 
 def shapes(d, s):

@@ -46,12 +46,21 @@ def _differ(g, w):
     return (gn != wn) | (~gn & (_bits(g) != _bits(w)))
 
 
-def _same(got, want):
+def _same(got, want, what="codes"):
     (g8, gs), (w8, ws) = got, want
     assert g8.dtype == w8.dtype and g8.shape == w8.shape and gs.shape == ws.shape
-    nb = np.count_nonzero(_differ(g8, w8))
-    ns = np.count_nonzero(_differ(gs, ws))
-    assert nb == 0 and ns == 0, f"{nb} codes and {ns} scales differ"
+    dc, ds = _differ(g8, w8), _differ(gs, ws)
+    nb, ns = np.count_nonzero(dc), np.count_nonzero(ds)
+    if nb or ns:  # where and by how much, to tell a rounding rule from a tiling bug
+        f32 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32))
+        at = [tuple(int(i) for i in ix) for ix in np.argwhere(dc)[:4]]
+        sat = [tuple(int(i) for i in ix) for ix in np.argwhere(ds)[:4]]
+        g, w, gsf, wsf = f32(g8), f32(w8), f32(gs), f32(ws)
+        detail = (f"; codes (got, want) at {[(ix, g[ix], w[ix]) for ix in at]}"
+                  f"; scales at {[(ix, gsf[ix], wsf[ix]) for ix in sat]}")
+    else:
+        detail = ""
+    assert nb == 0 and ns == 0, f"{what}: {nb} codes and {ns} scales differ{detail}"
 
 
 CASES = [  # (shape [B, L, H, D], block)

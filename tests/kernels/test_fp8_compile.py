@@ -209,12 +209,24 @@ def test_pre_transposed_v_is_dispatched(monkeypatch):
     monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
     cfg = fp8_forward_config(p)
     assert cfg.v_transposed and not pending(cfg)
-    # hd 64 with per-tensor q scales: 192-row tiles once cleared (the switch admits them);
+    # hd 64 with per-tensor q scales: 192-row tiles (cleared on the H200, no switch needed);
     # q scales per 128-row block keep 128-row tiles
     p64 = dataclasses.replace(p, head_dim=64, head_dim_v=64)
-    assert fp8_forward_config(p64).tile_m == 128
-    monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
-    assert fp8_forward_config(p64).tile_m == 192
+    assert fp8_forward_config(p64).tile_m == 192 and not pending(fp8_forward_config(p64))
+    # the measured schedules: persistent for causal calls up to 1k keys (hd 64 / 128), the
+    # conditional rescale at hd 64 from 4k keys unless v has block scales
+    def at(prob, L, causal=False):
+        sp = Fp8Spec(q_block=L, k_block=L, v_block=L, granularity=("tensor",) * 3)
+        return dataclasses.replace(prob, q_len=L, kv_len=L, statics=AttentionStatics(
+            scale=0.1, fp8=sp, is_causal=causal))
+
+    assert fp8_forward_config(at(p, 512, causal=True)).persistent
+    assert not fp8_forward_config(at(p, 2048, causal=True)).persistent
+    assert not fp8_forward_config(p).persistent
+    long64 = at(p64, 4096)
+    assert fp8_forward_config(long64).lazy_rescale
+    assert not fp8_forward_config(p64).lazy_rescale
     blocks = Fp8Spec(q_block=128, k_block=128, v_block=128, granularity=("block",) * 3)
     pb = dataclasses.replace(p64, statics=AttentionStatics(scale=0.1, fp8=blocks))
+    assert not fp8_forward_config(dataclasses.replace(pb, q_len=4096, kv_len=4096)).lazy_rescale
     assert fp8_forward_config(pb).tile_m == 128

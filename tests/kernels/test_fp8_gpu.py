@@ -30,6 +30,12 @@ CASES = [
     ("d128-window", 1, 1500, 1500, 4, 2, 128, dict(local_window_size=(200, 0)), "head"),
     ("d128-softcap-lengths", 2, 900, 1100, 4, 4, 128, dict(softcap=20.0, lengths=True), "head"),
     ("d64-cross-T<S", 1, 300, 2000, 2, 1, 64, {}, "tensor"),
+    # the picks' schedules: the persistent loop (causal, <= 1k keys), the conditional O
+    # rescale (hd 64 from 4k keys), 192-row tiles without either
+    ("d128-causal-short-persistent", 2, 1000, 1000, 4, 2, 128, dict(is_causal=True), "head"),
+    ("d64-dense-long-lazy", 1, 4500, 4500, 2, 2, 64, {}, "head"),
+    ("d64-causal-long-lazy", 1, 4200, 4200, 2, 1, 64, dict(is_causal=True), "tensor"),
+    ("d64-causal-2k", 1, 2000, 2000, 4, 4, 64, dict(is_causal=True), "tensor"),
     # the contract's 128-row block scales (k: per key block S scaling; v: O's unit changes)
     ("d128-blocks-causal-gqa", 2, 1000, 1000, 4, 2, 128, dict(is_causal=True), "block"),
     ("d256-blocks", 1, 700, 1300, 2, 2, 256, {}, "block"),

@@ -31,15 +31,13 @@ def allowed() -> bool:
 # feature's checks are listed in docs/design.md.
 # Every bf16 / fp16 feature the configs can express has been cleared; a new one is named here
 # until then, e.g. "FwdConfig": (("a new mask", lambda c: c.new_mask),). Cleared without
-# sanitizer runs (their logs are in benchmarks/results): the FP8 forward, with V^T from the XLA
-# side too, by tests/kernels/test_fp8_gpu.py on the H200; the score / mask mods by
+# sanitizer runs (their logs are in benchmarks/results): the FP8 forward (with V^T from the
+# XLA side, hd 64's 192-row tiles, the persistent tile loop and the conditional O rescale) by
+# tests/kernels/test_fp8_gpu.py on the H200; the score / mask mods by
 # tests/kernels/test_mods_gpu.py and tests/mods/test_mods_gpu.py; the FP8 backward (hd 64 /
 # 128 and hd 256's head-dim split) by tests/kernels/test_fp8_bwd_gpu.py (compute-sanitizer
 # segfaulted on the test process, its log holds no report: no sanitizer verdict exists).
 RULES: dict[str, tuple] = {
-    # 192-row FP8 tiles (three consumer warpgroups, hd 64) with V^T from the XLA side: compiled
-    # here (0 spills); cleared once tests/kernels/test_fp8_gpu.py's hd 64 cases pass with them.
-    "Fp8FwdConfig": (("192-row tiles (three consumer warpgroups)", lambda c: c.tile_m == 192),),
     # Every sm_100a variant: no Blackwell GPU has run them yet. Cleared by the first-run kit's
     # float64 checks and sanitizers on a B200.
     "Sm100FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
