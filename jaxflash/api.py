@@ -165,12 +165,16 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     mods, aux_c = _mods.make_spec(score_mod, mask_mod, aux)
     _check_block_mask(block_mask, mods, B, N, T, S, shapes)
     mods_note = None
-    form = None if (block_mask is not None or is_causal or window is not None) else \
-        _builtin_mask_form(mods, T, S)
+    form = None if (is_causal or window is not None) else _builtin_mask_form(mods, T, S)
     if form is not None:  # the mask_mod is a built-in mask: run it as that (same result)
         is_causal, window = form
         mods_note = (f"mask_mod {getattr(mask_mod, '__name__', 'mask')} equals the built-in "
                      f"{_describe_mask(is_causal, window)} at (T, S) = ({T}, {S}): runs as that")
+        if block_mask is not None:
+            # A block mask of the same mask_mod (what it must be) marks exactly the tiles the
+            # built-in skips by its bounds: the built-in needs no table.
+            mods_note += " (the block_mask is not needed there)"
+            block_mask = None
         mods, aux_c = _mods.make_spec(score_mod, None, aux if score_mod is not None else ())
     arrays = AttentionArrays(bias=bias_c, mask=mask_c, q_seqlen=qlen_c, kv_seqlen=kvlen_c,
                              alibi_slopes=alibi_c, q_segment_ids=qseg_c, kv_segment_ids=kvseg_c,

@@ -72,6 +72,10 @@ def test_recognized_mask_mod_gives_the_mods_result_and_says_so():
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     text = str(jaxflash.explain(q, k, v, mask_mod=mm))
     assert "equals the built-in window local_window_size=(9, 3)" in text, text
-    # with a BlockMask the call keeps the mod as given
+    # with its BlockMask too: the built-in skips the same empty tiles by its bounds
     bm = mods.create_block_mask(mm, 1, 1, T, S, block=(16, 16))
-    assert "equals the built-in" not in str(jaxflash.explain(q, k, v, mask_mod=mm, block_mask=bm))
+    text = str(jaxflash.explain(q, k, v, mask_mod=mm, block_mask=bm))
+    assert "equals the built-in window" in text and "block_mask is not needed" in text, text
+    for impl in ("xla", "pallas"):
+        got = jaxflash.flash_attention(q, k, v, mask_mod=mm, block_mask=bm, implementation=impl)
+        np.testing.assert_allclose(got, f(q, k, v, mask=dense), rtol=1e-5, atol=1e-5)
