@@ -36,6 +36,7 @@ def test_triton_bit_exact_on_gpu(shape, block, in_dt, fp8, hadamard):
             _same(got(), want, what)
         except AssertionError as e:
             errors.append(str(e))
+            print(f"{shape} block {block} hadamard {hadamard}: {e}", flush=True)  # now, not at exit
     assert not errors, " | ".join(errors)
 
 
