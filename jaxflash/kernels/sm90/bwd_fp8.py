@@ -417,7 +417,7 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                     n_block: Int32, kv_head: Int32, batch: Int32, group: Int32, m_min: Int32,
                     num_m: Int32, num_steps: Int32, seqlen_k: Int32, S: Int32, T: Int32,
                     blocks: QueryBlockRange, seg, descales):
-        mQD, mdOD, mKD, mVD = descales
+        mQD, mdOD = descales[0], descales[1]
         sQ, sQt, sdO, sdOt, sK, sV, sKt, sdS, sLSE, sDelta, sdQ, sAmax, sdS16, sdS_l = sm
         mma_s, mma_dp, mma_dk, mma_dv, mma_dq = mmas
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -435,25 +435,13 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         tdQrdS = w_dq.make_fragment_A(w_dq.partition_A(sdS))
         tdQrKt = w_dq.make_fragment_B(w_dq.partition_B(sKt))
         shape_st = (self.tile_n, self.tile_m)
-        acc_S = t_s.make_fragment_C(t_s.partition_shape_C(shape_st))
-        acc_dP = t_s.make_fragment_C(t_s.partition_shape_C(shape_st))
-        acc_dK = t_dk.make_fragment_C(t_dk.partition_shape_C((self.tile_n, self.hd)))
-        acc_dV = t_dv.make_fragment_C(t_dv.partition_shape_C((self.tile_n, self.hdv)))
-        acc_dQ = t_dq.make_fragment_C(t_dq.partition_shape_C((self.tile_m, self.hd)))
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
+        acc_S, acc_dP, acc_dK, acc_dV, acc_dQ = self.tile_accumulators(t_s, t_dk, t_dv, t_dq)
         rP = t_dv.make_fragment_A(t_dv.partition_shape_A(shape_st))
         rdS = t_dk.make_fragment_A(t_dk.partition_shape_A(shape_st))
         coords = TileCoords.make(mma_s, tidx, shape_st)
         tdQsdQ = self.dq_flat_partition(sdQ, tidx)
-        key_segs = None
-        if const_expr(self.cfg.has_segments):
-            key_segs = SegmentRows.load(
-                coords, cute.size(layouts.acc_as_rows_cols(acc_S), mode=[0]),
-                n_block * self.tile_n, seg[1][batch, None], seg[1].shape[1],
-                seg[2][batch, n_block, 0], seg[2][batch, n_block, 1])
-        kd = mKD[batch, kv_head, n_block]
-        vd = mVD[batch, kv_head, n_block]
+        key_segs, kd, vd = self.tile_constants(coords, acc_S, seg, descales, batch, kv_head,
+                                               n_block)
         # units of the dV / dK accumulators (dO's scale; dS's x q's) of the last step
         unit_v = Float32(1.0)
         unit_k = Float32(1.0)
@@ -473,21 +461,11 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                 buf = step % 2
                 qd = mQD[batch, head, m_block]
                 dod = mdOD[batch, head, m_block]
-                pipe_q.consumer_wait(state)
-                layouts.wgmma(mma_s, acc_S, tSrK, tSrQ[None, None, None, stage],
-                              zero_init=True, wait=-1)
-                pipe_do.consumer_wait(state)
-                layouts.wgmma(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, stage],
-                              zero_init=True, wait=-1)
-                warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
-                amax = self.step_probs_grads(
-                    acc_S, acc_dP, coords, key_segs, seg, blocks, batch, n_block, m_block, T,
-                    seqlen_k, window_left, window_right, sLSE, sDelta, stage, scale_log2,
-                    pre_scale, qd, kd, vd * dod)
-                if dod != unit_v:
-                    r = unit_v / dod
-                    for i in cutlass.range_constexpr(cute.size(acc_dV)):
-                        acc_dV[i] = acc_dV[i] * r
+                amax = self.step_start(
+                    (mma_s, mma_dp), (tSrK, tSrQ, tPrV, tPrdO), pipe_q, pipe_do, state,
+                    acc_S, acc_dP, acc_dV, unit_v, coords, key_segs, seg, blocks, batch,
+                    n_block, m_block, T, seqlen_k, window_left, window_right, sLSE, sDelta,
+                    scale_log2, pre_scale, qd, kd, vd, dod)
                 unit_v = dod
                 # P^T x 2^8 to e4m3 (the A operand's permuted query order), dV += P^T dO.
                 # Converted after the branch: before it, the converts were sunk past the
@@ -543,6 +521,63 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         self.store_dkdv_f32(acc_dK, acc_dV, unit_k * softmax_scale,
                             unit_v * Float32(2.0 ** -P_SHIFT_LOG2), mma_dk, mma_dv, tidx, mdK,
                             mdV, kv_head, batch, n_block, S)
+
+    def tile_accumulators(self, t_s, t_dk, t_dv, t_dq):
+        """The consumer thread's accumulators of one key block: S^T and dP^T (tile_n x
+        tile_m), dK and dV (zeroed: they sum over the steps) and dQ."""
+        shape_st = (self.tile_n, self.tile_m)
+        acc_S = t_s.make_fragment_C(t_s.partition_shape_C(shape_st))
+        acc_dP = t_s.make_fragment_C(t_s.partition_shape_C(shape_st))
+        acc_dK = t_dk.make_fragment_C(t_dk.partition_shape_C((self.tile_n, self.hd)))
+        acc_dV = t_dv.make_fragment_C(t_dv.partition_shape_C((self.tile_n, self.hdv)))
+        acc_dQ = t_dq.make_fragment_C(t_dq.partition_shape_C((self.tile_m, self.hd)))
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        return acc_S, acc_dP, acc_dK, acc_dV, acc_dQ
+
+    def tile_constants(self, coords: TileCoords, acc_S, seg, descales, batch: Int32,
+                       kv_head: Int32, n_block: Int32):
+        """What a key block holds for all its steps: the key rows' segment ids (with segment
+        ids), K's and V's descales."""
+        mKD, mVD = descales[2], descales[3]
+        key_segs = None
+        if const_expr(self.cfg.has_segments):
+            key_segs = SegmentRows.load(
+                coords, cute.size(layouts.acc_as_rows_cols(acc_S), mode=[0]),
+                n_block * self.tile_n, seg[1][batch, None], seg[1].shape[1],
+                seg[2][batch, n_block, 0], seg[2][batch, n_block, 1])
+        return key_segs, mKD[batch, kv_head, n_block], mVD[batch, kv_head, n_block]
+
+    @cute.jit
+    def step_start(self, mmas, operands, pipe_q, pipe_do, state, acc_S, acc_dP, acc_dV,
+                   unit_v: Float32, coords: TileCoords, key_segs, seg, blocks, batch: Int32,
+                   n_block: Int32, m_block: Int32, T: Int32, seqlen_k: Int32,
+                   window_left: Int32, window_right: Int32, sLSE, sDelta, scale_log2: Float32,
+                   pre_scale: Float32, qd: Float32, kd: Float32, vd: Float32,
+                   dod: Float32) -> Float32:
+        """A step's first half, the same in the 128-key and the head-dim-split kernels: S^T =
+        K Q^T and dP^T = V dO^T issued as the query and dO stages land, `step_probs_grads`,
+        then dV brought into this step's dO units (it accumulates in the last step's). Returns
+        the thread's max |dS|."""
+        mma_s, mma_dp = mmas
+        tSrK, tSrQ, tPrV, tPrdO = operands
+        stage = state.index
+        pipe_q.consumer_wait(state)
+        layouts.wgmma(mma_s, acc_S, tSrK, tSrQ[None, None, None, stage],
+                      zero_init=True, wait=-1)
+        pipe_do.consumer_wait(state)
+        layouts.wgmma(mma_dp, acc_dP, tPrV, tPrdO[None, None, None, stage],
+                      zero_init=True, wait=-1)
+        warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        amax = self.step_probs_grads(
+            acc_S, acc_dP, coords, key_segs, seg, blocks, batch, n_block, m_block, T,
+            seqlen_k, window_left, window_right, sLSE, sDelta, stage, scale_log2,
+            pre_scale, qd, kd, vd * dod)
+        if dod != unit_v:
+            r = unit_v / dod
+            for i in cutlass.range_constexpr(cute.size(acc_dV)):
+                acc_dV[i] = acc_dV[i] * r
+        return amax
 
     @cute.jit
     def step_probs_grads(self, acc_S, acc_dP, coords: TileCoords, key_segs, seg, blocks,
