@@ -79,8 +79,7 @@ def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype):
     return [(t * c).astype(in_dtype).astype(jnp.float32) for t in ts]   # x's dtype, as hadamard()
 
 
-def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int,
-            interpret: bool):
+def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int):
     if hadamard:
         x_ref, s_ref, o_ref, sc_ref = refs
     else:
@@ -135,8 +134,7 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
         raise ValueError(f"width {width} / rows {rows} must be powers of two dividing the head "
                          f"dim {D} / the block {block}")
     kernel = functools.partial(_kernel, hadamard=hadamard, in_dtype=x.dtype,
-                               out_dtype=jnp.dtype(dtype), width=width, rows=rows,
-                               interpret=interpret)
+                               out_dtype=jnp.dtype(dtype), width=width, rows=rows)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
