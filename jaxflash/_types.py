@@ -18,6 +18,9 @@ from typing import NamedTuple, Optional
 
 import jax
 
+# What `jax.default_backend()` ("gpu") or a lowering target ("cuda") calls an NVIDIA GPU.
+GPU_PLATFORMS = ("cuda", "gpu")
+
 
 class AttentionArrays(NamedTuple):
     """Optional array operands in canonical shapes (None where absent).

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxflash import autodiff, dispatch, precision as prec, quantize
 from jaxflash import mods as _mods
-from jaxflash._types import AttentionArrays, AttentionStatics, Problem
+from jaxflash._types import GPU_PLATFORMS, AttentionArrays, AttentionStatics, Problem
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -460,7 +460,7 @@ def _with_fp8_notes(p: dispatch.Plan, req) -> dispatch.Plan:
     if p.backend == "xla":
         why = ("asked for" if p.requested else
                "no FP8 kernel can serve this call (see the refusals)"
-               if p.platform in ("cuda", "gpu") else
+               if p.platform in GPU_PLATFORMS else
                f"the FP8 kernels are for Hopper GPUs (platform {p.platform})")
         notes += (f"{prec.EMULATED_NOTE}; {why}",)
     return dataclasses.replace(p, notes=notes + p.notes)

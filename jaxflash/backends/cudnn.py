@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import masking
+from jaxflash._types import GPU_PLATFORMS
 from jaxflash.backends.base import Backend
 
 # A finite stand-in for LSE = -inf in the backward: exp(s - _HUGE_LSE) = 0 for every logit.
@@ -168,7 +169,7 @@ class CudnnBackend(Backend):
                 "cuDNN's FP8 attention (reachable only through a private jax function) takes "
                 "per-tensor scales, returns FP8, and its backward passes the scales in the wrong "
                 "order; it is not wired in")
-        if p.platform not in ("cuda", "gpu"):
+        if p.platform not in GPU_PLATFORMS:
             raise NotImplementedError(f"cuDNN attention runs on NVIDIA GPUs only "
                                       f"(platform {p.platform})")
         if s.mods is not None:

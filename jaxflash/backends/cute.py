@@ -11,6 +11,7 @@ the primitive's name.
 """
 from __future__ import annotations
 
+from jaxflash._types import GPU_PLATFORMS
 from jaxflash.backends.base import Backend
 
 
@@ -18,7 +19,7 @@ class CuteBackend(Backend):
     name = "cute"
 
     def plan(self, problem):
-        if problem.platform not in ("cuda", "gpu"):
+        if problem.platform not in GPU_PLATFORMS:
             raise NotImplementedError(f"CuTe kernels run on CUDA only (platform {problem.platform})")
         if problem.block_sparse is not None and problem.mods is None:
             raise NotImplementedError("a block_mask without a mask_mod")

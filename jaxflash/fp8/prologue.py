@@ -24,19 +24,22 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import quantize as Q
+from jaxflash._types import GPU_PLATFORMS
 from jaxflash.fp8 import layout
 
 IMPLS = ("reference", "xla", "triton")
-# The CUDA pick, one constant (benchmarks/fp8_prologue_bench.py measures every candidate).
-# "xla" until the Triton kernel passes tests/fp8/test_prologue_gpu.py whole on a GPU (with
-# XLA's own float32 division it matched on the cases re-run there, not yet on all): a kernel
-# not checked on its hardware is not the default.
-IMPL = "xla"
+# The CUDA pick, one constant (benchmarks/fp8_prologue_bench.py measures every candidate). The
+# Triton kernel gives the rules' codes and scales bit for bit on the GPU
+# (tests/fp8/test_prologue_gpu.py) at 2.4-3x XLA's speed; "xla" serves what it cannot take.
+IMPL = "triton"
 # The kernel's tuning by head dim (`prologue_triton.quantize_blocks`: num_warps, columns per
 # tile, rows per pass; the result does not depend on it). 8 columns: one 16-byte bf16 load per
-# row and tile, so the butterflies past 8 run tile against tile inside each thread.
+# row and tile, so the butterflies past 8 run tile against tile inside each thread. At head
+# dim 256, 16 columns and 8 warps: the Triton program of 8 columns (32 tiles, each stage past 8
+# unrolled over all of them) is four times hd 128's and takes minutes to compile; this one is
+# hd 128's size with the same registers per thread.
 TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (2, 8, 64), 128: (4, 8, 64),
-                 256: (4, 8, 32)}
+                 256: (8, 16, 64)}
 
 
 def _reference(x, dtype, block, signs):
@@ -90,7 +93,7 @@ def pick(x, block: int, platform: str, impl=None) -> str:
         raise ValueError(f"prologue implementation must be one of {IMPLS}; got {impl!r}")
     if impl == "triton":
         from jaxflash.fp8 import prologue_triton as T
-        if platform != "cuda" or _sharded_trace(x) or not T.supports(x.shape, block):
+        if platform not in GPU_PLATFORMS or _sharded_trace(x) or not T.supports(x.shape, block):
             return "xla"
     return impl
 

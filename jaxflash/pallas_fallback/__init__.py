@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxflash._types import GPU_PLATFORMS
 from jaxflash.mods import aux_grad as _aux_grad
 from jaxflash.pallas_fallback import bwd as _bwd
 from jaxflash.pallas_fallback import config as _config
@@ -25,7 +26,6 @@ from jaxflash.pallas_fallback import fwd as _fwd
 from jaxflash.pallas_fallback import mods_tile
 from jaxflash.pallas_fallback.tiles import Spec
 
-_GPU_PLATFORMS = ("cuda", "gpu")
 _INT32_MAX = 2**31 - 1
 _GRID_YZ_MAX = 65535  # CUDA limit of a launch grid's y and z extents
 
@@ -33,7 +33,7 @@ _GRID_YZ_MAX = 65535  # CUDA limit of a launch grid's y and z extents
 def check(problem):
     """Raise NotImplementedError(reason) for calls these kernels cannot serve."""
     p = problem
-    if p.platform not in _GPU_PLATFORMS + ("cpu",):
+    if p.platform not in GPU_PLATFORMS + ("cpu",):
         raise NotImplementedError(
             f"the Pallas kernels lower through Triton (NVIDIA GPUs) or run in interpret mode "
             f"(CPU); platform {p.platform!r} is not supported (they use masked loads for "

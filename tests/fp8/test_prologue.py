@@ -122,6 +122,7 @@ def test_pick_and_dispatch_of_granularities():
     x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     assert P.pick(x, 128, "cpu", "triton") == "xla"
     assert P.pick(x, 128, "cuda", "triton") == "triton"
+    assert P.pick(x, 128, "gpu", "triton") == "triton"    # jax.default_backend() on a GPU
     assert P.pick(x, 128, "cuda", "reference") == "reference"
     assert P.pick(x, 96, "cuda", "triton") == "xla"
     assert not T.supports((1, 128 * 65536, 2, 64), 128)      # past CUDA's grid y limit
