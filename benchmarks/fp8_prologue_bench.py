@@ -33,9 +33,9 @@ HBM_BPS = 4.8e12
 # Triton tilings tried beside the library's pick (`prologue.TRITON_CONFIG`) at S = 4k:
 # (num_warps, columns per tile, rows per pass); (.., D, 128) is the one-tile kernel whose
 # butterflies all move data between threads.
-SWEEP = {64: [(4, 64, 128), (4, 8, 128), (1, 8, 32)],
-         128: [(4, 128, 128), (8, 8, 128), (2, 8, 32), (4, 16, 64)],
-         256: [(8, 256, 128), (8, 32, 64), (4, 16, 64)]}
+SWEEP = {64: [(2, 8, 64), (4, 8, 128), (4, 32, 128)],
+         128: [(4, 8, 64), (4, 16, 128), (4, 32, 64)],
+         256: [(8, 32, 64), (4, 16, 64), (8, 16, 128)]}
 SWEEP_S = 4096
 
 

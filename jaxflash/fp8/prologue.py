@@ -33,12 +33,13 @@ IMPLS = ("reference", "xla", "triton")
 # (tests/fp8/test_prologue_gpu.py) at 2.4-3x XLA's speed; "xla" serves what it cannot take.
 IMPL = "triton"
 # The kernel's tuning by head dim (`prologue_triton.quantize_blocks`: num_warps, columns per
-# tile, rows per pass; the result does not depend on it). 8 columns: one 16-byte bf16 load per
-# row and tile, so the butterflies past 8 run tile against tile inside each thread. At head
-# dim 256, 16 columns and 8 warps: the Triton program of 8 columns (32 tiles, each stage past 8
-# unrolled over all of them) is four times hd 128's and takes minutes to compile; this one is
-# hd 128's size with the same registers per thread.
-TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (2, 8, 64), 128: (4, 8, 64),
+# tile, rows per pass; the result does not depend on it), the fastest measured on the H200 at
+# S = 4k (benchmarks/fp8_prologue_bench.py's sweep, every tiling bit-exact there): hd 64 one
+# 64-column tile, the block in one pass (888 GB/s; 8 columns, 64 rows: 778); hd 128 16-column
+# tiles, 64 rows a pass (801 GB/s; 8 columns: 598). At hd 256, 16 columns and 8 warps: with 8
+# columns (32 tiles, each butterfly stage past the tile unrolled over all of them) the Triton
+# program is four times hd 128's and takes minutes to compile; this one is hd 128's size.
+TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (4, 64, 128), 128: (4, 16, 64),
                  256: (8, 16, 64)}
 
 

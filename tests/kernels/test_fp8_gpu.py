@@ -41,6 +41,11 @@ CASES = [
     ("d256-blocks", 1, 700, 1300, 2, 2, 256, {}, "block"),
     ("d64-blocks-softcap-lengths", 2, 800, 800, 4, 4, 64, dict(softcap=15.0, lengths=True),
      "block"),
+    # key blocks of magnitudes 1/8 .. 8 (so each block's scale differs): a scale read for the
+    # wrong block, or folded into the softmax wrongly, cannot hide in the error
+    ("d128-blocks-spread", 1, 1100, 1100, 4, 2, 128, dict(spread=True), "block"),
+    ("d256-blocks-spread-causal", 1, 700, 700, 2, 2, 256, dict(spread=True, is_causal=True),
+     "block"),
 ]
 # precision="fp8" on bf16 inputs (Hadamard + 128-row block quantization in XLA, then the kernel)
 PRECISION_CASES = [
@@ -113,6 +118,9 @@ def test_fp8_forward_against_emulation_and_float64(case, monkeypatch):
     kw = dict(kw)
     lengths = kw.pop("lengths", False)
     q, k, v = _inputs(B, T, S, N, K, D, seed=hash(name) % 2**31)
+    if kw.pop("spread", False):
+        f = 2.0 ** ((np.arange(S) // 128) % 7 - 3.0)
+        k, v = k * f[None, :, None, None], v * f[::-1][None, :, None, None]
     q8, qs = Q.quantize(jnp.asarray(q), jnp.float8_e4m3fn, granularity=gran)
     k8, ks = Q.quantize(jnp.asarray(k), jnp.float8_e4m3fn, granularity=gran)
     v8, vs = Q.quantize(jnp.asarray(v), jnp.float8_e4m3fn, granularity=gran)

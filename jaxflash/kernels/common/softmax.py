@@ -74,15 +74,24 @@ class OnlineSoftmax(Carried):
         self.row_sum = cute.make_rmem_tensor(cute.make_layout(num_rows), Float32)
 
     @cute.jit
-    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool]) -> cute.Tensor:
+    def step(self, acc_s: cute.Tensor, is_first: cutlass.Constexpr[bool],
+             col_scale=None) -> cute.Tensor:
         """Exponentiate the block's scores in place; return the per-row factor by which the
-        output accumulator must be rescaled (1 on the first block)."""
+        output accumulator must be rescaled (1 on the first block). `col_scale` (optional, > 0):
+        a factor every score of the block still lacks (the FP8 kernel's key-block scale). It
+        scales the block's row max once per row and joins the exponent's multiplier, so the
+        scores are never multiplied one by one: the same FFMA per element as without it."""
         s = acc_as_rows_cols(acc_s)
         row_scale = cute.make_rmem_tensor(cute.make_layout(self.num_rows), Float32)
         ncol = cute.size(s, mode=[1])
         assert ncol % 4 == 0
+        scale_e = self.scale_log2
+        if cutlass.const_expr(col_scale is not None):
+            scale_e = self.scale_log2 * col_scale
         for r in cutlass.range_constexpr(self.num_rows):
             m = _row_max(s, r, ncol)
+            if cutlass.const_expr(col_scale is not None):
+                m = m * col_scale      # max(x * c) = max(x) * c for c > 0, -inf stays -inf
             if cutlass.const_expr(not is_first):
                 m = cute.arch.fmax(m, self.row_max[r])
             m = quad_allreduce_max(m)
@@ -93,8 +102,7 @@ class OnlineSoftmax(Carried):
             if cutlass.const_expr(self.p_shift_log2 != 0):
                 neg_max_scaled = neg_max_scaled + Float32(self.p_shift_log2)
             for c in cutlass.range_constexpr(ncol):
-                s[r, c] = cute.math.exp2(s[r, c] * self.scale_log2 + neg_max_scaled,
-                                         fastmath=True)
+                s[r, c] = cute.math.exp2(s[r, c] * scale_e + neg_max_scaled, fastmath=True)
             block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)

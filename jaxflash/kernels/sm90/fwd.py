@@ -641,7 +641,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
             pipe_k.consumer_release(kv_state)
             self.scores(acc_S, tScS, m_block, n, seqlen_k, pre_scale, window_left,
                         window_right, mods, seg_cmp, True, self.has_right, self.has_left, mm)
-            softmax.step(acc_S, is_first=True)
+            self.softmax_first(softmax, acc_S)
             self.convert_p(acc_S, tOrP)
             # Blocks cut by the right (causal/window) bound.
             n_right = self.mod_right(mods, blocks.n_block_min_right_mask(m_block, n_min))
@@ -717,6 +717,10 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
         16-bit A fragment is a re-view of the accumulator. Plain Python (inlined while tracing);
         the FP8 subclass reorders instead."""
         tOrP.store(layouts.acc_as_operand_a(acc_S).load().to(self.dtype))
+
+    def softmax_first(self, softmax, acc_S):
+        """The softmax of a tile's first block (plain Python, inlined while tracing)."""
+        softmax.step(acc_S, is_first=True)
 
     def softmax_step(self, softmax, acc_S):
         """(row_scale, whether the warp must rescale O: None = always) of a non-first block.

@@ -95,6 +95,10 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         self.separate_o = config.separate_o
         self.wg_epilogue = False
         self.lazy_rescale = config.lazy_rescale
+        # Key-block scales fold into the softmax (`OnlineSoftmax.step`'s col_scale) instead of
+        # multiplying every score, except where the scores need their true values first (the
+        # softcap's tanh) or the conditional rescale's step runs.
+        self.fold_k = config.k_blocks and not config.has_softcap and not config.lazy_rescale
 
     def launch_layout(self):
         ins = ["q", "k", "v"]
@@ -535,31 +539,55 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         c.tOcO = TileCoords.make(tiled_mma_pv, tidx, (self.tile_m, self.hdv))
         return c
 
+    def segment_compare_needed(self, mods, n_block: Int32):
+        """The bf16 kernel's hook before a block's GEMMs are issued; the FP8 kernel reads the
+        block's scales there too (k's, and the v scales of this block and the one before), so
+        their loads run under the GEMMs instead of stalling the scores after them. Returns
+        (the segment answer, k's scale or None, (previous v scale, this one) or None); plain
+        Python, inlined while tracing."""
+        need = FlashFwdSm90.segment_compare_needed(self, mods, n_block)
+        kd = vd = None
+        if self.cfg.k_blocks:
+            kd = mods.kd[n_block]
+        if self.cfg.v_blocks:
+            # O holds block n_block + 1's P V in that block's v units; block n_block's PV
+            # comes next (right to left). Unused on a tile's first block (O is still 0).
+            prev = cutlass.min(n_block + 1, cute.size(mods.vd) - 1)
+            vd = (mods.vd[prev], mods.vd[n_block])
+        return need, kd, vd
+
     @cute.jit
     def scores(self, acc_S, tScS, m_block: Int32, n_block: Int32, seqlen_k: Int32,
                pre_scale: Float32, window_left: Int32, window_right: Int32, mods, seg_cmp,
                mask_seqlen: cutlass.Constexpr, mask_right: cutlass.Constexpr,
                mask_left: cutlass.Constexpr, mask_mod: cutlass.Constexpr = False):
-        """Block scales first (k: this block's scale on its scores; v: the ratio by which O
-        changes units before this block's PV, read by `softmax_step`), then the bf16
-        kernel's transforms and masks."""
-        if const_expr(self.cfg.k_blocks):
-            kd = mods.kd[n_block]
+        """Block scales first (k: this block's scale, folded into the softmax or multiplied
+        onto the scores; v: the ratio by which O changes units before this block's PV, read by
+        `softmax_step`), then the bf16 kernel's transforms and masks (a masked -inf stays -inf
+        under the folded scale)."""
+        need, kd, vd = seg_cmp
+        if const_expr(self.cfg.k_blocks and not self.fold_k):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[i] = acc_S[i] * kd
+        self._kd_fold = None
+        if const_expr(self.fold_k):
+            self._kd_fold = kd
         if const_expr(self.cfg.v_blocks):
-            # O holds block n_block + 1's P V in that block's v units; block n_block's PV
-            # comes next (right to left). Unused on a tile's first block (O is still 0).
-            prev = cutlass.min(n_block + 1, cute.size(mods.vd) - 1)
-            self._v_ratio = mods.vd[prev] / mods.vd[n_block]
+            self._v_ratio = vd[0] / vd[1]
         FlashFwdSm90.scores(self, acc_S, tScS, m_block, n_block, seqlen_k, pre_scale,
-                            window_left, window_right, mods, seg_cmp, mask_seqlen, mask_right,
+                            window_left, window_right, mods, need, mask_seqlen, mask_right,
                             mask_left, mask_mod)
 
+    def softmax_first(self, softmax, acc_S):
+        softmax.step(acc_S, is_first=True, col_scale=self._kd_fold)
+
     def softmax_step(self, softmax, acc_S):
-        """The bf16 kernel's step; with v blocks its O rescale also changes O's units to the
-        coming block's v scale (set by `scores` for the same block, just before)."""
-        row_scale, moved = FlashFwdSm90.softmax_step(self, softmax, acc_S)
+        """The bf16 kernel's step (with the folded k scale of `scores`, same block); with v
+        blocks its O rescale also changes O's units to the coming block's v scale."""
+        if self.fold_k:
+            row_scale, moved = softmax.step(acc_S, is_first=False, col_scale=self._kd_fold), None
+        else:
+            row_scale, moved = FlashFwdSm90.softmax_step(self, softmax, acc_S)
         if self.cfg.v_blocks:
             for r in range(softmax.num_rows):
                 row_scale[r] = row_scale[r] * self._v_ratio
