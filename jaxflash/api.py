@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxflash import autodiff, dispatch, precision as prec, quantize
 from jaxflash import mods as _mods
+from jaxflash.fp8 import prologue
 from jaxflash._types import GPU_PLATFORMS, AttentionArrays, AttentionStatics, Problem
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -457,6 +458,8 @@ def _with_fp8_notes(p: dispatch.Plan, req) -> dispatch.Plan:
     if req is None:
         return p
     notes = prec.describe(req.spec, req.hadamard_seed)
+    if req.spec.source == "quantized":
+        notes += (prologue.describe(p.problem, req.spec),)
     if p.backend == "xla":
         why = ("asked for" if p.requested else
                "no FP8 kernel can serve this call (see the refusals)"

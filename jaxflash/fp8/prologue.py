@@ -99,6 +99,27 @@ def pick(x, block: int, platform: str, impl=None) -> str:
     return impl
 
 
+def describe(problem, spec) -> str:
+    """`explain`'s sentence on the prologue a precision="fp8" call of `problem` takes (per
+    operand when they differ). Outside a trace it cannot see a sharded operand: inside a jit
+    trace of a multi-device process the XLA arrangement runs instead of the kernel."""
+    P = problem
+    shapes = {"q": ((P.batch, P.q_len, P.num_heads, P.head_dim), spec.q_block),
+              "k": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim), spec.k_block),
+              "v": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim_v), spec.v_block)}
+    picks = {n: pick(jax.ShapeDtypeStruct(shape, jnp.float32), block, P.platform)
+             for n, (shape, block) in shapes.items()}
+    what = {"triton": "one Pallas (Triton) pass per operand (the XLA arrangement inside a jit "
+                      "trace of a multi-device process)",
+            "xla": "the rules arranged for XLA's fusion",
+            "reference": "jaxflash.quantize's rules as written"}
+    if len(set(picks.values())) == 1:
+        which = picks["q"]
+        return f"FP8 prologue (Hadamard, amax, codes, scales): {which}, {what[which]}"
+    return "FP8 prologue (Hadamard, amax, codes, scales): " + ", ".join(
+        f"{n} {w}" for n, w in picks.items()) + f" ({what['triton']})"
+
+
 def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
                      platform: str = "cpu", impl=None):
     """A canonical operand ``x [B, L, heads, D]`` (float) -> ``(x8, scale [B, heads, nb])``:

@@ -193,3 +193,18 @@ def test_precision_fp8_equals_hadamard_outside():
     for a, b in zip(ga, gb):
         assert a.dtype == b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_explain_names_the_prologue():
+    """explain says which prologue a precision="fp8" call takes, per operand when they differ."""
+    import jaxflash
+    from jaxflash import target_platform
+    x = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+    odd = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)   # no whole 128-row blocks
+    assert "FP8 prologue (Hadamard, amax, codes, scales): xla" in str(
+        jaxflash.explain(x, x, x, precision="fp8"))
+    with target_platform("gpu"):
+        assert "FP8 prologue (Hadamard, amax, codes, scales): triton" in str(
+            jaxflash.explain(x, x, x, precision="fp8"))
+        assert "q xla, k triton, v triton" in str(jaxflash.explain(odd, x, x, precision="fp8"))
+    assert "FP8 prologue" not in str(jaxflash.explain(x, x, x))

@@ -13,9 +13,12 @@ The bf16 forward (`sm90.fwd.FlashFwdSm90`) with FP8 operands; what changes and w
   carries the same factor (cancels in O), the LSE takes it out.
 - Scales per (batch, head), or per 128-row block (the contract's layout, `Fp8FwdConfig`'s
   q/k/v_blocks): q's (one per tile) and k's (when not per block) fold into the softmax's exp2
-  scale (or the softcap's pre-scale); k blocks multiply each block's scores; v's scale goes into
-  the final 1 / rowsum, and with v blocks the ratio of consecutive blocks' scales into the O
-  rescale of every block (O accumulates in the current block's units). O leaves in ``out_dtype``.
+  scale (or the softcap's pre-scale); a k block's scale folds into that block's softmax step
+  (its row max and exponent multiplier; under softcap or the conditional rescale it multiplies
+  the block's scores instead); v's scale goes into the final 1 / rowsum, and with v blocks the
+  ratio of consecutive blocks' scales into the O rescale of every block (O accumulates in the
+  current block's units). Block scales are read before the block's GEMMs are issued, so their
+  loads' latency hides under them. O leaves in ``out_dtype``.
 - O (16-bit) is staged for its TMA store in the loaded-V buffers (free once the last block is
   transposed), extended over the V^T buffers after a consumer barrier when it is larger.
 - One tile per CTA, or (``persistent``, up to hd 128: O then has its own buffer) one CTA per SM
