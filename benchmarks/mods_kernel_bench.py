@@ -220,6 +220,14 @@ def main(argv=None):
             # forward + backward: 2.5x the forward's flops either way
             row["sparse_over_dense_fwdbwd"] = ((flops / t["mod_fwdbwd"].median_s)
                                                / (dense_flops / t["dense_fwdbwd"].median_s))
+            if "modbm_fwd" in t:
+                # with the BlockMask built once (a mask reading aux otherwise evaluates its
+                # block table in XLA in every call)
+                row["modbm_sparse_over_dense_fwd"] = ((flops / t["modbm_fwd"].median_s)
+                                                      / (dense_flops / t["dense_fwd"].median_s))
+                row["modbm_sparse_over_dense_fwdbwd"] = (
+                    (flops / t["modbm_fwdbwd"].median_s)
+                    / (dense_flops / t["dense_fwdbwd"].median_s))
         print(json.dumps(row), flush=True)
         rows.append(row)
     return _write(rows, a.out)
