@@ -107,8 +107,10 @@ def describe(problem, spec) -> str:
     shapes = {"q": ((P.batch, P.q_len, P.num_heads, P.head_dim), spec.q_block),
               "k": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim), spec.k_block),
               "v": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim_v), spec.v_block)}
-    picks = {n: pick(jax.ShapeDtypeStruct(shape, jnp.float32), block, P.platform)
-             for n, (shape, block) in shapes.items()}
+    # per-tensor / per-head scales (`scale_granularity`) take quantize's own XLA layouts
+    picks = {n: (pick(jax.ShapeDtypeStruct(shape, jnp.float32), block, P.platform)
+                 if g == "block" else "xla")
+             for (n, (shape, block)), g in zip(shapes.items(), spec.granularity)}
     what = {"triton": "one Pallas (Triton) pass per operand (the XLA arrangement inside a jit "
                       "trace of a multi-device process)",
             "xla": "the rules arranged for XLA's fusion",

@@ -207,4 +207,6 @@ def test_explain_names_the_prologue():
         assert "FP8 prologue (Hadamard, amax, codes, scales): triton" in str(
             jaxflash.explain(x, x, x, precision="fp8"))
         assert "q xla, k triton, v triton" in str(jaxflash.explain(odd, x, x, precision="fp8"))
+        assert "scales): xla" in str(jaxflash.explain(x, x, x, precision="fp8",
+                                                      scale_granularity="head"))
     assert "FP8 prologue" not in str(jaxflash.explain(x, x, x))
