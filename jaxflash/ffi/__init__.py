@@ -79,11 +79,18 @@ from jaxflash.ffi.runtime import register as register_runtime  # noqa: E402
 from jaxflash.ffi.variant import Launch, TensorArg, current_arch  # noqa: E402
 
 
+# The custom call of Pallas' Triton kernels (the Pallas backend, precision="fp8"'s prologue).
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
 def export_safety_checks():
-    """Pass as ``disabled_checks=`` to `jax.export.export`: our custom call is not on jax's list
-    of targets with a stability guarantee (the artifact is only valid with this runtime)."""
+    """Pass as ``disabled_checks=`` to `jax.export.export`: the custom calls jaxflash emits are
+    not on jax's list of targets with a stability guarantee: ours (the artifact is only valid
+    with this runtime) and Pallas' Triton kernels (the Pallas backend, the FP8 prologue; valid
+    with the jaxlib that exported them)."""
     import jax.export
-    return [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(TARGET),
+            jax.export.DisabledSafetyCheck.custom_call(TRITON_TARGET)]
 
 
 __all__ = ["Binary", "Launch", "MissingVariantError", "RuntimeLibraryError", "TARGET",

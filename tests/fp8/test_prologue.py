@@ -148,6 +148,15 @@ def test_triton_kernel_lowers_for_cuda():
     with target_platform("cuda"):
         txt = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("__gpu$xla.gpu.triton") == 1, txt[:2000]
+    # exportable with jaxflash's safety checks (jax lists no Triton kernel as stable)
+    from jaxflash import ffi
+    with target_platform("cuda"):
+        with pytest.raises(ValueError, match="compatibility guarantees"):
+            jax.export.export(jax.jit(f), platforms=["cuda"])(x)
+        exp = jax.export.export(jax.jit(f), platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(x)
+    back = jax.export.deserialize(exp.serialize())
+    assert [o.shape for o in back.out_avals] == [(2, 256, 4, 128), (2, 4, 2)]
 
 
 @pytest.mark.parametrize("width,rows", [(None, None), (4, 32), (16, 64)])
