@@ -27,8 +27,8 @@
 #             (FP8BWD_SAN_K picks it, e.g. d256-small)                           (~6 min)
 #   prologue  precision="fp8"'s prologue on the GPU: the Triton kernel and the XLA arrangement
 #             bit for bit against the rules (tests/fp8/test_prologue_gpu.py, xdist workers
-#             carried in .device/pylib; its hd 256 Triton compiles take minutes: give the
-#             stage a call of its own), then benchmarks.fp8_prologue_bench      (~9 min)
+#             carried in .device/pylib), then benchmarks.fp8_prologue_bench (PROLOGUE_SWEEP=1:
+#             with the tilings' sweep, whose compiles take minutes)               (~5 min)
 #   mods      score / mask mods in the CuTe kernels and the Triton-compiled Pallas kernels
 #             against the float32 reference (tests/kernels/test_mods_gpu.py,
 #             tests/mods/test_mods_gpu.py)                                        (~4 min)
@@ -152,8 +152,9 @@ prologue)
     python3 -m pytest -m gpu -n 8 -rA -s -p no:cacheprovider -p no:benchmark --tb=short \
     tests/fp8/test_prologue_gpu.py 2>&1 | tee $OUT/gpu-prologue-tests-$D.log \
     | grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed|differ" | cut -c1-600 | tail -40
-  timeout ${PROLOGUE_BENCH_TIMEOUT:-180} python3 -m benchmarks.fp8_prologue_bench run --out $OUT 2>&1 \
-    | grep -v -i warn | tail -30 ;;
+  # PROLOGUE_SWEEP=1 adds the tilings' sweep at 4k (their Triton compiles take minutes)
+  timeout ${PROLOGUE_BENCH_TIMEOUT:-180} python3 -m benchmarks.fp8_prologue_bench run \
+    $([ "${PROLOGUE_SWEEP:-0}" = 1 ] || echo --no-sweep) --out $OUT 2>&1 | grep -v -i warn | tail -30 ;;
 mods)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
     timeout ${MODS_TIMEOUT:-280} python3 -m pytest -m gpu -rA -p no:cacheprovider \
