@@ -31,8 +31,8 @@ GRID = [(d, s) for d in (64, 128, 256) for s in (1024, 4096, 16384)]
 E2E_S = (4096, 16384)   # the issue's target: precision="fp8" >= 1.25x bf16 at S >= 4k
 HBM_BPS = 4.8e12
 # Triton tilings tried beside the library's pick (`prologue.TRITON_CONFIG`) at S = 4k:
-# (num_warps, columns per tile, rows per pass); (.., D, 128) is the one-tile kernel whose
-# butterflies all move data between threads.
+# (num_warps, columns per tile, rows per pass); a tile of D columns is the one-tile kernel
+# whose butterflies all move data between threads.
 SWEEP = {64: [(2, 8, 64), (4, 8, 128), (4, 32, 128)],
          128: [(4, 8, 64), (4, 16, 128), (4, 32, 64)],
          256: [(8, 32, 64), (4, 16, 64), (8, 16, 128)]}
@@ -138,11 +138,13 @@ def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True) -> int:
     import jax.numpy as jnp
 
     import jaxflash
+    from benchmarks import envinfo
     from benchmarks.timing import time_interleaved
     from jaxflash import quantize as Q
     from jaxflash.fp8 import prologue as P
     os.environ.setdefault("JAXFLASH_CUTE_UNVERIFIED", "1")
     rows, e2e_rows = [], []
+    env = envinfo.collect()       # once: it runs nvidia-smi and git
     for d, s in GRID:
         B, S, N, D = shapes(d, s)
         ks = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -170,7 +172,7 @@ def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True) -> int:
         if fns:
             rows.append(row)
             print(json.dumps(row), flush=True)
-            _write(out_dir, rows, e2e_rows, prologue, e2e)
+            _write(out_dir, env, rows, e2e_rows, prologue, e2e)
         if not e2e or s not in E2E_S:
             continue
         q8, qs = Q.quantize(q, jnp.float8_e4m3fn)
@@ -212,21 +214,20 @@ def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True) -> int:
                 er[name + "_ms"] = te[name].median_s * 1e3
             e2e_rows.append(er)
             print(json.dumps(er), flush=True)
-            _write(out_dir, rows, e2e_rows, prologue, e2e)
-    print(_write(out_dir, rows, e2e_rows, prologue, e2e))
+            _write(out_dir, env, rows, e2e_rows, prologue, e2e)
+    print(_write(out_dir, env, rows, e2e_rows, prologue, e2e))
     return 0
 
 
-def _write(out_dir, rows, e2e_rows, prologue, e2e) -> str:
+def _write(out_dir, env, rows, e2e_rows, prologue, e2e) -> str:
     """The results so far as JSON and a table (after every row: a run cut short keeps them)."""
-    from benchmarks import envinfo
     date = datetime.date.today().isoformat()
     os.makedirs(out_dir, exist_ok=True)
     part = "" if prologue and e2e else ("-alone" if prologue else "-e2e")
     base = os.path.join(out_dir, f"fp8-prologue-bench{part}-h200-{date}")
     summary = _summary(e2e_rows)
     with open(base + ".json", "w") as f:
-        json.dump({"env": envinfo.collect(), "prologue": rows, "e2e": e2e_rows,
+        json.dump({"env": env, "prologue": rows, "e2e": e2e_rows,
                    "summary": summary}, f, indent=1)
     text = _table(rows, e2e_rows, summary)
     with open(base + ".md", "w") as f:

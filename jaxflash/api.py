@@ -12,8 +12,8 @@ import numpy as np
 
 from jaxflash import autodiff, dispatch, precision as prec, quantize
 from jaxflash import mods as _mods
-from jaxflash.fp8 import prologue
 from jaxflash._types import GPU_PLATFORMS, AttentionArrays, AttentionStatics, Problem
+from jaxflash.fp8 import prologue
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
