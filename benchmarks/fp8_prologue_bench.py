@@ -13,8 +13,9 @@ the prologue: Q, K, V read once in bf16 and written once in E4M3 (3 B / element,
 negligible); GB/s = that / time, beside the bound (H200 HBM3e, 4.8 TB/s). Candidates:
 ``reference`` (`jaxflash.quantize` as written: the code before the prologue module), ``xla``
 (the fused arrangement), ``triton`` (the Pallas kernel as the library tiles it; at S = 4k also
-``triton_<warps>w_<columns>c_<rows>r``, other tilings, and ``xla_dot``: not the library's, the
-Hadamard as a bf16 GEMM, whose codes differ from the rules where its sums round differently).
+``xla_dot``: not the library's, the Hadamard as a bf16 GEMM, whose codes differ from the rules
+where its sums round differently), ``triton_gemm`` (the kernel with that tensor-core Hadamard;
+at S = 4k also other tilings of it, ``triton_gemm_<warps>w_<columns>c_<rows>r``).
 Results: ``fp8-prologue-bench[-alone|-e2e]-h200-<date>.json`` / ``.md`` in --out (default $OUT
 or benchmarks/results).
 """
@@ -30,12 +31,12 @@ import sys
 GRID = [(d, s) for d in (64, 128, 256) for s in (1024, 4096, 16384)]
 E2E_S = (4096, 16384)   # the issue's target: precision="fp8" >= 1.25x bf16 at S >= 4k
 HBM_BPS = 4.8e12
-# Triton tilings tried beside the library's pick (`prologue.TRITON_CONFIG`) at S = 4k:
-# (num_warps, columns per tile, rows per pass); a tile of D columns is the one-tile kernel
-# whose butterflies all move data between threads.
-SWEEP = {64: [(2, 8, 64), (4, 8, 128), (4, 32, 128)],
-         128: [(4, 8, 64), (4, 16, 128), (4, 32, 64)],
-         256: [(8, 32, 64), (4, 16, 64), (8, 16, 128)]}
+# Tilings of the tensor-core Hadamard (``triton_gemm``) tried beside the library's
+# (`prologue.GEMM_CONFIG`) at S = 4k: (num_warps, output columns per product, rows per pass).
+# The butterfly kernel's tilings were swept before (fp8-prologue-bench-h200-*b.md).
+SWEEP = {64: [(4, 64, 64), (8, 64, 128), (2, 64, 64)],
+         128: [(4, 128, 128), (8, 128, 128), (4, 64, 128), (8, 64, 64)],
+         256: [(8, 256, 64), (8, 128, 128), (4, 64, 64), (8, 64, 128)]}
 SWEEP_S = 4096
 
 
@@ -110,10 +111,13 @@ def _prologue_fns(D, sweep: bool):
                "reference": make(lambda x, s: P._reference(x, e4, 128, s)),
                "xla": make(lambda x, s: P._xla(x, e4, 128, s))}
     fns["triton"] = make(lambda x, s: P._triton(x, e4, 128, s))
+    fns["triton_gemm"] = make(lambda x, s: P._triton_gemm(x, e4, 128, s))
     for w, c, r in (SWEEP[D] if sweep else ()):
-        if (w, c, r) != P.TRITON_CONFIG[D]:
-            fns[f"triton_{w}w_{c}c_{r}r"] = make(lambda x, s, w=w, c=c, r=r: T.quantize_blocks(
-                x, s, dtype=jnp.dtype(e4), block=128, num_warps=w, width=c, rows=r))
+        if (w, c, r) != P.GEMM_CONFIG[D]:
+            fns[f"triton_gemm_{w}w_{c}c_{r}r"] = make(
+                lambda x, s, w=w, c=c, r=r: T.quantize_blocks(
+                    x, s, dtype=jnp.dtype(e4), block=128, num_warps=w, width=c, rows=r,
+                    gemm=s is not None))
     return fns
 
 
@@ -237,7 +241,7 @@ def _write(out_dir, env, rows, e2e_rows, prologue, e2e) -> str:
 
 def _summary(e2e_rows):
     out = {}
-    for impl in ("reference", "xla", "triton"):
+    for impl in ("reference", "xla", "triton", "triton_gemm"):
         r = [x[f"e2e_{impl}"] / x["bf16"] for x in e2e_rows
              if x["S"] >= 4096 and x.get(f"e2e_{impl}") and x.get("bf16")]
         out[f"min_e2e_{impl}_vs_bf16_S>=4k"] = min(r) if r else None
@@ -265,7 +269,7 @@ def _table(rows, e2e_rows, summary):
             cells.append(f"{r[n + '_us']:.0f} ({r[n + '_gbps']:.0f})" + (f" !{mm}" if mm else ""))
         lines.append(f"| {r['D']} | {r['S']} | {r['bound_us']:.0f} | " + " | ".join(cells) + " |")
     if e2e_rows:
-        en = ["bf16", "fp8_kernel", "e2e_reference", "e2e_xla", "e2e_triton"]
+        en = ["bf16", "fp8_kernel", "e2e_reference", "e2e_xla", "e2e_triton", "e2e_triton_gemm"]
         lines += ["", "End to end, TFLOP/s (ms): precision=\"fp8\" from bf16 with each prologue",
                   "", "| D | S | causal | " + " | ".join(en) + " | best e2e / bf16 |",
                   "|---|---|---|" + "---|" * (len(en) + 1)]

@@ -375,8 +375,8 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
         statics = dataclasses.replace(statics, fp8=req.spec)
     problem = _problem(q, k, v, arrays, statics)
     if not _is_empty(problem):
-        return _with_fp8_notes(dispatch.plan(problem, implementation), req)
-    p = _with_fp8_notes(dispatch.plan(_nonempty(problem), implementation), req)
+        return _with_fp8_notes(dispatch.plan(problem, implementation), req, q.dtype)
+    p = _with_fp8_notes(dispatch.plan(_nonempty(problem), implementation), req, q.dtype)
     note = (f"empty call (batch {problem.batch}, T {problem.q_len}, S {problem.kv_len}): "
             f"nothing is launched"
             + (f" ('{p.backend}' is what this configuration would run when not empty)"
@@ -454,12 +454,12 @@ def _problem(q, k, v, arrays, statics) -> Problem:
     return p
 
 
-def _with_fp8_notes(p: dispatch.Plan, req) -> dispatch.Plan:
+def _with_fp8_notes(p: dispatch.Plan, req, in_dtype) -> dispatch.Plan:
     if req is None:
         return p
     notes = prec.describe(req.spec, req.hadamard_seed)
     if req.spec.source == "quantized":
-        notes += (prologue.describe(p.problem, req.spec),)
+        notes += (prologue.describe(p.problem, req.spec, in_dtype),)
     if p.backend == "xla":
         why = ("asked for" if p.requested else
                "no FP8 kernel can serve this call (see the refusals)"

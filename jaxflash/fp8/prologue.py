@@ -14,6 +14,11 @@ differ only in how many passes over memory they take:
 - ``"triton"``: one Pallas (Triton) kernel per operand, one read and one write
   (`jaxflash.fp8.prologue_triton`); CUDA only, single-device (an opaque kernel would make the
   SPMD partitioner gather a sharded operand, the XLA arrangement partitions like any jnp code).
+- ``"triton_gemm"``: the same kernel with the Hadamard of a 16-bit operand as a tensor-core
+  product instead of butterflies. Not bit for bit: its float32 sums round in the MMA's order,
+  so a code (or a block's scale) differs by one step where a sum lies within a float32 ulp of
+  a rounding boundary, and an all-zero row's transform is +0 where the butterflies give -0.
+  Operands it cannot take (float32, no Hadamard) run ``"triton"``.
 
 `IMPL` picks the one CUDA calls use; anything a pick cannot take (another platform, a sharded
 trace, a shape the kernel does not tile) runs the ``"xla"`` arrangement, with the same result.
@@ -27,20 +32,26 @@ from jaxflash import quantize as Q
 from jaxflash._types import GPU_PLATFORMS
 from jaxflash.fp8 import layout
 
-IMPLS = ("reference", "xla", "triton")
-# The CUDA pick, one constant (benchmarks/fp8_prologue_bench.py measures every candidate). The
-# Triton kernel gives the rules' codes and scales bit for bit on the GPU
-# (tests/fp8/test_prologue_gpu.py) at 2.4-3x XLA's speed; "xla" serves what it cannot take.
-IMPL = "triton"
-# The kernel's tuning by head dim (`prologue_triton.quantize_blocks`: num_warps, columns per
-# tile, rows per pass; the result does not depend on it), the fastest measured on the H200 at
-# S = 4k (benchmarks/fp8_prologue_bench.py's sweep, every tiling bit-exact there): hd 64 one
-# 64-column tile, the block in one pass (888 GB/s; 8 columns, 64 rows: 778); hd 128 16-column
-# tiles, 64 rows a pass (801 GB/s; 8 columns: 598). At hd 256, 16 columns and 8 warps: with 8
+IMPLS = ("reference", "xla", "triton", "triton_gemm")
+# The CUDA pick, one constant (benchmarks/fp8_prologue_bench.py measures every candidate).
+# ``"triton_gemm"``: 1.9-2.3 TB/s on the H200 against the butterflies' 0.6-0.9 (the shuffles of
+# their in-tile stages bound that kernel), with 0 codes differing from the rules on the bench's
+# operands (tests/fp8/test_prologue_gpu.py bounds the difference by a code step); "triton" and
+# "xla" stay bit for bit; "xla" serves what no kernel can take.
+IMPL = "triton_gemm"
+# The butterfly kernel's tuning by head dim (`prologue_triton.quantize_blocks`: num_warps,
+# columns per tile, rows per pass; the result does not depend on it), the fastest measured on
+# the H200 at S = 4k: hd 64 one 64-column tile, the block in one pass (888 GB/s); hd 128
+# 16-column tiles, 64 rows a pass (801 GB/s). At hd 256, 16 columns and 8 warps: with 8
 # columns (32 tiles, each butterfly stage past the tile unrolled over all of them) the Triton
 # program is four times hd 128's and takes minutes to compile; this one is hd 128's size.
 TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (4, 64, 128), 128: (4, 16, 64),
                  256: (8, 16, 64)}
+# ``"triton_gemm"``'s tuning: (num_warps, output columns per product, rows per pass), the
+# fastest of the H200 sweep at S = 4k: hd 64 2.34 TB/s, hd 128 1.87, hd 256 1.33 (64-column
+# products keep the float32 tile in registers; at hd 256 the whole-width product spills).
+GEMM_CONFIG = {16: (2, 16, 128), 32: (2, 32, 128), 64: (8, 64, 128), 128: (4, 64, 128),
+               256: (8, 64, 128)}
 
 
 def _reference(x, dtype, block, signs):
@@ -70,12 +81,17 @@ def _xla(x, dtype, block, signs):
     return x8, jnp.swapaxes(scale, 1, 2)                            # [B, H, nb]
 
 
-def _triton(x, dtype, block, signs, interpret=False):
+def _triton(x, dtype, block, signs, interpret=False, gemm=False):
     from jaxflash.fp8 import prologue_triton as T
-    warps, width, rows = TRITON_CONFIG[x.shape[-1]]
+    gemm = gemm and signs is not None and T.gemm_supported(x.dtype)
+    warps, width, rows = (GEMM_CONFIG if gemm else TRITON_CONFIG)[x.shape[-1]]
     return T.quantize_blocks(x, signs, dtype=jnp.dtype(dtype), block=block, num_warps=warps,
-                             width=min(width, x.shape[-1]), rows=min(rows, block),
+                             width=min(width, x.shape[-1]), rows=min(rows, block), gemm=gemm,
                              interpret=interpret)
+
+
+def _triton_gemm(x, dtype, block, signs, interpret=False):
+    return _triton(x, dtype, block, signs, interpret, gemm=True)
 
 
 def _sharded_trace(x) -> bool:
@@ -92,34 +108,43 @@ def pick(x, block: int, platform: str, impl=None) -> str:
     impl = impl or IMPL
     if impl not in IMPLS:
         raise ValueError(f"prologue implementation must be one of {IMPLS}; got {impl!r}")
-    if impl == "triton":
+    if impl in ("triton", "triton_gemm"):
         from jaxflash.fp8 import prologue_triton as T
         if platform not in GPU_PLATFORMS or _sharded_trace(x) or not T.supports(x.shape, block):
             return "xla"
     return impl
 
 
-def describe(problem, spec) -> str:
-    """`explain`'s sentence on the prologue a precision="fp8" call of `problem` takes (per
-    operand when they differ). Outside a trace it cannot see a sharded operand: inside a jit
+def describe(problem, spec, in_dtype) -> str:
+    """`explain`'s sentence on the prologue a precision="fp8" call of `problem` (on float
+    operands of `in_dtype`) takes, per operand when they differ. Outside a trace it cannot see a sharded operand: inside a jit
     trace of a multi-device process the XLA arrangement runs instead of the kernel."""
     P = problem
     shapes = {"q": ((P.batch, P.q_len, P.num_heads, P.head_dim), spec.q_block),
               "k": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim), spec.k_block),
               "v": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim_v), spec.v_block)}
     # per-tensor / per-head scales (`scale_granularity`) take quantize's own XLA layouts
+    from jaxflash.fp8 import prologue_triton as T
     picks = {n: (pick(jax.ShapeDtypeStruct(shape, jnp.float32), block, P.platform)
                  if g == "block" else "xla")
              for (n, (shape, block)), g in zip(shapes.items(), spec.granularity)}
-    what = {"triton": "one Pallas (Triton) pass per operand (the XLA arrangement inside a jit "
-                      "trace of a multi-device process)",
+    for n in picks:   # the tensor-core Hadamard: 16-bit Q and K (V has no Hadamard)
+        if picks[n] == "triton_gemm" and (n == "v" or not spec.hadamard
+                                          or not T.gemm_supported(in_dtype)):
+            picks[n] = "triton"
+    kernel = ("one Pallas (Triton) pass per operand (the XLA arrangement inside a jit trace "
+              "of a multi-device process)")
+    what = {"triton": kernel,
+            "triton_gemm": kernel + ", the Hadamard of 16-bit operands as a tensor-core product",
             "xla": "the rules arranged for XLA's fusion",
             "reference": "jaxflash.quantize's rules as written"}
     if len(set(picks.values())) == 1:
         which = picks["q"]
         return f"FP8 prologue (Hadamard, amax, codes, scales): {which}, {what[which]}"
+    kernels = [w for w in picks.values() if w.startswith("triton")]
     return "FP8 prologue (Hadamard, amax, codes, scales): " + ", ".join(
-        f"{n} {w}" for n, w in picks.items()) + f" ({what['triton']})"
+        f"{n} {w}" for n, w in picks.items()) + (f" ({what[max(kernels, key=len)]})"
+                                                 if kernels else "")
 
 
 def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
@@ -132,5 +157,5 @@ def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
             x = Q.hadamard_signed(x, signs)
         return layout.quantize_canonical(x, dtype, granularity, block)
     which = pick(x, block, platform, impl)
-    return {"reference": _reference, "xla": _xla, "triton": _triton}[which](x, dtype, block,
-                                                                         signs)
+    return {"reference": _reference, "xla": _xla, "triton": _triton,
+            "triton_gemm": _triton_gemm}[which](x, dtype, block, signs)

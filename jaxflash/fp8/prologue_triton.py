@@ -58,13 +58,21 @@ def _fwht_tile(x):
     return x
 
 
-def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype):
+def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype, gemm: bool):
     """Rows ``[r0, r0 + rows)`` of the block as a list of ``[rows, width]`` float32 column
-    tiles, Hadamard-transformed when `s_ref` is given. The butterflies of stage h < width run
+    tiles, Hadamard-transformed when `s_ref` is given. Butterflies: stage h < width runs
     inside each tile (`_fwht_tile`); a stage h >= width pairs whole tiles j and j + h / width,
-    elementwise, with no data movement between threads; the stage order is the reference's."""
+    elementwise, with no data movement between threads; the stage order is the reference's.
+    `gemm`: `s_ref` holds the signed Hadamard matrix itself (``diag(signs) H``, +-1 in the
+    input's dtype) and each tile is one tensor-core product ``x @ H[:, tile]`` accumulated in
+    float32: exact products, the sums in the MMA's order instead of the butterflies'."""
     D = x_ref.shape[-1]
     cols = [pl.ds(j * width, width) for j in range(D // width)]
+    if gemm:
+        x = x_ref[pl.ds(r0, rows), :]
+        c = jnp.float32(1.0 / math.sqrt(D))
+        return [(jnp.dot(x, s_ref[:, cj], preferred_element_type=jnp.float32) * c)
+                .astype(in_dtype).astype(jnp.float32) for cj in cols]
     ts = [x_ref[pl.ds(r0, rows), c].astype(jnp.float32) for c in cols]
     if s_ref is None:
         return ts
@@ -79,13 +87,13 @@ def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype):
     return [(t * c).astype(in_dtype).astype(jnp.float32) for t in ts]   # x's dtype, as hadamard()
 
 
-def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int):
+def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int, gemm: bool):
     if hadamard:
         x_ref, s_ref, o_ref, sc_ref = refs
     else:
         (x_ref, o_ref, sc_ref), s_ref = refs, None
     block = x_ref.shape[0]
-    load = lambda r0: _transformed(x_ref, s_ref, r0, rows, width, in_dtype)
+    load = lambda r0: _transformed(x_ref, s_ref, r0, rows, width, in_dtype, gemm)
     # Pass 1: the block's amax (and whether it holds a NaN: Triton's max drops NaNs). With
     # `rows` < block, pass 2 recomputes the tiles (the block's second read hits L2) instead of
     # holding the whole block in registers.
@@ -112,21 +120,37 @@ def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int):
     sc_ref[...] = scale.reshape(sc_ref.shape)
 
 
+def gemm_supported(dtype) -> bool:
+    """The tensor-core Hadamard takes 16-bit floats (+-1 and their products exact); a float32
+    operand would round to TF32 in the MMA."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 @functools.partial(jax.jit, static_argnames=("dtype", "block", "num_warps", "width", "rows",
-                                             "interpret"))
+                                             "gemm", "interpret"))
 def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=None, rows=None,
-                    interpret: bool = False):
+                    gemm: bool = False, interpret: bool = False):
     """``x [B, L, heads, D]`` (float) -> ``(x8 [B, L, heads, D] in dtype, scale [B, heads, nb]
     float32)``, with the Hadamard transform of `signs` (a ``[D]`` +-1 float32 vector) first
     unless `signs` is None. The caller checks `supports`. Tuning (same result): `width`, the
     columns per tile (a power of two dividing D; default D: one tile), `rows`, the rows per
-    pass (a power of two dividing block; default block: one pass, the block held whole)."""
+    pass (a power of two dividing block; default block: one pass, the block held whole).
+    `gemm` (16-bit `x` only, `gemm_supported`): the Hadamard as a tensor-core product, whose
+    float32 sums may round differently from the rules' butterflies (a code or a scale then
+    differs by one step where a sum lies within a float32 ulp of a rounding boundary)."""
     B, L, H, D = x.shape
     nb = L // block
     hadamard = signs is not None
     in_specs = [pl.BlockSpec((_SQ, block, _SQ, D), lambda b, i, h: (b, i, h, 0))]
     args = [x]
-    if hadamard:
+    if gemm and not (hadamard and gemm_supported(x.dtype)):
+        raise ValueError(f"gemm takes the Hadamard of a bfloat16 / float16 operand; got "
+                         f"{x.dtype}{'' if hadamard else ' without signs'}")
+    if gemm:
+        hs = Q.fwht(jnp.eye(D, dtype=jnp.float32)) * jnp.asarray(signs, jnp.float32)[:, None]
+        in_specs.append(pl.BlockSpec((D, D), lambda b, i, h: (0, 0)))
+        args.append(hs.astype(x.dtype))           # +-1: exact in the input's dtype
+    elif hadamard:
         in_specs.append(pl.BlockSpec((1, D), lambda b, i, h: (0, 0)))
         args.append(jnp.asarray(signs, jnp.float32).reshape(1, D))
     width, rows = width or D, rows or block
@@ -134,7 +158,7 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
         raise ValueError(f"width {width} / rows {rows} must be powers of two dividing the head "
                          f"dim {D} / the block {block}")
     kernel = functools.partial(_kernel, hadamard=hadamard, in_dtype=x.dtype,
-                               out_dtype=jnp.dtype(dtype), width=width, rows=rows)
+                               out_dtype=jnp.dtype(dtype), width=width, rows=rows, gemm=gemm)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu

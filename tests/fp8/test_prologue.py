@@ -170,6 +170,67 @@ def test_triton_tilings_agree(width, rows):
     _same(got, _expected(x, jnp.float8_e4m3fn, block, signs))
 
 
+def _near(got, want, what="codes", frac=1e-3):
+    """The tensor-core Hadamard's contract (``triton_gemm``): NaN where the rules have NaN; a
+    few codes (`frac` at most, signed zeros aside) or a block's scale differ, each value within
+    one code step of the rules' (the larger of the two scales' steps)."""
+    (g8, gs), (w8, ws) = got, want
+    assert g8.dtype == w8.dtype and g8.shape == w8.shape and gs.shape == ws.shape
+    f32 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32))
+    g, w, sg, sw = f32(g8), f32(w8), f32(gs), f32(ws)
+    assert np.array_equal(np.isnan(g), np.isnan(w)), what
+    assert np.array_equal(np.isnan(sg), np.isnan(sw)), what
+    finite = np.isfinite(sw) & np.isfinite(sg)
+    np.testing.assert_allclose(sg[finite], sw[finite], rtol=2 ** -7, err_msg=what)
+    B, L, H, D = g.shape
+    nb = sw.shape[-1]
+    blk = lambda s: np.repeat(np.swapaxes(s, 1, 2), L // nb, axis=1)[..., None]   # [B, L, H, 1]
+    with np.errstate(invalid="ignore"):          # NaN / Inf blocks: compared above
+        dg, dw = g * blk(sg), w * blk(sw)
+    ok = np.isfinite(dw) & np.isfinite(dg)
+    fmax = float(Q.FP8_MAX[jnp.dtype(g8.dtype)])
+    # one code step at |x|: 2^(exponent - mantissa bits), mantissa 3 (E4M3) or 2 (E5M2)
+    mbits = 3 if g8.dtype == jnp.float8_e4m3fn else 2
+    mag = np.maximum(np.abs(g), np.abs(w))
+    step = np.exp2(np.floor(np.log2(np.maximum(mag, 2.0 ** -6))) - mbits)
+    tol = step * np.maximum(blk(sg), blk(sw))
+    assert np.all(np.abs(dg - dw)[ok] <= tol[ok] * (1 + 1e-6)), what
+    assert np.all(np.abs(g[~np.isnan(g)]) <= fmax), what
+    differ = (g != w) & ~(np.isnan(g) & np.isnan(w))
+    assert np.count_nonzero(differ) <= frac * g.size, (what, np.count_nonzero(differ))
+
+
+@pytest.mark.parametrize("shape,block", CASES)
+def test_triton_gemm_within_a_step(shape, block):
+    """The tensor-core Hadamard (interpret mode: XLA's dot) against the rules' butterflies, on
+    the outlier / zero / NaN / Inf draw, bfloat16 and float16, both FP8 formats."""
+    signs = Q.hadamard_signs(7, shape[-1])
+    for in_dt, fp8 in ((jnp.bfloat16, jnp.float8_e4m3fn), (jnp.float16, jnp.float8_e4m3fn),
+                       (jnp.bfloat16, jnp.float8_e5m2)):
+        x = _draw(shape, in_dt, seed=shape[-1] + block)
+        got = P._triton_gemm(x, fp8, block, signs, interpret=True)
+        _near(got, _expected(x, fp8, block, signs), f"{shape} {in_dt.__name__}",
+              frac=0.01 if shape[-1] < 64 else 1e-3)
+
+
+def test_triton_gemm_takes_what_it_can():
+    """float32 operands and V (no Hadamard) take the butterfly kernel, bit for bit; gemm on
+    them directly is refused."""
+    x = _draw((1, 256, 2, 64), jnp.float32, seed=2)
+    signs = Q.hadamard_signs(1, 64)
+    _same(P._triton_gemm(x, jnp.float8_e4m3fn, 128, signs, interpret=True),
+          _expected(x, jnp.float8_e4m3fn, 128, signs))
+    xb = x.astype(jnp.bfloat16)
+    _same(P._triton_gemm(xb, jnp.float8_e4m3fn, 128, None, interpret=True),
+          _expected(xb, jnp.float8_e4m3fn, 128, None))
+    for arr, s in ((x, signs), (xb, None)):
+        with pytest.raises(ValueError, match="gemm takes"):
+            T.quantize_blocks(arr, s, dtype=jnp.dtype(jnp.float8_e4m3fn), block=128, gemm=True,
+                              interpret=True)
+    assert P.pick(xb, 128, "gpu", "triton_gemm") == "triton_gemm"
+    assert P.pick(xb, 96, "gpu", "triton_gemm") == "xla"
+
+
 def test_triton_tiling_errors():
     x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="powers of two"):
@@ -212,10 +273,17 @@ def test_explain_names_the_prologue():
     odd = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)   # no whole 128-row blocks
     assert "FP8 prologue (Hadamard, amax, codes, scales): xla" in str(
         jaxflash.explain(x, x, x, precision="fp8"))
+    xf = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.float32)
     with target_platform("gpu"):
-        assert "FP8 prologue (Hadamard, amax, codes, scales): triton" in str(
+        assert "scales): q triton_gemm, k triton_gemm, v triton (" in str(
             jaxflash.explain(x, x, x, precision="fp8"))
-        assert "q xla, k triton, v triton" in str(jaxflash.explain(odd, x, x, precision="fp8"))
+        assert "q xla, k triton_gemm, v triton" in str(
+            jaxflash.explain(odd, x, x, precision="fp8"))
+        # float32 operands, or no Hadamard: the butterfly kernel (no tensor-core product)
+        assert "scales): triton, one Pallas" in str(jaxflash.explain(xf, xf, xf,
+                                                                       precision="fp8"))
+        assert "scales): triton, one Pallas" in str(jaxflash.explain(x, x, x, precision="fp8",
+                                                                       hadamard=False))
         assert "scales): xla" in str(jaxflash.explain(x, x, x, precision="fp8",
                                                       scale_granularity="head"))
     assert "FP8 prologue" not in str(jaxflash.explain(x, x, x))

@@ -9,7 +9,7 @@ import pytest
 
 from jaxflash import quantize as Q
 from jaxflash.fp8 import prologue as P
-from tests.fp8.test_prologue import CASES, _draw, _expected, _same
+from tests.fp8.test_prologue import CASES, _draw, _expected, _near, _same
 
 pytestmark = pytest.mark.gpu
 
@@ -40,6 +40,20 @@ def test_triton_bit_exact_on_gpu(shape, block, in_dt, fp8, hadamard):
     assert not errors, " | ".join(errors)
 
 
+@pytest.mark.parametrize("shape,block,in_dt,fp8", [c for c in GPU_CASES if c[2] != jnp.float32])
+def test_triton_gemm_within_a_step_on_gpu(shape, block, in_dt, fp8):
+    """The tensor-core Hadamard compiled: within a code step of the rules, few codes apart."""
+    signs = Q.hadamard_signs(3, shape[-1])
+    x = _draw(shape, in_dt, seed=shape[-1])
+    want = jax.jit(_expected, static_argnums=(1, 2))(x, fp8, block, signs)
+    got = P._triton_gemm(x, fp8, block, signs)
+    differ = int(np.count_nonzero(np.asarray(got[0].astype(jnp.float32))
+                                  != np.asarray(want[0].astype(jnp.float32))))
+    print(f"{shape} {in_dt.__name__} {jnp.dtype(fp8).name}: {differ} of {got[0].size} codes "
+          f"differ", flush=True)
+    _near(got, want, f"{shape}", frac=0.01 if shape[-1] < 64 else 1e-3)
+
+
 @pytest.mark.parametrize("impl", ["triton", "xla"])
 def test_precision_fp8_same_output_with_each_prologue(impl):
     import jaxflash
@@ -55,3 +69,27 @@ def test_precision_fp8_same_output_with_each_prologue(impl):
         finally:
             P.IMPL = saved
     np.testing.assert_array_equal(outs[impl], outs["reference"])
+
+
+def test_precision_fp8_with_triton_gemm_prologue():
+    """precision="fp8" with the tensor-core Hadamard: the output within the FP8 path's own
+    error of the reference prologue's (both against float32 attention)."""
+    import jaxflash
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    q, k, v = (jax.random.normal(kk, (2, 1024, 4, 128), jnp.bfloat16) for kk in ks)
+    want = np.asarray(jaxflash.flash_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                               v.astype(jnp.float32), is_causal=True,
+                                               implementation="xla"))
+    err = {}
+    for name in ("reference", "triton_gemm"):
+        saved, P.IMPL = P.IMPL, name
+        try:
+            f = jax.jit(lambda q, k, v: jaxflash.flash_attention(q, k, v, is_causal=True,
+                                                                 precision="fp8"))
+            o = np.asarray(f(q, k, v).astype(jnp.float32))
+        finally:
+            P.IMPL = saved
+        assert np.all(np.isfinite(o))
+        err[name] = np.linalg.norm(o - want) / np.linalg.norm(want)
+    print(err, flush=True)
+    assert err["triton_gemm"] <= 1.05 * err["reference"], err
