@@ -34,9 +34,14 @@ HBM_BPS = 4.8e12
 # Tilings of the tensor-core Hadamard (``triton_gemm``) tried beside the library's
 # (`prologue.GEMM_CONFIG`) at S = 4k: (num_warps, output columns per product, rows per pass).
 # The butterfly kernel's tilings were swept before (fp8-prologue-bench-h200-*b.md).
-SWEEP = {64: [(4, 64, 64), (8, 64, 128), (2, 64, 64)],
-         128: [(4, 128, 128), (8, 128, 128), (4, 64, 128), (8, 64, 64)],
-         256: [(8, 256, 64), (8, 128, 128), (4, 64, 64), (8, 64, 128)]}
+SWEEP = {64: [(4, 64, 128), (4, 64, 64), (16, 64, 128)],
+         128: [(8, 64, 128), (8, 128, 128), (4, 32, 128), (16, 64, 128)],
+         256: [(8, 128, 128), (16, 64, 128), (8, 32, 128), (4, 64, 64), (16, 128, 128)]}
+# Tilings of the operand without the Hadamard (V; `prologue.PLAIN_CONFIG`), timed with Q and K
+# at the library's tiling: (num_warps, columns per tile, rows per pass).
+SWEEP_PLAIN = {64: [(4, 64, 128), (8, 64, 128), (2, 64, 64)],
+               128: [(4, 128, 128), (8, 128, 128), (4, 64, 128), (4, 128, 64)],
+               256: [(8, 256, 128), (8, 128, 128), (4, 256, 64), (8, 64, 128)]}
 SWEEP_S = 4096
 
 
@@ -117,8 +122,35 @@ def _prologue_fns(D, sweep: bool):
             fns[f"triton_gemm_{w}w_{c}c_{r}r"] = make(
                 lambda x, s, w=w, c=c, r=r: T.quantize_blocks(
                     x, s, dtype=jnp.dtype(e4), block=128, num_warps=w, width=c, rows=r,
-                    gemm=s is not None))
+                    gemm=True) if s is not None else P._triton_gemm(x, e4, 128, None))
+    for w, c, r in (SWEEP_PLAIN[D] if sweep else ()):
+        if (w, c, r) != P.PLAIN_CONFIG[D]:
+            fns[f"triton_v_{w}w_{c}c_{r}r"] = make(
+                lambda x, s, w=w, c=c, r=r: P._triton_gemm(x, e4, 128, s) if s is not None
+                else T.quantize_blocks(x, None, dtype=jnp.dtype(e4), block=128, num_warps=w,
+                                       width=c, rows=r))
     return fns
+
+
+def _adopt_fastest(row, D) -> dict:
+    """``--adopt``: set `prologue`'s tilings at head dim `D` to the sweep's fastest candidates
+    with no differing code (Q / K's tensor-core product and V's), before the end-to-end part
+    runs; returns what was taken."""
+    from jaxflash.fp8 import prologue as P
+    base = row.get("triton_gemm_us")
+    picked = {}
+    for prefix, table in (("triton_gemm_", P.GEMM_CONFIG), ("triton_v_", P.PLAIN_CONFIG)):
+        best, best_us = None, base
+        for k, us in row.items():
+            name = k[:-3]
+            if (k.endswith("_us") and name.startswith(prefix) and name[len(prefix):][:1].isdigit()
+                    and not row.get(name + "_mismatch") and best_us and us < best_us):
+                best, best_us = name, us
+        if best:
+            w, c, r = (int(x[:-1]) for x in best[len(prefix):].split("_"))
+            table[D] = (w, c, r)
+            picked[prefix + "config"] = [w, c, r]
+    return picked
 
 
 def _mismatches(got, want) -> int:
@@ -137,7 +169,8 @@ def jax_bits(x):
     return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 4: jnp.uint32}[x.dtype.itemsize])
 
 
-def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True) -> int:
+def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True,
+        adopt: bool = False) -> int:
     import jax
     import jax.numpy as jnp
 
@@ -173,6 +206,8 @@ def run(out_dir: str, causal: bool, e2e: bool, prologue: bool = True) -> int:
                 row[name + "_gbps"] = nbytes / t[name].median_s / 1e9
                 row[name + "_mismatch"] = (0 if name == "reference" else
                                            _mismatches(outs[name], outs["reference"]))
+        if adopt and s == SWEEP_S and fns:
+            row["adopted"] = _adopt_fastest(row, D)
         if fns:
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -268,6 +303,10 @@ def _table(rows, e2e_rows, summary):
             mm = r.get(n + "_mismatch", 0)
             cells.append(f"{r[n + '_us']:.0f} ({r[n + '_gbps']:.0f})" + (f" !{mm}" if mm else ""))
         lines.append(f"| {r['D']} | {r['S']} | {r['bound_us']:.0f} | " + " | ".join(cells) + " |")
+    adopted = [f"hd {r['D']}: {r['adopted']}" for r in rows if r.get("adopted")]
+    if adopted:
+        lines += ["", "Tilings the end-to-end part ran (--adopt; (warps, columns, rows)): "
+                  + "; ".join(adopted)]
     if e2e_rows:
         en = ["bf16", "fp8_kernel", "e2e_reference", "e2e_xla", "e2e_triton", "e2e_triton_gemm"]
         lines += ["", "End to end, TFLOP/s (ms): precision=\"fp8\" from bf16 with each prologue",
@@ -292,6 +331,9 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-only", action="store_true", help="the end-to-end part only")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S (smaller: a smoke run)")
     ap.add_argument("--grid", default=None, help="points D:S,D:S,... (default: the full grid)")
+    ap.add_argument("--adopt", action="store_true",
+                    help="the end-to-end part runs the sweep's fastest exact tilings (recorded "
+                         "in the row's 'adopted')")
     ap.add_argument("--no-sweep", action="store_true",
                     help="leave out the tilings tried beside the library's (their compiles "
                          "take minutes)")
@@ -305,7 +347,7 @@ def main(argv=None) -> int:
     if a.mode == "build":
         return build(a.out or ".device/kernels", a.causal)
     return run(a.out or os.environ.get("OUT") or "benchmarks/results", a.causal, not a.no_e2e,
-               not a.e2e_only)
+               not a.e2e_only, a.adopt)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (4, 64, 128), 128: (4, 16
 # products keep the float32 tile in registers; at hd 256 the whole-width product spills).
 GEMM_CONFIG = {16: (2, 16, 128), 32: (2, 32, 128), 64: (8, 64, 128), 128: (4, 64, 128),
                256: (8, 64, 128)}
+# Operands without the Hadamard (V, or ``hadamard=False``): amax and codes only, the same
+# (num_warps, columns per tile, rows per pass).
+PLAIN_CONFIG = dict(TRITON_CONFIG)
 
 
 def _reference(x, dtype, block, signs):
@@ -84,7 +87,8 @@ def _xla(x, dtype, block, signs):
 def _triton(x, dtype, block, signs, interpret=False, gemm=False):
     from jaxflash.fp8 import prologue_triton as T
     gemm = gemm and signs is not None and T.gemm_supported(x.dtype)
-    warps, width, rows = (GEMM_CONFIG if gemm else TRITON_CONFIG)[x.shape[-1]]
+    config = GEMM_CONFIG if gemm else TRITON_CONFIG if signs is not None else PLAIN_CONFIG
+    warps, width, rows = config[x.shape[-1]]
     return T.quantize_blocks(x, signs, dtype=jnp.dtype(dtype), block=block, num_warps=warps,
                              width=min(width, x.shape[-1]), rows=min(rows, block), gemm=gemm,
                              interpret=interpret)
