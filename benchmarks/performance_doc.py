@@ -38,7 +38,7 @@ LM = "lm-compare-cute-h200-2026-12-02-s6.json"  # training-loss check, example L
 FP8_BENCH = "fp8-fwd-bench-h200-2026-12-04d.json"  # FP8 forward beside bf16 and cuDNN FP8
 FP8_FWDBWD = "fp8-fwdbwd-bench-h200-2026-12-04.json"  # FP8 forward + backward
 FP8_DIAG = "fp8-fwd-diag-h200-2026-12-04.json"    # FP8 variants, and without V's transpose
-FP8_E2E = "fp8-prologue-bench-e2e-h200-2026-12-04c.json"  # precision="fp8" with each prologue
+FP8_E2E = "fp8-prologue-bench-h200-2026-12-04c.json"  # precision="fp8" with each prologue
 MODS = "mods-bench-h200-2026-12-04b.json"          # the mods on cute / Pallas / cuDNN
 MODS_FWDBWD = "mods-bench-fwdbwd-h200-2026-12-04.json"  # ... their forward + backward rows
 MODS_KERNEL = "mods-kernel-bench-h200-2026-12-04d.json"  # mods against the built-ins
@@ -436,16 +436,16 @@ def section_fp8_e2e() -> list[str]:
         f"butterflies, and the library's default, the Triton kernel with the Hadamard of Q and "
         f"K as a tensor-core product; \"FP8 kernel\" is the same block-scale kernel on inputs "
         f"quantized beforehand. Dense, TFLOP/s; {env['device']}, {env['date_utc'][:10]} "
-        f"(`{FP8_E2E}`; the prologue's tilings were swept in the same call and the library "
-        f"took the fastest afterwards, so hd 128 / 256 ran a slower tiling here than it has "
-        f"now; the forward table above has the library as it stands):", "",
+        f"(`{FP8_E2E}`; the prologue's tilings swept at 4k in the same run, the fastest exact "
+        f"ones taken for the end-to-end part and by the library; the forward table above ran "
+        f"the tilings before that sweep):", "",
         *table(["D", "S", "ours bf16", "FP8 kernel", "e2e, XLA prologue",
                 "e2e, butterflies", "e2e, tensor-core Hadamard", "e2e / bf16",
                 "FP8 kernel / bf16"], body), "",
         f"Geomean e2e / bf16 at S ≥ 4k {sm['geomean_e2e_triton_gemm_vs_bf16_S>=4k']:.2f}× "
         f"(target {sm['target_e2e_vs_bf16']}×). The prologue reads 2 and writes 1 byte per "
         f"element of Q, K and V; e2e can exceed bf16 by at most what the FP8 kernel alone "
-        f"does (last column), which at D = 64 and at D = 128 from 4k is below the target "
+        f"does (last column), which at D = 64 and D = 128 is below the target "
         f"before any prologue.", ""]
 
 

@@ -48,13 +48,15 @@ IMPL = "triton_gemm"
 TRITON_CONFIG = {16: (2, 8, 128), 32: (2, 8, 128), 64: (4, 64, 128), 128: (4, 16, 64),
                  256: (8, 16, 64)}
 # ``"triton_gemm"``'s tuning: (num_warps, output columns per product, rows per pass), the
-# fastest of the H200 sweep at S = 4k: hd 64 2.34 TB/s, hd 128 1.87, hd 256 1.33 (64-column
-# products keep the float32 tile in registers; at hd 256 the whole-width product spills).
-GEMM_CONFIG = {16: (2, 16, 128), 32: (2, 32, 128), 64: (8, 64, 128), 128: (4, 64, 128),
-               256: (8, 64, 128)}
+# fastest of the H200 sweeps at S = 4k (the top few lie within 5%): hd 64 2.34 TB/s, hd 128
+# 1.71-1.87, hd 256 1.28-1.33 (narrower products keep the float32 tile in registers; at hd 256
+# the whole-width product spills).
+GEMM_CONFIG = {16: (2, 16, 128), 32: (2, 32, 128), 64: (4, 64, 128), 128: (8, 64, 128),
+               256: (8, 128, 128)}
 # Operands without the Hadamard (V, or ``hadamard=False``): amax and codes only, the same
-# (num_warps, columns per tile, rows per pass).
-PLAIN_CONFIG = dict(TRITON_CONFIG)
+# (num_warps, columns per tile, rows per pass); the sweep's fastest at hd 64 / 128 / 256 (V's
+# own tiling moved Q, K and V together from 1.67 to 1.89 TB/s at hd 128, 1.26 to 1.39 at 256).
+PLAIN_CONFIG = {**TRITON_CONFIG, 64: (8, 64, 128), 128: (4, 128, 128), 256: (4, 256, 64)}
 
 
 def _reference(x, dtype, block, signs):

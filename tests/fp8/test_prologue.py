@@ -93,11 +93,16 @@ def test_bit_exact_to_quantize_rules(impl, shape, block, hadamard):
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_triton_library_tiling_per_head_dim(D):
-    """The kernel as `prologue.TRITON_CONFIG` tiles it for each head dim (one block)."""
+    """The kernel as `prologue`'s configs tile it for each head dim (one block)."""
     signs = Q.hadamard_signs(4, D)
     x = _draw((1, 128, 2, D), jnp.bfloat16, seed=D, special=False)
     x = x.at[0, 5, 1, 0].set(jnp.nan).at[0, :, 0].set(0.0)
     _same(P._triton(x, jnp.float8_e4m3fn, 128, signs, interpret=True),
+          _expected(x, jnp.float8_e4m3fn, 128, signs))
+    # V's tiling (no Hadamard), and the tensor-core Hadamard's
+    _same(P._triton(x, jnp.float8_e4m3fn, 128, None, interpret=True),
+          _expected(x, jnp.float8_e4m3fn, 128, None))
+    _near(P._triton_gemm(x, jnp.float8_e4m3fn, 128, signs, interpret=True),
           _expected(x, jnp.float8_e4m3fn, 128, signs))
 
 
