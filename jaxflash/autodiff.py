@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from jaxflash import quantize, sharding
+from jaxflash import sharding
 from jaxflash._types import AttentionArrays
 from jaxflash.fp8 import layout, prologue
 
@@ -114,9 +114,8 @@ def _fp8_quantized_bwd(backend, statics, plan, res, cts):
     if signs is not None:
         # Straight through the quantization, then the Hadamard transform's transpose (what
         # autodiff of `hadamard_signed` gives); the signs are constants of the call.
-        had = lambda x: quantize.hadamard_signed(x, signs)
-        dq = jax.linear_transpose(had, jax.ShapeDtypeStruct(dq.shape, qd))(dq)[0]
-        dk = jax.linear_transpose(had, jax.ShapeDtypeStruct(dk.shape, kd))(dk)[0]
+        dq = prologue.hadamard_transpose(dq, signs, plan.platform)
+        dk = prologue.hadamard_transpose(dk, signs, plan.platform)
         dsigns = jax.numpy.zeros_like(signs)
     return dq, dk, dv, darrays, dsigns
 

@@ -25,6 +25,8 @@ trace, a shape the kernel does not tile) runs the ``"xla"`` arrangement, with th
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -165,3 +167,58 @@ def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
     which = pick(x, block, platform, impl)
     return {"reference": _reference, "xla": _xla, "triton": _triton,
             "triton_gemm": _triton_gemm}[which](x, dtype, block, signs)
+
+
+# The FP8 backward's dO quantization (`quantize_rows`): "xla" until the kernel's dO rule (amax
+# floor, scale by division) has passed its GPU check (tests/fp8/test_prologue_gpu.py::
+# test_quantize_rows_on_gpu); "triton" then.
+ROWS_IMPL = "xla"
+
+
+def quantize_rows(x, dtype, rows: int, amax_floor: float, platform: str):
+    """The FP8 backward's dO rule on ``x [B, T, N, H]``: codes and one scale per (batch, head,
+    `rows` rows) ``[B, N, ceil(T / rows)]``, a nonzero amax raised to `amax_floor`, the scale
+    ``amax / FMAX``; with ``ROWS_IMPL == "triton"`` the Triton kernel (one pass,
+    `PLAIN_CONFIG`'s tiling) where it can run, else XLA (the same rule, bit for bit)."""
+    if pick(x, rows, platform, ROWS_IMPL) == "triton":
+        from jaxflash.fp8 import prologue_triton as T
+        warps, width, tr = PLAIN_CONFIG[x.shape[-1]]
+        return T.quantize_blocks(x, None, dtype=jnp.dtype(dtype), block=rows, num_warps=warps,
+                                 width=min(width, x.shape[-1]), rows=min(tr, rows),
+                                 amax_floor=amax_floor, divide=True)
+    return _xla_rows(x, dtype, rows, amax_floor)
+
+
+def _xla_rows(x, dtype, rows, amax_floor):
+    B, T, N, H = x.shape
+    nb = -(-T // rows)
+    fmax = jnp.float32(Q.FP8_MAX[jnp.dtype(dtype)])
+    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * rows - T), (0, 0), (0, 0)))
+    xb = xb.reshape(B, nb, rows, N, H)
+    amax = jnp.max(jnp.abs(xb), axis=(2, 4), keepdims=True)
+    amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(amax_floor)), amax)
+    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4), keepdims=True), jnp.nan, amax)
+    zero = amax == 0
+    scale = jnp.where(zero, 1.0, amax / fmax)
+    inv = jnp.where(zero, 1.0, fmax / jnp.where(zero, 1.0, amax))
+    codes = jnp.clip(xb * inv, -fmax, fmax).astype(jnp.dtype(dtype))
+    codes = codes.reshape(B, nb * rows, N, H)[:, :T]
+    return codes, jnp.transpose(scale[:, :, 0, :, 0], (0, 2, 1))
+
+
+def hadamard_transpose(g, signs, platform: str):
+    """The transpose of ``quantize.hadamard_signed(., signs)`` applied to `g` (what autodiff
+    gives: precision="fp8"'s gradient for Q and K through the prologue's transform). On a CUDA
+    device with the tensor-core prologue (``IMPL == "triton_gemm"``) and a 16-bit `g`: one
+    GEMM ``g @ (diag(signs) H)^T / sqrt(D)`` accumulated in float32, rounded once to g's dtype
+    (the butterflies of the float32 transpose take several passes in XLA); elsewhere the
+    transpose of the butterflies."""
+    from jaxflash.fp8 import prologue_triton as T
+    D = g.shape[-1]
+    if platform in GPU_PLATFORMS and IMPL == "triton_gemm" and T.gemm_supported(g.dtype):
+        hs = Q.fwht(jnp.eye(D, dtype=jnp.float32)) * jnp.asarray(signs, jnp.float32)[:, None]
+        y = jnp.einsum("...e,de->...d", g, hs.astype(g.dtype),
+                       preferred_element_type=jnp.float32)
+        return (y * jnp.float32(1.0 / math.sqrt(D))).astype(g.dtype)
+    had = lambda x: Q.hadamard_signed(x, signs)
+    return jax.linear_transpose(had, jax.ShapeDtypeStruct(g.shape, g.dtype))(g)[0]

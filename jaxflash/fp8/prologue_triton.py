@@ -87,7 +87,8 @@ def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype, gemm: b
     return [(t * c).astype(in_dtype).astype(jnp.float32) for t in ts]   # x's dtype, as hadamard()
 
 
-def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int, gemm: bool):
+def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int, gemm: bool,
+            amax_floor: float, divide: bool):
     if hadamard:
         x_ref, s_ref, o_ref, sc_ref = refs
     else:
@@ -104,11 +105,14 @@ def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int, g
             a, n = jnp.abs(t), jnp.where(t != t, 1.0, 0.0)
             acc, nan = (a, n) if acc is None else (jnp.maximum(acc, a), jnp.maximum(nan, n))
     amax = jnp.max(acc, axis=(0, 1), keepdims=True)             # [1, 1]
+    if amax_floor:
+        amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(amax_floor)), amax)
     amax = jnp.where(jnp.max(nan, axis=(0, 1), keepdims=True) > 0, jnp.float32(jnp.nan), amax)
     fmax = float(Q.FP8_MAX[jnp.dtype(out_dtype)])     # a Python constant: Triton folds it
     zero = amax == 0
     one = jnp.ones_like(amax)
-    scale = jnp.where(zero, one, amax * Q.inverse_fmax(out_dtype))  # the rules' product
+    scale = jnp.where(zero, one, amax / jnp.float32(fmax) if divide
+                      else amax * Q.inverse_fmax(out_dtype))   # the rules' product
     inv = jnp.where(zero, one, jnp.float32(fmax) / jnp.where(zero, one, amax))
     for r0 in range(0, block, rows):
         ts = first if rows == block else load(r0)
@@ -127,9 +131,10 @@ def gemm_supported(dtype) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "block", "num_warps", "width", "rows",
-                                             "gemm", "interpret"))
+                                             "gemm", "amax_floor", "divide", "interpret"))
 def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=None, rows=None,
-                    gemm: bool = False, interpret: bool = False):
+                    gemm: bool = False, amax_floor: float = 0.0, divide: bool = False,
+                    interpret: bool = False):
     """``x [B, L, heads, D]`` (float) -> ``(x8 [B, L, heads, D] in dtype, scale [B, heads, nb]
     float32)``, with the Hadamard transform of `signs` (a ``[D]`` +-1 float32 vector) first
     unless `signs` is None. The caller checks `supports`. Tuning (same result): `width`, the
@@ -137,7 +142,10 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
     pass (a power of two dividing block; default block: one pass, the block held whole).
     `gemm` (16-bit `x` only, `gemm_supported`): the Hadamard as a tensor-core product, whose
     float32 sums may round differently from the rules' butterflies (a code or a scale then
-    differs by one step where a sum lies within a float32 ulp of a rounding boundary)."""
+    differs by one step where a sum lies within a float32 ulp of a rounding boundary).
+    `amax_floor` and `divide`: the FP8 backward's rule for dO (`prologue.quantize_rows`): a
+    nonzero block amax raised to `amax_floor` first, the scale as
+    ``amax / FMAX`` instead of the product by ``1 / FMAX``."""
     B, L, H, D = x.shape
     nb = L // block
     hadamard = signs is not None
@@ -158,7 +166,8 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
         raise ValueError(f"width {width} / rows {rows} must be powers of two dividing the head "
                          f"dim {D} / the block {block}")
     kernel = functools.partial(_kernel, hadamard=hadamard, in_dtype=x.dtype,
-                               out_dtype=jnp.dtype(dtype), width=width, rows=rows, gemm=gemm)
+                               out_dtype=jnp.dtype(dtype), width=width, rows=rows, gemm=gemm,
+                               amax_floor=float(amax_floor), divide=divide)
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu

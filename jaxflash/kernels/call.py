@@ -235,33 +235,11 @@ def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8 backward (`FlashBwdSm90Fp8`). One XLA pass over dO (and over Q and K, which are read here
-# anyway) writes what the kernel's K-major FP8 GEMMs need: dO in E5M2 with one amax scale per
-# 128 query rows (the contract's BWD_Q_TILE: `bwd_fp8.DO_SCALE_ROWS`), and the transposed copies Q^T, dO^T, K^T with
-# their sequence axis permuted within each 16 (`bwd_fp8_launch.Q_ORDER` / `K_ORDER`).
-
-_FMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-
-
-def _quantize_rows(x, dtype: str, rows: int):
-    """x [B, T, N, H] float -> (codes [B, T, N, H] dtype, scales [B, N, ceil(T / rows)]) with
-    one amax scale per (batch, head, block of rows): the emulation's rule (`fp8.emulated`,
-    a nonzero amax raised to the contract's floor)."""
-    from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR
-    B, T, N, H = x.shape
-    nb = -(-T // rows)
-    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * rows - T), (0, 0), (0, 0)))
-    xb = xb.reshape(B, nb, rows, N, H)
-    amax = jnp.max(jnp.abs(xb), axis=(2, 4), keepdims=True)
-    amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(AMAX_FLOOR)), amax)
-    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4), keepdims=True), jnp.nan, amax)
-    fmax = jnp.float32(_FMAX[dtype])
-    zero = amax == 0
-    scale = jnp.where(zero, 1.0, amax / fmax)
-    inv = jnp.where(zero, 1.0, fmax / jnp.where(zero, 1.0, amax))
-    codes = jnp.clip(xb * inv, -fmax, fmax).astype(jnp.dtype(dtype))
-    codes = codes.reshape(B, nb * rows, N, H)[:, :T]
-    return codes, jnp.transpose(scale[:, :, 0, :, 0], (0, 2, 1))
+# FP8 backward (`FlashBwdSm90Fp8`). Before the kernel: dO in E5M2 with one amax scale per 128
+# query rows (the contract's BWD_Q_TILE: `bwd_fp8.DO_SCALE_ROWS`; `prologue.quantize_rows`, the
+# Triton prologue kernel's one pass where it runs), and the transposed copies Q^T, dO^T, K^T
+# the kernel's K-major FP8 GEMMs need, their sequence axis permuted within each 16
+# (`bwd_fp8_launch.Q_ORDER` / `K_ORDER`).
 
 
 def _transposed(x8, split, length: int):
@@ -290,7 +268,8 @@ def _per_tile(scale, block: int, tile: int, length: int):
 def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
     """(dq, dk, dv, None, None) float32 by the FP8 backward `launch`: gradients with respect to
     the dequantized q, k, v (the contract's, `jaxflash.fp8.contract`)."""
-    from jaxflash.kernels.variants.bwd_fp8 import DO_SCALE_ROWS
+    from jaxflash.fp8 import prologue
+    from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR, DO_SCALE_ROWS
     from jaxflash.kernels.variants.bwd_fp8_launch import K_SPLIT, KEY_PAD, Q_SPLIT
     B, T, N, H = q8.shape
     S = k8.shape[1]
@@ -299,7 +278,7 @@ def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
     Tp = padded_len(T, cfg)
     Sp = -(-S // KEY_PAD) * KEY_PAD
     lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
-    do8, do_scale = _quantize_rows(dout, cfg.do_dtype, DO_SCALE_ROWS)
+    do8, do_scale = prologue.quantize_rows(dout, cfg.do_dtype, DO_SCALE_ROWS, AMAX_FLOOR, "cuda")
     inputs = [q8, k8, v8, do8, _transposed(q8, Q_SPLIT, Tp), _transposed(k8, K_SPLIT, Sp),
               _transposed(do8, Q_SPLIT, Tp), lse2, delta]
     if cfg.has_q_seqlen:

@@ -292,3 +292,64 @@ def test_explain_names_the_prologue():
         assert "scales): xla" in str(jaxflash.explain(x, x, x, precision="fp8",
                                                       scale_granularity="head"))
     assert "FP8 prologue" not in str(jaxflash.explain(x, x, x))
+
+
+def _draw_do(shape, dtype, seed):
+    """dO-like data: normal, a tiny block (the rule's amax floor), zero / NaN / Inf blocks."""
+    x = np.array(_draw(shape, jnp.float32, seed=seed), np.float32)
+    x[0, :, 2] = np.random.default_rng(seed).standard_normal(x[0, :, 2].shape) * 1e-24
+    return jnp.asarray(x).astype(dtype)
+
+
+@pytest.mark.parametrize("fp8", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("shape,rows", [((2, 256, 3, 64), 128), ((1, 128, 3, 128), 64)])
+def test_quantize_rows_kernel_bit_exact(fp8, shape, rows):
+    """The FP8 backward's dO rule (amax floor, scale by division) in the Triton kernel gives the
+    XLA rule's codes and scales bit for bit."""
+    x = _draw_do(shape, jnp.bfloat16, seed=shape[-1] + rows)
+    floor = 2.0 ** -64
+    want = P._xla_rows(x, fp8, rows, floor)
+    got = T.quantize_blocks(x, None, dtype=jnp.dtype(fp8), block=rows, width=32,
+                            amax_floor=floor, divide=True, interpret=True)
+    assert float(jnp.nanmin(want[1])) < 2.0 ** -60    # the floor decides a block's scale here
+    _same(got, want)
+
+
+def test_quantize_rows_picks():
+    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    ok = (jnp.dtype(jnp.float8_e5m2), 128, 2.0 ** -64)
+    assert P.pick(x, 128, "gpu", "triton") == "triton"
+    y = _draw_do((1, 256, 3, 64), jnp.bfloat16, seed=2)
+    saved, P.ROWS_IMPL = P.ROWS_IMPL, "triton"
+    try:   # the kernel's pick off CUDA: XLA
+        _same(P.quantize_rows(y, *ok, platform="cpu"), P._xla_rows(y, *ok))
+    finally:
+        P.ROWS_IMPL = saved
+    odd = _draw_do((1, 200, 3, 64), jnp.bfloat16, seed=1)    # no whole 128-row blocks: XLA
+    a = P.quantize_rows(odd, *ok, platform="gpu")
+    b = P._xla_rows(odd, *ok)
+    _same(a, b)
+    assert a[1].shape == (1, 3, 2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_hadamard_transpose(dtype):
+    """precision="fp8"'s gradient through the Hadamard: the transpose of `hadamard_signed`. Off
+    CUDA it is autodiff's, bit for bit; on CUDA (16-bit) the tensor-core GEMM, a unit of the
+    dtype's last place from it at most (where the sum does not cancel) in few elements."""
+    signs = Q.hadamard_signs(2, 128)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 64, 3, 128)) * 3, dtype)
+    _, vjp = jax.vjp(lambda x: Q.hadamard_signed(x, signs), g)
+    want = np.asarray(vjp(g)[0].astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(P.hadamard_transpose(g, signs, "cpu")
+                                             .astype(jnp.float32)), want)
+    got = P.hadamard_transpose(g, signs, "gpu")
+    assert got.dtype == g.dtype
+    got = np.asarray(got.astype(jnp.float32))
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(got, want)              # float32: autodiff's everywhere
+        return
+    # one unit of the last place, plus float32's summation error where the sum cancels
+    tol = np.abs(want) * float(jnp.finfo(dtype).eps) + np.abs(want).max() * 2.0 ** -20
+    assert np.all(np.abs(got - want) <= tol)
+    assert np.count_nonzero(got != want) <= 1e-3 * got.size

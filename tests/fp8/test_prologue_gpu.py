@@ -93,3 +93,19 @@ def test_precision_fp8_with_triton_gemm_prologue():
         err[name] = np.linalg.norm(o - want) / np.linalg.norm(want)
     print(err, flush=True)
     assert err["triton_gemm"] <= 1.05 * err["reference"], err
+
+
+@pytest.mark.parametrize("fp8", [jnp.float8_e5m2, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("shape", [(2, 1024, 8, 128), (1, 512, 4, 64), (1, 256, 3, 256)])
+def test_quantize_rows_on_gpu(shape, fp8):
+    """The FP8 backward's dO rule (amax floor, scale by division) in the compiled Triton kernel
+    gives XLA's codes and scales on the same GPU bit for bit (the check `ROWS_IMPL` waits on)."""
+    from jaxflash.fp8 import prologue_triton as T
+    from tests.fp8.test_prologue import _draw_do
+    x = _draw_do(shape, jnp.bfloat16, seed=shape[-1])
+    args = (jnp.dtype(fp8), 128, 2.0 ** -64)
+    want = jax.jit(P._xla_rows, static_argnums=(1, 2, 3))(x, *args)
+    warps, width, rows = P.PLAIN_CONFIG[shape[-1]]
+    got = T.quantize_blocks(x, None, dtype=args[0], block=128, num_warps=warps, width=width,
+                            rows=rows, amax_floor=args[2], divide=True)
+    _same(got, want, "dO rule")
