@@ -111,6 +111,18 @@ def _sharded_trace(x) -> bool:
     return jax.device_count() > 1 and isinstance(x, tracer)
 
 
+# The CUDA archs the Triton kernels have run on (the H200's 9.0); elsewhere (an older GPU:
+# less shared memory, no bfloat16 MMA on some) the XLA arrangement serves.
+KERNEL_ARCHS = ((9, 0),)
+
+
+def _kernel_arch() -> bool:
+    """Whether the target CUDA arch (the local GPU's, or the lowering target without one:
+    `pallas_fallback.config.target_arch`) is one the Triton kernels have run on."""
+    from jaxflash.pallas_fallback.config import target_arch
+    return tuple(target_arch()) in KERNEL_ARCHS
+
+
 def pick(x, block: int, platform: str, impl=None) -> str:
     """The implementation a call runs: `impl` (default `IMPL`) where it can, else ``"xla"``."""
     impl = impl or IMPL
@@ -118,7 +130,8 @@ def pick(x, block: int, platform: str, impl=None) -> str:
         raise ValueError(f"prologue implementation must be one of {IMPLS}; got {impl!r}")
     if impl in ("triton", "triton_gemm"):
         from jaxflash.fp8 import prologue_triton as T
-        if platform not in GPU_PLATFORMS or _sharded_trace(x) or not T.supports(x.shape, block):
+        if (platform not in GPU_PLATFORMS or _sharded_trace(x) or not T.supports(x.shape, block)
+                or not _kernel_arch()):
             return "xla"
     return impl
 
@@ -211,11 +224,12 @@ def hadamard_transpose(g, signs, platform: str):
     gives: precision="fp8"'s gradient for Q and K through the prologue's transform). On a CUDA
     device with the tensor-core prologue (``IMPL == "triton_gemm"``) and a 16-bit `g`: one
     GEMM ``g @ (diag(signs) H)^T / sqrt(D)`` accumulated in float32, rounded once to g's dtype
-    (the butterflies of the float32 transpose take several passes in XLA); elsewhere the
-    transpose of the butterflies."""
+    (the butterflies of the float32 transpose take several passes in XLA); elsewhere (and on
+    a GPU the prologue kernel does not run on) the transpose of the butterflies."""
     from jaxflash.fp8 import prologue_triton as T
     D = g.shape[-1]
-    if platform in GPU_PLATFORMS and IMPL == "triton_gemm" and T.gemm_supported(g.dtype):
+    if (platform in GPU_PLATFORMS and IMPL == "triton_gemm" and T.gemm_supported(g.dtype)
+            and _kernel_arch()):
         hs = Q.fwht(jnp.eye(D, dtype=jnp.float32)) * jnp.asarray(signs, jnp.float32)[:, None]
         y = jnp.einsum("...e,de->...d", g, hs.astype(g.dtype),
                        preferred_element_type=jnp.float32)

@@ -353,3 +353,21 @@ def test_hadamard_transpose(dtype):
     tol = np.abs(want) * float(jnp.finfo(dtype).eps) + np.abs(want).max() * 2.0 ** -20
     assert np.all(np.abs(got - want) <= tol)
     assert np.count_nonzero(got != want) <= 1e-3 * got.size
+
+
+def test_kernels_only_on_the_arch_they_ran_on(monkeypatch):
+    """An older GPU (sm_80 / sm_89: less shared memory, never run there) takes the XLA
+    arrangement and autodiff's Hadamard transpose; Hopper (and a CPU host lowering for it)
+    the kernels."""
+    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    g = jnp.ones((1, 4, 2, 64), jnp.bfloat16)
+    signs = Q.hadamard_signs(0, 64)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert P.pick(x, 128, "gpu") == P.IMPL == "triton_gemm"
+    for arch in ("sm_80", "sm_89"):
+        monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+        assert P.pick(x, 128, "gpu") == "xla"
+        assert P.quantize_rows(x, jnp.float8_e5m2, 128, 2.0 ** -64, "gpu")[0].shape == x.shape
+        _, vjp = jax.vjp(lambda y: Q.hadamard_signed(y, signs), g)
+        np.testing.assert_array_equal(np.asarray(P.hadamard_transpose(g, signs, "gpu"), np.float32),
+                                      np.asarray(vjp(g)[0], np.float32))
