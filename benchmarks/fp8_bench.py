@@ -199,6 +199,15 @@ def run(points, out_dir: str) -> int:
             "ours_fp8_e2e": jax.jit(lambda q, k, v, *_: jaxflash.flash_attention(
                 q, k, v, is_causal=c, precision="fp8", implementation="cute")),
         }
+        # V^T by the Triton kernel instead of XLA's transpose (`keys_major.IMPL`)
+        fns["ours_fp8_km_triton"] = _traced_under(jax.jit(
+            lambda q, k, v, q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
+                q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs, is_causal=c,
+                implementation="cute")), {"keys_major.IMPL": "triton"})
+        fns["ours_fp8_e2e_km_triton"] = _traced_under(jax.jit(
+            lambda q, k, v, *_: jaxflash.flash_attention(
+                q, k, v, is_causal=c, precision="fp8", implementation="cute")),
+            {"keys_major.IMPL": "triton"})
         if fa is not None:
             params = {kk: jnp.full((1, 1, 1, 1), 1.0, jnp.float32) for kk in fa.fp8_params_keys}
             mt = fa.MaskType.CAUSAL if c else fa.MaskType.NO_MASK
@@ -328,11 +337,18 @@ def run_bwd(points, out_dir: str) -> int:
         # Candidates traced under another setting of `jaxflash.fp8.prologue` (picked when the
         # call is traced): dO quantized by the Triton kernel (`ROWS_IMPL`); precision="fp8"
         # with the butterfly prologue and the butterflies' transpose in the backward.
-        variants = {"ours_fp8_rows_triton": (ours_fp8, "ROWS_IMPL", "triton"),
-                    "ours_fp8_e2e_rows_triton": (ours("fp8"), "ROWS_IMPL", "triton"),
-                    "ours_fp8_e2e_butterflies": (ours("fp8"), "IMPL", "triton")}
-        for name, (fn, attr, value) in variants.items():
-            fns[name] = _traced_under(jax.jit(fn), attr, value)
+        # keys-major copies (V^T, Q^T, K^T, dO^T) by the Triton kernel (`keys_major.IMPL`).
+        km = {"keys_major.IMPL": "triton"}
+        variants = {"ours_fp8_rows_triton": (ours_fp8, {"prologue.ROWS_IMPL": "triton"}),
+                    "ours_fp8_km_triton": (ours_fp8, km),
+                    "ours_fp8_km_rows_triton": (ours_fp8, dict(km, **{
+                        "prologue.ROWS_IMPL": "triton"})),
+                    "ours_fp8_e2e_rows_triton": (ours("fp8"), {"prologue.ROWS_IMPL": "triton"}),
+                    "ours_fp8_e2e_km_rows_triton": (ours("fp8"), dict(km, **{
+                        "prologue.ROWS_IMPL": "triton"})),
+                    "ours_fp8_e2e_butterflies": (ours("fp8"), {"prologue.IMPL": "triton"})}
+        for name, (fn, settings) in variants.items():
+            fns[name] = _traced_under(jax.jit(fn), settings)
         if fa is not None and d == 128:  # (cuDNN's FP8 backward: D 128 only)
             one = jnp.ones((1, 1, 1, 1), f32)
             params = {kk: one for kk in fa.fp8_params_keys}
@@ -365,30 +381,39 @@ def run_bwd(points, out_dir: str) -> int:
     return 0
 
 
-def _traced_under(f, attr: str, value):
-    """`f` (jitted) with ``jaxflash.fp8.prologue.<attr>`` set to `value` while it traces (its
-    first call per shape; the timed calls reuse that trace)."""
-    from jaxflash.fp8 import prologue as P
+def _traced_under(f, settings: dict):
+    """`f` (jitted) with the module constants of `settings` (``"module.NAME": value``, modules
+    of `jaxflash.fp8`) set while it traces (its first call per shape; the timed calls reuse
+    that trace)."""
+    import importlib
 
     def g(*args):
-        saved = getattr(P, attr)
-        setattr(P, attr, value)
+        saved = []
+        for key, value in settings.items():
+            mod, attr = key.rsplit(".", 1)
+            m = importlib.import_module("jaxflash.fp8." + mod)
+            saved.append((m, attr, getattr(m, attr)))
+            setattr(m, attr, value)
         try:
             return f(*args)
         finally:
-            setattr(P, attr, saved)
+            for m, attr, value in reversed(saved):
+                setattr(m, attr, value)
     return g
 
 
 def _write_bwd(out_dir, env, rows) -> str:
-    cols = ["ours_fp8", "ours_fp8_rows_triton", "ours_fp8_e2e", "ours_fp8_e2e_rows_triton",
+    cols = ["ours_fp8", "ours_fp8_rows_triton", "ours_fp8_km_triton", "ours_fp8_km_rows_triton",
+            "ours_fp8_e2e", "ours_fp8_e2e_rows_triton", "ours_fp8_e2e_km_rows_triton",
             "ours_fp8_e2e_butterflies", "ours_bf16", "cudnn_fp8"]
     lines = ["| D | S | causal | " + " | ".join(cols) + " | FP8/bf16 | FP8/cuDNN FP8 |",
              "|---|---|---|" + "---|" * (len(cols) + 2)]
     f = lambda x: "" if x is None else f"{x:.0f}"
     g = lambda a, b: f"{a / b:.2f}" if a and b else ""
     for r in rows:
-        best = max([r.get(c) or 0 for c in ("ours_fp8", "ours_fp8_rows_triton")]) or None
+        best = max([r.get(c) or 0 for c in ("ours_fp8", "ours_fp8_rows_triton",
+                                            "ours_fp8_km_triton", "ours_fp8_km_rows_triton")]
+                   ) or None
         lines.append(f"| {r['D']} | {r['S']} | {int(r['causal'])} | "
                      + " | ".join(f(r.get(c)) for c in cols)
                      + f" | {g(best, r['ours_bf16'])} | {g(best, r.get('cudnn_fp8'))} |")
@@ -437,12 +462,14 @@ def _table(rows, summary):
     f = lambda x: "" if x is None else f"{x:.0f}"
     g = lambda x: "" if x is None else f"{x:.2f}"
     lines = ["| D | S | causal | ours FP8 | ours bf16 | cuDNN FP8 | ours precision=fp8 from bf16 "
-             "| FP8/cuDNN FP8 | FP8/bf16 | e2e/bf16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| FP8/cuDNN FP8 | FP8/bf16 | e2e/bf16 | FP8, V^T by Triton | e2e, V^T by Triton |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b, c, e = r["ours_fp8"], r["ours_bf16"], r.get("cudnn_fp8"), r.get("ours_fp8_e2e")
         lines.append(f"| {r['D']} | {r['S']} | {int(r['causal'])} | {f(a)} | {f(b)} | {f(c)} | "
                      f"{f(e)} | {g(a / c if a and c else None)} | {g(a / b if a and b else None)} | "
-                     f"{g(e / b if e and b else None)} |")
+                     f"{g(e / b if e and b else None)} | {f(r.get('ours_fp8_km_triton'))} | "
+                     f"{f(r.get('ours_fp8_e2e_km_triton'))} |")
     lines.append("")
     lines.append("TFLOP/s. " + ", ".join(f"{k}: {g(v) if isinstance(v, float) else v}"
                                          for k, v in summary.items()))

@@ -242,21 +242,6 @@ def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
 # (`bwd_fp8_launch.Q_ORDER` / `K_ORDER`).
 
 
-def _transposed(x8, split, length: int):
-    """[B, L, heads, H] FP8 -> [B, heads, H, length] (zero padded), the sequence axis
-    permuted within each 16 as `split` says (`bwd_fp8_launch.Q_SPLIT` / `K_SPLIT`; moved as
-    bytes: XLA transposes any 8-bit type)."""
-    dims, perm = split
-    B, L, Hd, H = x8.shape
-    u = jax.lax.bitcast_convert_type(x8, jnp.uint8)
-    u = jnp.pad(u, ((0, 0), (0, length - L), (0, 0), (0, 0)))
-    u = u.reshape((B, length // 16) + tuple(dims) + (Hd, H))
-    d = len(dims)
-    u = jnp.transpose(u, (0, d + 2, d + 3, 1) + tuple(2 + a for a in perm))
-    u = u.reshape(B, Hd, H, length)
-    return jax.lax.bitcast_convert_type(u, x8.dtype)
-
-
 def _per_tile(scale, block: int, tile: int, length: int):
     """Canonical scales [B, heads, nb] (one per `block` rows) -> one per kernel tile of `tile`
     rows [B, heads, ceil(length / tile)] (the plan checked that no tile straddles blocks)."""
@@ -269,6 +254,7 @@ def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
     """(dq, dk, dv, None, None) float32 by the FP8 backward `launch`: gradients with respect to
     the dequantized q, k, v (the contract's, `jaxflash.fp8.contract`)."""
     from jaxflash.fp8 import prologue
+    from jaxflash.fp8.keys_major import keys_major
     from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR, DO_SCALE_ROWS
     from jaxflash.kernels.variants.bwd_fp8_launch import K_SPLIT, KEY_PAD, Q_SPLIT
     B, T, N, H = q8.shape
@@ -279,8 +265,8 @@ def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
     Sp = -(-S // KEY_PAD) * KEY_PAD
     lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
     do8, do_scale = prologue.quantize_rows(dout, cfg.do_dtype, DO_SCALE_ROWS, AMAX_FLOOR, "cuda")
-    inputs = [q8, k8, v8, do8, _transposed(q8, Q_SPLIT, Tp), _transposed(k8, K_SPLIT, Sp),
-              _transposed(do8, Q_SPLIT, Tp), lse2, delta]
+    inputs = [q8, k8, v8, do8, keys_major(q8, Q_SPLIT, Tp), keys_major(k8, K_SPLIT, Sp),
+              keys_major(do8, Q_SPLIT, Tp), lse2, delta]
     if cfg.has_q_seqlen:
         inputs.append(arrays.q_seqlen.astype(jnp.int32))
     if cfg.has_kv_seqlen:

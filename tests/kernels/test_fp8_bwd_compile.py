@@ -95,7 +95,7 @@ def test_transposed_copies_follow_the_kernels_orders():
     and r + 8 of a thread adjacent). Both are permutations; padding is zero."""
     import jax.numpy as jnp
 
-    from jaxflash.kernels.call import _transposed
+    from jaxflash.fp8.keys_major import keys_major as _transposed
     from jaxflash.kernels.variants.bwd_fp8_launch import K_ORDER, K_SPLIT, Q_ORDER, Q_SPLIT
     assert sorted(Q_ORDER) == list(range(16)) and sorted(K_ORDER) == list(range(16))
     for q in range(4):          # A register of thread q: positions 4q..4q+3

@@ -45,23 +45,21 @@ def _launch(kernel_ref: str, config, arch: str) -> Launch:
                   arch=arch)
 
 
+# V^T's key order within each 16 (`jaxflash.fp8.keys_major`'s split): key 16c + 8a + 2q + b
+# at position 16c + 4q + 2a + b.
+V_SPLIT = ((2, 4, 2), (1, 0, 2))
+
+
 def fp8_v_layout(v):
     """V [B, S, K, Hv] -> V^T [B, K, Hv, Sp] for a ``v_transposed`` variant: keys contiguous
     (FP8 wgmma reads its B operand K-major), zero-padded to Sp = a multiple of 16, and permuted
     within each 16 so that position 16c + 4q + 2a + b holds key 16c + 8a + 2q + b: the order in
     which a thread's score accumulator packs into the FP8 A operand
     (`layouts.acc_as_fp8_operand_a`; `sm90.v_transpose` writes the same order in the kernel).
-    Keys past S are zeros the kernel masks. One XLA transpose (fused into a quantization that
-    produces V)."""
-    import jax.numpy as jnp
-    B, S, K, Hv = v.shape
-    Sp = -(-S // 16) * 16
-    if Sp != S:
-        v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
-    # key = 16c + 8a + 2q + b  ->  position 16c + 4q + 2a + b
-    v = v.reshape(B, Sp // 16, 2, 4, 2, K, Hv)                  # (B, c, a, q, b, K, Hv)
-    v = jnp.transpose(v, (0, 5, 6, 1, 3, 2, 4))                 # (B, K, Hv, c, q, a, b)
-    return v.reshape(B, K, Hv, Sp)
+    Keys past S are zeros the kernel masks. `jaxflash.fp8.keys_major` moves the bytes."""
+    from jaxflash.fp8.keys_major import keys_major
+    S = v.shape[1]
+    return keys_major(v, V_SPLIT, -(-S // 16) * 16)
 
 
 def fwd_fp8_inputs(config: Fp8FwdConfig, q, k, v, q_descale, k_descale, v_descale,
