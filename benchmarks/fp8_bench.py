@@ -203,11 +203,11 @@ def run(points, out_dir: str) -> int:
         fns["ours_fp8_km_triton"] = _traced_under(jax.jit(
             lambda q, k, v, q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
                 q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs, is_causal=c,
-                implementation="cute")), {"keys_major.IMPL": "triton"})
+                implementation="cute")), {KM_IMPL: "triton"})
         fns["ours_fp8_e2e_km_triton"] = _traced_under(jax.jit(
             lambda q, k, v, *_: jaxflash.flash_attention(
                 q, k, v, is_causal=c, precision="fp8", implementation="cute")),
-            {"keys_major.IMPL": "triton"})
+            {KM_IMPL: "triton"})
         if fa is not None:
             params = {kk: jnp.full((1, 1, 1, 1), 1.0, jnp.float32) for kk in fa.fp8_params_keys}
             mt = fa.MaskType.CAUSAL if c else fa.MaskType.NO_MASK
@@ -338,15 +338,13 @@ def run_bwd(points, out_dir: str) -> int:
         # call is traced): dO quantized by the Triton kernel (`ROWS_IMPL`); precision="fp8"
         # with the butterfly prologue and the butterflies' transpose in the backward.
         # keys-major copies (V^T, Q^T, K^T, dO^T) by the Triton kernel (`keys_major.IMPL`).
-        km = {"keys_major.IMPL": "triton"}
-        variants = {"ours_fp8_rows_triton": (ours_fp8, {"prologue.ROWS_IMPL": "triton"}),
+        km, rows_ = {KM_IMPL: "triton"}, {ROWS_IMPL: "triton"}
+        variants = {"ours_fp8_rows_triton": (ours_fp8, rows_),
                     "ours_fp8_km_triton": (ours_fp8, km),
-                    "ours_fp8_km_rows_triton": (ours_fp8, dict(km, **{
-                        "prologue.ROWS_IMPL": "triton"})),
-                    "ours_fp8_e2e_rows_triton": (ours("fp8"), {"prologue.ROWS_IMPL": "triton"}),
-                    "ours_fp8_e2e_km_rows_triton": (ours("fp8"), dict(km, **{
-                        "prologue.ROWS_IMPL": "triton"})),
-                    "ours_fp8_e2e_butterflies": (ours("fp8"), {"prologue.IMPL": "triton"})}
+                    "ours_fp8_km_rows_triton": (ours_fp8, {**km, **rows_}),
+                    "ours_fp8_e2e_rows_triton": (ours("fp8"), rows_),
+                    "ours_fp8_e2e_km_rows_triton": (ours("fp8"), {**km, **rows_}),
+                    "ours_fp8_e2e_butterflies": (ours("fp8"), {PROLOGUE_IMPL: "triton"})}
         for name, (fn, settings) in variants.items():
             fns[name] = _traced_under(jax.jit(fn), settings)
         if fa is not None and d == 128:  # (cuDNN's FP8 backward: D 128 only)
@@ -381,17 +379,22 @@ def run_bwd(points, out_dir: str) -> int:
     return 0
 
 
+# Module constants the benches set while a variant traces (`_traced_under`).
+KM_IMPL = "jaxflash.kernels.variants.keys_major.IMPL"
+ROWS_IMPL = "jaxflash.fp8.prologue.ROWS_IMPL"
+PROLOGUE_IMPL = "jaxflash.fp8.prologue.IMPL"
+
+
 def _traced_under(f, settings: dict):
-    """`f` (jitted) with the module constants of `settings` (``"module.NAME": value``, modules
-    of `jaxflash.fp8`) set while it traces (its first call per shape; the timed calls reuse
-    that trace)."""
+    """`f` (jitted) with the module constants of `settings` (``"package.module.NAME": value``)
+    set while it traces (its first call per shape; the timed calls reuse that trace)."""
     import importlib
 
     def g(*args):
         saved = []
         for key, value in settings.items():
             mod, attr = key.rsplit(".", 1)
-            m = importlib.import_module("jaxflash.fp8." + mod)
+            m = importlib.import_module(mod)
             saved.append((m, attr, getattr(m, attr)))
             setattr(m, attr, value)
         try:

@@ -20,6 +20,40 @@ import jax
 
 # What `jax.default_backend()` ("gpu") or a lowering target ("cuda") calls an NVIDIA GPU.
 GPU_PLATFORMS = ("cuda", "gpu")
+# The CUDA arch assumed when lowering without a GPU and without $CUTE_DSL_ARCH (the H200).
+DEFAULT_CUDA_ARCH = (9, 0)
+# The CUDA archs the Pallas (Triton) helper kernels of the FP8 path (the prologue, the
+# keys-major copies) have run on; elsewhere their XLA forms serve.
+TRITON_HELPER_ARCHS = ((9, 0),)
+
+
+def cuda_arch() -> tuple[int, int]:
+    """The CUDA arch the kernels are built for: ``$CUTE_DSL_ARCH`` (the project's way of naming
+    the target when lowering on a machine without a GPU, e.g. ``sm_90a``), else the local GPU's,
+    else `DEFAULT_CUDA_ARCH`."""
+    import os
+    env = os.environ.get("CUTE_DSL_ARCH", "")
+    digits = "".join(ch for ch in env if ch.isdigit())
+    if len(digits) >= 2:
+        return int(digits[:-1]), int(digits[-1])
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu" and getattr(dev, "compute_capability", None):
+            major, minor = dev.compute_capability.split(".")
+            return int(major), int(minor)
+    except Exception:  # noqa: BLE001 - no GPU here: fall through to the default
+        pass
+    return DEFAULT_CUDA_ARCH
+
+
+def sharded_trace(x) -> bool:
+    """A jit trace in a multi-device process: the operand may be sharded (`jaxflash.sharding`),
+    so an opaque kernel would make the SPMD partitioner gather it."""
+    try:
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer as tracer
+    except ImportError:  # pragma: no cover - moved in some jax version: assume it may be
+        tracer = jax.core.Tracer
+    return jax.device_count() > 1 and isinstance(x, tracer)
 
 
 class AttentionArrays(NamedTuple):

@@ -37,8 +37,13 @@ class CuteBackend(Backend):
 
     def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
         if getattr(plan.detail, "fp8", False) and plan.detail.bwd is not None:
+            from jaxflash.fp8 import prologue
             from jaxflash.kernels import call
-            return call.backward_fp8(plan.detail.bwd, q, k, v, arrays, statics, out, lse, dout)
+            from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR, DO_SCALE_ROWS
+            do8, do_scale = prologue.quantize_rows(dout, plan.detail.bwd.config.do_dtype,
+                                                   DO_SCALE_ROWS, AMAX_FLOOR, plan.platform)
+            return call.backward_fp8(plan.detail.bwd, q, k, v, arrays, statics, out, lse, dout,
+                                     do8, do_scale)
         if getattr(plan.detail, "fp8", False):
             # FP8 gradients by the numerics contract's backward where the kernel does not
             # serve the call (or is gated: `policy.verified`)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import quantize as Q
-from jaxflash._types import GPU_PLATFORMS
+from jaxflash._types import GPU_PLATFORMS, TRITON_HELPER_ARCHS, cuda_arch, sharded_trace
 from jaxflash.fp8 import layout
 
 IMPLS = ("reference", "xla", "triton", "triton_gemm")
@@ -102,25 +102,11 @@ def _triton_gemm(x, dtype, block, signs, interpret=False):
     return _triton(x, dtype, block, signs, interpret, gemm=True)
 
 
-def _sharded_trace(x) -> bool:
-    """A jit trace in a multi-device process: the operand may be sharded (`jaxflash.sharding`)."""
-    try:
-        from jax._src.interpreters.partial_eval import DynamicJaxprTracer as tracer
-    except ImportError:  # pragma: no cover - moved in some jax version: assume it may be
-        tracer = jax.core.Tracer
-    return jax.device_count() > 1 and isinstance(x, tracer)
-
-
-# The CUDA archs the Triton kernels have run on (the H200's 9.0); elsewhere (an older GPU:
-# less shared memory, no bfloat16 MMA on some) the XLA arrangement serves.
-KERNEL_ARCHS = ((9, 0),)
-
-
 def _kernel_arch() -> bool:
-    """Whether the target CUDA arch (the local GPU's, or the lowering target without one:
-    `pallas_fallback.config.target_arch`) is one the Triton kernels have run on."""
-    from jaxflash.pallas_fallback.config import target_arch
-    return tuple(target_arch()) in KERNEL_ARCHS
+    """Whether the target CUDA arch (the local GPU's, or the lowering target without one) is
+    one the Triton kernels have run on (`_types.TRITON_HELPER_ARCHS`; an older GPU has less
+    shared memory, some no bfloat16 MMA)."""
+    return tuple(cuda_arch()) in TRITON_HELPER_ARCHS
 
 
 def pick(x, block: int, platform: str, impl=None) -> str:
@@ -130,16 +116,17 @@ def pick(x, block: int, platform: str, impl=None) -> str:
         raise ValueError(f"prologue implementation must be one of {IMPLS}; got {impl!r}")
     if impl in ("triton", "triton_gemm"):
         from jaxflash.fp8 import prologue_triton as T
-        if (platform not in GPU_PLATFORMS or _sharded_trace(x) or not T.supports(x.shape, block)
-                or not _kernel_arch()):
+        if (platform not in GPU_PLATFORMS or sharded_trace(x)
+                or not T.supports(x.shape, block) or not _kernel_arch()):
             return "xla"
     return impl
 
 
 def describe(problem, spec, in_dtype) -> str:
     """`explain`'s sentence on the prologue a precision="fp8" call of `problem` (on float
-    operands of `in_dtype`) takes, per operand when they differ. Outside a trace it cannot see a sharded operand: inside a jit
-    trace of a multi-device process the XLA arrangement runs instead of the kernel."""
+    operands of `in_dtype`) takes, per operand when they differ. Outside a trace it cannot
+    see a sharded operand: inside a jit trace of a multi-device process the XLA arrangement
+    runs instead of the kernel."""
     P = problem
     shapes = {"q": ((P.batch, P.q_len, P.num_heads, P.head_dim), spec.q_block),
               "k": ((P.batch, P.kv_len, P.num_kv_heads, P.head_dim), spec.k_block),

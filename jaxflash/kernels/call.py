@@ -236,10 +236,10 @@ def _backward(launch, q, k, v, arrays, statics, out, lse, dout):
 
 # ---------------------------------------------------------------------------------------------
 # FP8 backward (`FlashBwdSm90Fp8`). Before the kernel: dO in E5M2 with one amax scale per 128
-# query rows (the contract's BWD_Q_TILE: `bwd_fp8.DO_SCALE_ROWS`; `prologue.quantize_rows`, the
-# Triton prologue kernel's one pass where it runs), and the transposed copies Q^T, dO^T, K^T
-# the kernel's K-major FP8 GEMMs need, their sequence axis permuted within each 16
-# (`bwd_fp8_launch.Q_ORDER` / `K_ORDER`).
+# query rows (the contract's BWD_Q_TILE: `bwd_fp8.DO_SCALE_ROWS`; quantized by the caller,
+# `jaxflash.fp8.prologue.quantize_rows`), and the transposed copies Q^T, dO^T, K^T the
+# kernel's K-major FP8 GEMMs need, their sequence axis permuted within each 16
+# (`bwd_fp8_launch.Q_ORDER` / `K_ORDER`; `variants.keys_major`).
 
 
 def _per_tile(scale, block: int, tile: int, length: int):
@@ -250,12 +250,13 @@ def _per_tile(scale, block: int, tile: int, length: int):
     return jnp.take(jnp.asarray(scale, jnp.float32), idx, axis=-1)
 
 
-def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
+def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout, do8, do_scale):
     """(dq, dk, dv, None, None) float32 by the FP8 backward `launch`: gradients with respect to
-    the dequantized q, k, v (the contract's, `jaxflash.fp8.contract`)."""
-    from jaxflash.fp8 import prologue
-    from jaxflash.fp8.keys_major import keys_major
-    from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR, DO_SCALE_ROWS
+    the dequantized q, k, v (the contract's, `jaxflash.fp8.contract`). `do8` / `do_scale`:
+    `dout` quantized by the contract's dO rule (`jaxflash.fp8.prologue.quantize_rows`, one
+    scale per `bwd_fp8.DO_SCALE_ROWS` rows, ``[B, N, nb]``)."""
+    from jaxflash.kernels.variants.bwd_fp8 import DO_SCALE_ROWS
+    from jaxflash.kernels.variants.keys_major import keys_major
     from jaxflash.kernels.variants.bwd_fp8_launch import K_SPLIT, KEY_PAD, Q_SPLIT
     B, T, N, H = q8.shape
     S = k8.shape[1]
@@ -264,7 +265,6 @@ def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout):
     Tp = padded_len(T, cfg)
     Sp = -(-S // KEY_PAD) * KEY_PAD
     lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
-    do8, do_scale = prologue.quantize_rows(dout, cfg.do_dtype, DO_SCALE_ROWS, AMAX_FLOOR, "cuda")
     inputs = [q8, k8, v8, do8, keys_major(q8, Q_SPLIT, Tp), keys_major(k8, K_SPLIT, Sp),
               keys_major(do8, Q_SPLIT, Tp), lse2, delta]
     if cfg.has_q_seqlen:

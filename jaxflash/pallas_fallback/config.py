@@ -7,7 +7,6 @@ figures are small so that CPU tests cover several blocks and tails at tiny sizes
 from __future__ import annotations
 
 import dataclasses
-import os
 
 MAX_HEAD_DIM = 256
 
@@ -87,26 +86,12 @@ def _halve(c: PassConfig) -> PassConfig:
 # Shared memory per block (bytes) by CUDA compute capability (major, minor).
 _SMEM = {(9, 0): 232448, (10, 0): 232448, (8, 0): 166912, (8, 7): 166912, (8, 6): 101376,
          (8, 9): 101376, (7, 5): 65536, (7, 0): 98304}
-_DEFAULT_ARCH = (9, 0)  # the project's GPU (H200) when lowering without a device
 
 
 def target_arch() -> tuple[int, int]:
-    """The CUDA arch the kernels are built for: ``$CUTE_DSL_ARCH`` (the project's way of naming
-    the target when lowering on a machine without a GPU, e.g. ``sm_90a``), else the local GPU's,
-    else sm_90."""
-    env = os.environ.get("CUTE_DSL_ARCH", "")
-    digits = "".join(ch for ch in env if ch.isdigit())
-    if len(digits) >= 2:
-        return int(digits[:-1]), int(digits[-1])
-    try:
-        import jax
-        dev = jax.devices()[0]
-        if dev.platform == "gpu" and getattr(dev, "compute_capability", None):
-            major, minor = dev.compute_capability.split(".")
-            return int(major), int(minor)
-    except Exception:  # noqa: BLE001 - no GPU here: fall through to the default
-        pass
-    return _DEFAULT_ARCH
+    """The CUDA arch the kernels are built for (`jaxflash._types.cuda_arch`)."""
+    from jaxflash._types import cuda_arch
+    return cuda_arch()
 
 
 def smem_bytes(kind: str, c: PassConfig, hp: int, hvp: int, itemsize: int,

@@ -95,7 +95,7 @@ def test_transposed_copies_follow_the_kernels_orders():
     and r + 8 of a thread adjacent). Both are permutations; padding is zero."""
     import jax.numpy as jnp
 
-    from jaxflash.fp8.keys_major import keys_major as _transposed
+    from jaxflash.kernels.variants.keys_major import keys_major as _transposed
     from jaxflash.kernels.variants.bwd_fp8_launch import K_ORDER, K_SPLIT, Q_ORDER, Q_SPLIT
     assert sorted(Q_ORDER) == list(range(16)) and sorted(K_ORDER) == list(range(16))
     for q in range(4):          # A register of thread q: positions 4q..4q+3
@@ -313,7 +313,10 @@ def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal,
     cfg = Fp8BwdConfig(head_dim=H, is_causal=causal, do_dtype=do_dtype)
     assert cfg.tile_n == C.bwd_kv_tile(H)
     launch = bwd_fp8_launch(cfg)
-    got = call.backward_fp8(launch, q8, k8, v8, arrays, st, out, lse, dout)[:3]
+    from jaxflash.fp8 import prologue
+    from jaxflash.kernels.variants.bwd_fp8 import AMAX_FLOOR, DO_SCALE_ROWS
+    do8, do_scale = prologue.quantize_rows(dout, cfg.do_dtype, DO_SCALE_ROWS, AMAX_FLOOR, "cpu")
+    got = call.backward_fp8(launch, q8, k8, v8, arrays, st, out, lse, dout, do8, do_scale)[:3]
     for what, g, r in zip(("dq", "dk", "dv"), got, ref):
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.all(np.isfinite(g)), what

@@ -45,8 +45,8 @@ def _launch(kernel_ref: str, config, arch: str) -> Launch:
                   arch=arch)
 
 
-# V^T's key order within each 16 (`jaxflash.fp8.keys_major`'s split): key 16c + 8a + 2q + b
-# at position 16c + 4q + 2a + b.
+# V^T's key order within each 16 (a `keys_major` split): key 16c + 8a + 2q + b at position
+# 16c + 4q + 2a + b.
 V_SPLIT = ((2, 4, 2), (1, 0, 2))
 
 
@@ -56,8 +56,8 @@ def fp8_v_layout(v):
     within each 16 so that position 16c + 4q + 2a + b holds key 16c + 8a + 2q + b: the order in
     which a thread's score accumulator packs into the FP8 A operand
     (`layouts.acc_as_fp8_operand_a`; `sm90.v_transpose` writes the same order in the kernel).
-    Keys past S are zeros the kernel masks. `jaxflash.fp8.keys_major` moves the bytes."""
-    from jaxflash.fp8.keys_major import keys_major
+    Keys past S are zeros the kernel masks. `keys_major` moves the bytes."""
+    from jaxflash.kernels.variants.keys_major import keys_major
     S = v.shape[1]
     return keys_major(v, V_SPLIT, -(-S // 16) * 16)
 

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 _SQ = getattr(pl, "squeezed", None)
 
-# "xla" until the Triton kernel has run on a GPU (tests/fp8/test_keys_major_gpu.py) and been
+# "xla" until the Triton kernel has run on a GPU (tests/kernels/test_keys_major_gpu.py) and been
 # timed against XLA's transpose (benchmarks/fp8_bench.py's keys-major variants).
 IMPL = "xla"
 ROWS = 128          # rows per Triton program (a multiple of 16)
@@ -34,14 +34,14 @@ def keys_major(x8, split, length: int, platform: str = "cuda", impl=None):
 
 
 def pick(x8, length: int, platform: str, impl=None) -> str:
-    from jaxflash.fp8 import prologue as P
-    from jaxflash._types import GPU_PLATFORMS
+    from jaxflash._types import GPU_PLATFORMS, TRITON_HELPER_ARCHS, cuda_arch, sharded_trace
     impl = impl or IMPL
     if impl not in ("xla", "triton"):
         raise ValueError(f"keys-major implementation must be 'xla' or 'triton'; got {impl!r}")
     if impl == "triton" and not (platform in GPU_PLATFORMS
                                  and supports(x8.shape, length, x8.dtype)
-                                 and P._kernel_arch() and not P._sharded_trace(x8)):
+                                 and tuple(cuda_arch()) in TRITON_HELPER_ARCHS
+                                 and not sharded_trace(x8)):
         return "xla"
     return impl
 

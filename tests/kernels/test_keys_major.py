@@ -1,12 +1,12 @@
-"""`jaxflash.fp8.keys_major`: the Triton kernel (Pallas' interpret mode here) moves the bytes
-exactly as the XLA transpose does, for the forward's V^T and the backward's Q^T / K^T / dO^T
-orders; and the pick falls back to XLA where the kernel cannot run."""
+"""`jaxflash.kernels.variants.keys_major`: the Triton kernel (Pallas' interpret mode here)
+moves the bytes exactly as the XLA transpose does, for the forward's V^T and the backward's
+Q^T / K^T / dO^T orders; and the pick falls back to XLA where the kernel cannot run."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.fp8 import keys_major as KM
+from jaxflash.kernels.variants import keys_major as KM
 from jaxflash.kernels.variants.bwd_fp8_launch import K_SPLIT, Q_SPLIT
 from jaxflash.kernels.variants.fwd_fp8_launch import V_SPLIT
 

@@ -1,11 +1,11 @@
-"""`jaxflash.fp8.keys_major`'s Triton kernel compiled on a CUDA GPU: the same bytes as XLA's
-transpose (the check `keys_major.IMPL` waits on)."""
+"""`jaxflash.kernels.variants.keys_major`'s Triton kernel compiled on a CUDA GPU: the same
+bytes as XLA's transpose (the check `keys_major.IMPL` waits on)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash.fp8 import keys_major as KM
+from jaxflash.kernels.variants import keys_major as KM
 from jaxflash.kernels.variants.bwd_fp8_launch import K_SPLIT, Q_SPLIT
 from jaxflash.kernels.variants.fwd_fp8_launch import V_SPLIT
 
