@@ -150,6 +150,11 @@ def test_triton_kernel_lowers_for_cuda():
     def f(x):  # (pick would take "xla" here: 8 host devices make every jit trace "sharded")
         return P._triton(x, jnp.float8_e4m3fn, 128, Q.hadamard_signs(0, 128))
 
+    def g(x):  # the tensor-core Hadamard, and the backward's dO rule
+        return (P._triton_gemm(x, jnp.float8_e4m3fn, 128, Q.hadamard_signs(0, 128)),
+                T.quantize_blocks(x, None, dtype=jnp.dtype(jnp.float8_e5m2), block=128,
+                                  amax_floor=2.0 ** -64, divide=True))
+
     with target_platform("cuda"):
         txt = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert txt.count("__gpu$xla.gpu.triton") == 1, txt[:2000]
@@ -162,6 +167,13 @@ def test_triton_kernel_lowers_for_cuda():
                                 disabled_checks=ffi.export_safety_checks())(x)
     back = jax.export.deserialize(exp.serialize())
     assert [o.shape for o in back.out_avals] == [(2, 256, 4, 128), (2, 4, 2)]
+    with target_platform("cuda"):
+        txt = jax.jit(g).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        assert txt.count("__gpu$xla.gpu.triton") == 2, txt[:2000]
+        exp = jax.export.export(jax.jit(g), platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(x)
+    back = jax.export.deserialize(exp.serialize())
+    assert [o.shape for o in back.out_avals] == [(2, 256, 4, 128), (2, 4, 2)] * 2
 
 
 @pytest.mark.parametrize("width,rows", [(None, None), (4, 32), (16, 64)])

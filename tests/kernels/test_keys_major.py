@@ -39,3 +39,18 @@ def test_pick(monkeypatch):
     assert KM.pick(x, 256, "gpu", "triton") == "xla"
     with pytest.raises(ValueError, match="keys-major"):
         KM.pick(x, 256, "gpu", "fast")
+
+
+def test_triton_lowers_and_exports_for_cuda():
+    """The kernel's Triton lowering, emitted without a GPU: one custom call, exportable with
+    jaxflash's safety checks."""
+    from jaxflash import ffi, target_platform
+    x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.float8_e4m3fn)
+    f = jax.jit(lambda x: KM._triton(x, Q_SPLIT))
+    with target_platform("cuda"):
+        txt = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        exp = jax.export.export(f, platforms=["cuda"],
+                                disabled_checks=ffi.export_safety_checks())(x)
+    assert txt.count("__gpu$xla.gpu.triton") == 1
+    back = jax.export.deserialize(exp.serialize())
+    assert [o.shape for o in back.out_avals] == [(2, 4, 128, 256)]
