@@ -1,10 +1,11 @@
 """The FP8 prologue as one Pallas (Triton) kernel: each program reads one scale block of one
 operand (``block`` sequence rows of one (batch row, head), the whole head dim) once, applies
-the random-sign Hadamard transform in registers, takes the block's amax, and writes the E4M3 /
-E5M2 codes and the block's float32 dequantization scale, straight into the canonical
-``[B, heads, nb]`` layout.
+the random-sign Hadamard transform (butterflies in registers, or with ``gemm`` one
+tensor-core product), takes the block's amax, and writes the E4M3 / E5M2 codes and the block's
+float32 dequantization scale, straight into the canonical ``[B, heads, nb]`` layout.
 
-Bit for bit the rules of `jaxflash.quantize` (``hadamard_signed`` then ``quantize``): the same
+With the butterflies (and without a Hadamard), bit for bit the rules of `jaxflash.quantize`
+(``hadamard_signed`` then ``quantize``; ``gemm`` differs only in its sums' order): the same
 float32 butterflies in the same order (tile reshapes and transposes move values, never combine
 them differently), the Hadamard output rounded once to the input's dtype, the amax over the
 block with NaN detected separately (Triton's max drops NaNs, XLA's rule poisons the block), the
@@ -111,8 +112,9 @@ def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int, g
     fmax = float(Q.FP8_MAX[jnp.dtype(out_dtype)])     # a Python constant: Triton folds it
     zero = amax == 0
     one = jnp.ones_like(amax)
+    # the rules' product by 1 / FMAX (the dO rule's division with `divide`)
     scale = jnp.where(zero, one, amax / jnp.float32(fmax) if divide
-                      else amax * Q.inverse_fmax(out_dtype))   # the rules' product
+                      else amax * Q.inverse_fmax(out_dtype))
     inv = jnp.where(zero, one, jnp.float32(fmax) / jnp.where(zero, one, amax))
     for r0 in range(0, block, rows):
         ts = first if rows == block else load(r0)
