@@ -105,7 +105,7 @@ def _prologue_fns(D, sweep: bool):
         # accumulation in the GEMM's order, not the butterflies'): its `!n` column counts what
         # adopting it would change in the codes (the rule would have to change with it).
         if s is not None:
-            h = jnp.asarray(Q.fwht(jnp.eye(D, dtype=jnp.float32)) * s[:, None], jnp.bfloat16)
+            h = Q.signed_hadamard_matrix(s).astype(jnp.bfloat16)
             y = jnp.einsum("blhd,de->blhe", x, h, preferred_element_type=jnp.float32)
             x = (y * jnp.float32(1.0 / math.sqrt(D))).astype(x.dtype)
         return P._xla(x, e4, 128, None)

@@ -46,6 +46,13 @@ def cuda_arch() -> tuple[int, int]:
     return DEFAULT_CUDA_ARCH
 
 
+def triton_helpers_run(platform: str, x=None) -> bool:
+    """Whether the FP8 path's Pallas (Triton) helpers take a call: a CUDA platform, an arch
+    of `TRITON_HELPER_ARCHS`, and (given an operand `x`) not a possibly sharded trace."""
+    return (platform in GPU_PLATFORMS and tuple(cuda_arch()) in TRITON_HELPER_ARCHS
+            and (x is None or not sharded_trace(x)))
+
+
 def sharded_trace(x) -> bool:
     """A jit trace in a multi-device process: the operand may be sharded (`jaxflash.sharding`),
     so an opaque kernel would make the SPMD partitioner gather it."""

@@ -235,6 +235,14 @@ def hadamard(x, seed: Union[int, jax.Array] = 0) -> jax.Array:
     return hadamard_signed(x, hadamard_signs(seed, D))
 
 
+def signed_hadamard_matrix(signs) -> jax.Array:
+    """``diag(signs) H`` float32 ``[D, D]`` (entries +-1, H the Sylvester matrix, unnormalized):
+    ``(x * signs) @ H == x @ signed_hadamard_matrix(signs)``, the transform as one GEMM (its
+    sums in the GEMM's order, not `fwht`'s)."""
+    signs = jnp.asarray(signs, jnp.float32)
+    return fwht(jnp.eye(signs.shape[-1], dtype=jnp.float32)) * signs[:, None]
+
+
 def hadamard_signed(x, signs) -> jax.Array:
     """`hadamard` with its sign vector given (``hadamard_signs``): the arithmetic every
     implementation of the transform reproduces bit for bit: ``x * signs`` in float32, the

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import quantize as Q
-from jaxflash._types import GPU_PLATFORMS, TRITON_HELPER_ARCHS, cuda_arch, sharded_trace
+from jaxflash._types import triton_helpers_run
 from jaxflash.fp8 import layout
 
 IMPLS = ("reference", "xla", "triton", "triton_gemm")
@@ -67,7 +67,9 @@ def _reference(x, dtype, block, signs):
     return layout.quantize_canonical(x, dtype, "block", block)
 
 
-def _xla(x, dtype, block, signs):
+def _xla(x, dtype, block, signs, amax_floor: float = 0.0, divide: bool = False):
+    """The rules arranged for XLA's fusion; `amax_floor` / `divide` as the kernel's
+    (`prologue_triton.quantize_blocks`: the FP8 backward's dO rule)."""
     d = jnp.dtype(dtype)
     if signs is not None:
         x = Q.hadamard_signed(x, signs)
@@ -78,35 +80,32 @@ def _xla(x, dtype, block, signs):
         x32 = jnp.pad(x32, ((0, 0), (0, nb * block - L), (0, 0), (0, 0)))
     xb = x32.reshape(B, nb, block, H, D)
     amax = jnp.max(jnp.abs(xb), axis=(2, 4))                       # [B, nb, H]
+    if amax_floor:
+        amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(amax_floor)), amax)
     amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4)), jnp.nan, amax)
     fmax = jnp.float32(Q.FP8_MAX[d])
     zero = amax == 0
-    scale = jnp.where(zero, jnp.float32(1.0), amax * Q.inverse_fmax(d))
+    scale = jnp.where(zero, jnp.float32(1.0), amax / fmax if divide
+                      else amax * Q.inverse_fmax(d))
     inv = jnp.where(zero, jnp.float32(1.0), fmax / jnp.where(zero, 1.0, amax))
     x8 = Q.saturating_cast(xb * inv[:, :, None, :, None], d)
     x8 = x8.reshape(B, nb * block, H, D)[:, :L]
     return x8, jnp.swapaxes(scale, 1, 2)                            # [B, H, nb]
 
 
-def _triton(x, dtype, block, signs, interpret=False, gemm=False):
+def _triton(x, dtype, block, signs, interpret=False, gemm=False, amax_floor=0.0,
+            divide=False):
     from jaxflash.fp8 import prologue_triton as T
     gemm = gemm and signs is not None and T.gemm_supported(x.dtype)
     config = GEMM_CONFIG if gemm else TRITON_CONFIG if signs is not None else PLAIN_CONFIG
     warps, width, rows = config[x.shape[-1]]
     return T.quantize_blocks(x, signs, dtype=jnp.dtype(dtype), block=block, num_warps=warps,
                              width=min(width, x.shape[-1]), rows=min(rows, block), gemm=gemm,
-                             interpret=interpret)
+                             amax_floor=amax_floor, divide=divide, interpret=interpret)
 
 
 def _triton_gemm(x, dtype, block, signs, interpret=False):
     return _triton(x, dtype, block, signs, interpret, gemm=True)
-
-
-def _kernel_arch() -> bool:
-    """Whether the target CUDA arch (the local GPU's, or the lowering target without one) is
-    one the Triton kernels have run on (`_types.TRITON_HELPER_ARCHS`; an older GPU has less
-    shared memory, some no bfloat16 MMA)."""
-    return tuple(cuda_arch()) in TRITON_HELPER_ARCHS
 
 
 def pick(x, block: int, platform: str, impl=None) -> str:
@@ -116,8 +115,7 @@ def pick(x, block: int, platform: str, impl=None) -> str:
         raise ValueError(f"prologue implementation must be one of {IMPLS}; got {impl!r}")
     if impl in ("triton", "triton_gemm"):
         from jaxflash.fp8 import prologue_triton as T
-        if (platform not in GPU_PLATFORMS or sharded_trace(x)
-                or not T.supports(x.shape, block) or not _kernel_arch()):
+        if not (T.supports(x.shape, block) and triton_helpers_run(platform, x)):
             return "xla"
     return impl
 
@@ -180,30 +178,8 @@ def quantize_rows(x, dtype, rows: int, amax_floor: float, platform: str):
     `rows` rows) ``[B, N, ceil(T / rows)]``, a nonzero amax raised to `amax_floor`, the scale
     ``amax / FMAX``; with ``ROWS_IMPL == "triton"`` the Triton kernel (one pass,
     `PLAIN_CONFIG`'s tiling) where it can run, else XLA (the same rule, bit for bit)."""
-    if pick(x, rows, platform, ROWS_IMPL) == "triton":
-        from jaxflash.fp8 import prologue_triton as T
-        warps, width, tr = PLAIN_CONFIG[x.shape[-1]]
-        return T.quantize_blocks(x, None, dtype=jnp.dtype(dtype), block=rows, num_warps=warps,
-                                 width=min(width, x.shape[-1]), rows=min(tr, rows),
-                                 amax_floor=amax_floor, divide=True)
-    return _xla_rows(x, dtype, rows, amax_floor)
-
-
-def _xla_rows(x, dtype, rows, amax_floor):
-    B, T, N, H = x.shape
-    nb = -(-T // rows)
-    fmax = jnp.float32(Q.FP8_MAX[jnp.dtype(dtype)])
-    xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * rows - T), (0, 0), (0, 0)))
-    xb = xb.reshape(B, nb, rows, N, H)
-    amax = jnp.max(jnp.abs(xb), axis=(2, 4), keepdims=True)
-    amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(amax_floor)), amax)
-    amax = jnp.where(jnp.any(jnp.isnan(xb), axis=(2, 4), keepdims=True), jnp.nan, amax)
-    zero = amax == 0
-    scale = jnp.where(zero, 1.0, amax / fmax)
-    inv = jnp.where(zero, 1.0, fmax / jnp.where(zero, 1.0, amax))
-    codes = jnp.clip(xb * inv, -fmax, fmax).astype(jnp.dtype(dtype))
-    codes = codes.reshape(B, nb * rows, N, H)[:, :T]
-    return codes, jnp.transpose(scale[:, :, 0, :, 0], (0, 2, 1))
+    impl = _triton if pick(x, rows, platform, ROWS_IMPL) == "triton" else _xla
+    return impl(x, dtype, rows, None, amax_floor=amax_floor, divide=True)
 
 
 def hadamard_transpose(g, signs, platform: str):
@@ -215,11 +191,9 @@ def hadamard_transpose(g, signs, platform: str):
     a GPU the prologue kernel does not run on) the transpose of the butterflies."""
     from jaxflash.fp8 import prologue_triton as T
     D = g.shape[-1]
-    if (platform in GPU_PLATFORMS and IMPL == "triton_gemm" and T.gemm_supported(g.dtype)
-            and _kernel_arch()):
-        hs = Q.fwht(jnp.eye(D, dtype=jnp.float32)) * jnp.asarray(signs, jnp.float32)[:, None]
-        y = jnp.einsum("...e,de->...d", g, hs.astype(g.dtype),
-                       preferred_element_type=jnp.float32)
+    if IMPL == "triton_gemm" and T.gemm_supported(g.dtype) and triton_helpers_run(platform):
+        hs = Q.signed_hadamard_matrix(signs).astype(g.dtype)
+        y = jnp.einsum("...e,de->...d", g, hs, preferred_element_type=jnp.float32)
         return (y * jnp.float32(1.0 / math.sqrt(D))).astype(g.dtype)
     had = lambda x: Q.hadamard_signed(x, signs)
     return jax.linear_transpose(had, jax.ShapeDtypeStruct(g.shape, g.dtype))(g)[0]

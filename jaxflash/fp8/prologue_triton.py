@@ -157,9 +157,8 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
         raise ValueError(f"gemm takes the Hadamard of a bfloat16 / float16 operand; got "
                          f"{x.dtype}{'' if hadamard else ' without signs'}")
     if gemm:
-        hs = Q.fwht(jnp.eye(D, dtype=jnp.float32)) * jnp.asarray(signs, jnp.float32)[:, None]
         in_specs.append(pl.BlockSpec((D, D), lambda b, i, h: (0, 0)))
-        args.append(hs.astype(x.dtype))           # +-1: exact in the input's dtype
+        args.append(Q.signed_hadamard_matrix(signs).astype(x.dtype))   # +-1: exact
     elif hadamard:
         in_specs.append(pl.BlockSpec((1, D), lambda b, i, h: (0, 0)))
         args.append(jnp.asarray(signs, jnp.float32).reshape(1, D))

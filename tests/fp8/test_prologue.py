@@ -320,11 +320,15 @@ def test_quantize_rows_kernel_bit_exact(fp8, shape, rows):
     XLA rule's codes and scales bit for bit."""
     x = _draw_do(shape, jnp.bfloat16, seed=shape[-1] + rows)
     floor = 2.0 ** -64
-    want = P._xla_rows(x, fp8, rows, floor)
+    want = P._xla(x, fp8, rows, None, amax_floor=floor, divide=True)
     got = T.quantize_blocks(x, None, dtype=jnp.dtype(fp8), block=rows, width=32,
                             amax_floor=floor, divide=True, interpret=True)
     assert float(jnp.nanmin(want[1])) < 2.0 ** -60    # the floor decides a block's scale here
     _same(got, want)
+
+
+def _xla_rows(x, dtype, rows, floor):
+    return P._xla(x, dtype, rows, None, amax_floor=floor, divide=True)
 
 
 def test_quantize_rows_picks():
@@ -334,12 +338,12 @@ def test_quantize_rows_picks():
     y = _draw_do((1, 256, 3, 64), jnp.bfloat16, seed=2)
     saved, P.ROWS_IMPL = P.ROWS_IMPL, "triton"
     try:   # the kernel's pick off CUDA: XLA
-        _same(P.quantize_rows(y, *ok, platform="cpu"), P._xla_rows(y, *ok))
+        _same(P.quantize_rows(y, *ok, platform="cpu"), _xla_rows(y, *ok))
     finally:
         P.ROWS_IMPL = saved
     odd = _draw_do((1, 200, 3, 64), jnp.bfloat16, seed=1)    # no whole 128-row blocks: XLA
     a = P.quantize_rows(odd, *ok, platform="gpu")
-    b = P._xla_rows(odd, *ok)
+    b = _xla_rows(odd, *ok)
     _same(a, b)
     assert a[1].shape == (1, 3, 2)
 

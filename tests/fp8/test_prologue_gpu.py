@@ -104,7 +104,7 @@ def test_quantize_rows_on_gpu(shape, fp8):
     from tests.fp8.test_prologue import _draw_do
     x = _draw_do(shape, jnp.bfloat16, seed=shape[-1])
     args = (jnp.dtype(fp8), 128, 2.0 ** -64)
-    want = jax.jit(P._xla_rows, static_argnums=(1, 2, 3))(x, *args)
+    want = jax.jit(lambda x: P._xla(x, args[0], 128, None, amax_floor=args[2], divide=True))(x)
     warps, width, rows = P.PLAIN_CONFIG[shape[-1]]
     got = T.quantize_blocks(x, None, dtype=args[0], block=128, num_warps=warps, width=width,
                             rows=rows, amax_floor=args[2], divide=True)

@@ -34,14 +34,12 @@ def keys_major(x8, split, length: int, platform: str = "cuda", impl=None):
 
 
 def pick(x8, length: int, platform: str, impl=None) -> str:
-    from jaxflash._types import GPU_PLATFORMS, TRITON_HELPER_ARCHS, cuda_arch, sharded_trace
+    from jaxflash._types import triton_helpers_run
     impl = impl or IMPL
     if impl not in ("xla", "triton"):
         raise ValueError(f"keys-major implementation must be 'xla' or 'triton'; got {impl!r}")
-    if impl == "triton" and not (platform in GPU_PLATFORMS
-                                 and supports(x8.shape, length, x8.dtype)
-                                 and tuple(cuda_arch()) in TRITON_HELPER_ARCHS
-                                 and not sharded_trace(x8)):
+    if impl == "triton" and not (supports(x8.shape, length, x8.dtype)
+                                 and triton_helpers_run(platform, x8)):
         return "xla"
     return impl
 
