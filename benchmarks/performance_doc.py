@@ -36,7 +36,7 @@ PALLAS = "pallas-h200-2026-11-30.json"        # Pallas fallback beside JAX's Pal
 RING = ("ring-pallas-h200x2-2026-11-30.json", "ring-cute-h200x2-2026-11-30.json")
 LM = "lm-compare-cute-h200-2026-12-02-s6.json"  # training-loss check, example LM
 FP8_BENCH = "fp8-fwd-bench-h200-2026-12-04d.json"  # FP8 forward beside bf16 and cuDNN FP8
-FP8_FWDBWD = "fp8-fwdbwd-bench-h200-2026-12-04.json"  # FP8 forward + backward
+FP8_FWDBWD = "fp8-fwdbwd-bench-h200-2026-12-04d.json"  # FP8 forward + backward
 FP8_DIAG = "fp8-fwd-diag-h200-2026-12-04.json"    # FP8 variants, and without V's transpose
 FP8_E2E = "fp8-prologue-bench-h200-2026-12-04c.json"  # precision="fp8" with each prologue
 MODS = "mods-bench-h200-2026-12-04b.json"          # the mods on cute / Pallas / cuDNN

@@ -29,7 +29,7 @@ def test_triton_moves_the_same_bytes(split, shape):
 
 def test_pick(monkeypatch):
     x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float8_e4m3fn)
-    assert KM.pick(x, 256, "cuda") == KM.IMPL == "xla"     # gated until its GPU run
+    assert KM.pick(x, 256, "cuda") == KM.IMPL == "triton"
     assert KM.pick(x, 256, "gpu", "triton") == "triton"
     assert KM.pick(x, 256, "cpu", "triton") == "xla"
     assert KM.pick(x, 384, "gpu", "triton") == "xla"        # padding: XLA's
