@@ -460,6 +460,8 @@ def _with_fp8_notes(p: dispatch.Plan, req, in_dtype) -> dispatch.Plan:
     notes = prec.describe(req.spec, req.hadamard_seed)
     if req.spec.source == "quantized":
         notes += (prologue.describe(p.problem, req.spec, in_dtype),)
+    if p.backend == "cute":
+        notes += (_fp8_helpers_note(),)
     if p.backend == "xla":
         why = ("asked for" if p.requested else
                "no FP8 kernel can serve this call (see the refusals)"
@@ -467,6 +469,16 @@ def _with_fp8_notes(p: dispatch.Plan, req, in_dtype) -> dispatch.Plan:
                f"the FP8 kernels are for Hopper GPUs (platform {p.platform})")
         notes += (f"{prec.EMULATED_NOTE}; {why}",)
     return dataclasses.replace(p, notes=notes + p.notes)
+
+
+def _fp8_helpers_note() -> str:
+    """`explain`'s line on the copies and the dO quantization around the CuTe FP8 kernels."""
+    from jaxflash.kernels.variants import keys_major
+    km = "Pallas (Triton) kernels" if keys_major.IMPL == "triton" else "XLA transposes"
+    rows = "a Pallas (Triton) kernel" if prologue.ROWS_IMPL == "triton" else "XLA"
+    return (f"FP8 helpers: the keys-major copies (V^T; the backward's Q^T, K^T, dO^T) by {km}, "
+            f"the backward's dO quantized by {rows}; XLA for a length that is not a multiple "
+            f"of 128 rows, off arch 9.0 and inside a jit trace of a multi-device process")
 
 
 def _fp4_checks(query, key, value, bias, mask, implementation, others):

@@ -296,6 +296,10 @@ def test_explain_names_the_prologue():
             jaxflash.explain(x, x, x, precision="fp8"))
         assert "q xla, k triton_gemm, v triton" in str(
             jaxflash.explain(odd, x, x, precision="fp8"))
+        # the copies and dO around the CuTe FP8 kernels (named on CUDA plans only)
+        helpers = "keys-major copies (V^T; the backward's Q^T, K^T, dO^T) by Pallas (Triton)"
+        assert helpers in str(jaxflash.explain(x, x, x, precision="fp8",
+                                               implementation="cute"))
         # float32 operands, or no Hadamard: the butterfly kernel (no tensor-core product)
         assert "scales): triton, one Pallas" in str(jaxflash.explain(xf, xf, xf,
                                                                        precision="fp8"))
