@@ -44,6 +44,8 @@ QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, T
 BWD_POINTS = [(128, s, c) for s in (1024, 4096, 16384) for c in (False, True)]
 # hd 256 (`FlashBwdSm90Fp8Wide`): beside our bf16 forward + backward only (no cuDNN FP8 backward)
 BWD_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
+# hd 64 from 4k (the grid's points the forward + backward target covers)
+BWD_POINTS += [(64, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
@@ -163,6 +165,19 @@ def build(out: str, bwd_only: bool = False, dims=None) -> int:
         for change in TILE_VARIANTS[d].values():
             launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
+    # the backward's deferred dQ GEMM (gated) beside each FP8 backward launch at hd <= 128
+    import dataclasses
+
+    from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
+    from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
+    for launch in list(launches.values()):
+        cfg = launch.config
+        if isinstance(cfg, Fp8BwdConfig) and cfg.split == "keys":
+            try:
+                deferred = bwd_fp8_launch(dataclasses.replace(cfg, dq_deferred=True))
+            except ValueError:  # (refused with softcap / segment ids above hd 64)
+                continue
+            launches.setdefault(deferred.name, deferred)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
@@ -342,6 +357,9 @@ def run_bwd(points, out_dir: str) -> int:
         variants = {"ours_fp8_xla_helpers": (ours_fp8, xla),
                     "ours_fp8_e2e_xla_helpers": (ours("fp8"), xla),
                     "ours_fp8_e2e_butterflies": (ours("fp8"), {PROLOGUE_IMPL: "triton"})}
+        if d <= 128:  # the backward's deferred dQ GEMM (gated: `choose.FP8_BWD_DQ_DEFERRED`)
+            variants["ours_fp8_dq_deferred"] = (ours_fp8, {DQ_DEFERRED: True})
+            variants["ours_fp8_e2e_dq_deferred"] = (ours("fp8"), {DQ_DEFERRED: True})
         for name, (fn, settings) in variants.items():
             # a function object of its own: jit reuses a trace of the same function, so the
             # settings would not take effect on `ours_fp8` (traced above)
@@ -380,6 +398,7 @@ def run_bwd(points, out_dir: str) -> int:
 
 # Module constants the benches set while a variant traces (`_traced_under`).
 KM_IMPL = "jaxflash.kernels.variants.keys_major.IMPL"
+DQ_DEFERRED = "jaxflash.kernels.policy.choose.FP8_BWD_DQ_DEFERRED"
 ROWS_IMPL = "jaxflash.fp8.prologue.ROWS_IMPL"
 PROLOGUE_IMPL = "jaxflash.fp8.prologue.IMPL"
 
@@ -405,8 +424,9 @@ def _traced_under(f, settings: dict):
 
 
 def _write_bwd(out_dir, env, rows) -> str:
-    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_e2e", "ours_fp8_e2e_xla_helpers",
-            "ours_fp8_e2e_butterflies", "ours_bf16", "cudnn_fp8"]
+    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_dq_deferred", "ours_fp8_e2e",
+            "ours_fp8_e2e_xla_helpers", "ours_fp8_e2e_dq_deferred", "ours_fp8_e2e_butterflies",
+            "ours_bf16", "cudnn_fp8"]
     lines = ["| D | S | causal | " + " | ".join(cols) + " | FP8/bf16 | FP8/cuDNN FP8 |",
              "|---|---|---|" + "---|" * (len(cols) + 2)]
     f = lambda x: "" if x is None else f"{x:.0f}"
