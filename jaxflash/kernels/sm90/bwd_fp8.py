@@ -32,6 +32,10 @@ accumulation, by the numerics contract of `jaxflash.fp8.contract`. What differs 
 - dK and dV leave as float32 (the contract's gradients), stored from registers (rows past S
   dropped): the FP8 K / V buffers are too small to stage them.
 - The dV GEMM is issued before the dS amax barrier, so the barrier waits behind it.
+- `dq_deferred` (gated until its GPU run): step j issues step j-1's dQ GEMM behind its dV
+  GEMM (under the amax barrier) and flushes it while its own dK GEMM runs; no wgmma stays in
+  flight across the loop's back edge (ptxas serializes them otherwise), so step 0 issues a
+  throwaway dQ GEMM on the unwritten dS buffer and skips its flush.
 
 Masks (causal, window, lengths, segment ids) and softcap are the bf16 kernel's code
 (`mask.py`, `segments.py`). Gated unverified (`policy/verified.RULES`) until its GPU check.
