@@ -50,11 +50,15 @@ TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c i
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
     64: {"pick": {}, "m128": dict(tile_m=128), "persistent": dict(persistent=True),
-         "lazy": dict(lazy_rescale=True)},
+         "lazy": dict(lazy_rescale=True), "poly4": dict(ex2_poly_every=4),
+         "poly8": dict(ex2_poly_every=8)},
     128: {"pick": {}, "t192": dict(tile_n=192), "persistent": dict(persistent=True),
-          "lazy": dict(lazy_rescale=True)},
+          "lazy": dict(lazy_rescale=True), "poly4": dict(ex2_poly_every=4),
+          "poly8": dict(ex2_poly_every=8)},
     256: {"pick": {}, "lazy": dict(lazy_rescale=True)},
 }
+# (poly4 / poly8: every 4th / 8th score column exponentiated on the FMA pipes, gated: at hd 64
+# and 128 the exponentials and P's conversions, not the tensor cores, may bound the FP8 tile)
 
 
 def tile_launch(d, s, c, **change):
@@ -296,6 +300,14 @@ def run_tiles(out_dir: str) -> int:
         fl = 4.0 * B * N * S * S * D / (2 if c else 1)
         row = dict(D=d, S=s, causal=c, **{k: (fl / t[k].median_s / 1e12 if k in t else None)
                                           for k in fns})
+        if "pick" in ok:  # each variant's output against the pick's (checked) output
+            import numpy as np
+            ref = np.asarray(ok["pick"](*args), np.float32)
+            for k in ok:
+                if k != "pick":
+                    o = np.asarray(ok[k](*args), np.float32)
+                    row[k + "_rel_vs_pick"] = float(np.linalg.norm(o - ref)
+                                                    / np.linalg.norm(ref))
         rows.append(row)
         print(json.dumps(row), flush=True)
     date = datetime.date.today().isoformat()

@@ -129,8 +129,9 @@ fp8)
     2>&1 | tee $OUT/gpu-fp8-tests-$D.log | grep -v -i warn | tail -25
   timeout ${FP8_BENCH_TIMEOUT:-150} python3 -m benchmarks.fp8_bench run ${FP8_QUICK:+--quick} --out $OUT \
     2>&1 | grep -v -i warn | tail -45
-  # FP8_TILES=1: the FP8 variants compared (key tiles, persistent loop, 192 rows at hd 64)
-  [ "${FP8_TILES:-0}" = 1 ] && timeout 150 python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
+  # FP8_TILES=1: the FP8 variants compared (key tiles, persistent loop, 192 rows at hd 64,
+  # exponentials on the FMA pipes)
+  [ "${FP8_TILES:-0}" = 1 ] && timeout ${FP8_TILES_TIMEOUT:-240} python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
     2>&1 | grep -v -i warn | tail -14 ;;
 fp8bwd)
   timeout ${FP8BWD_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -rA -s \

@@ -195,3 +195,40 @@ def test_precision_fp8_from_bf16(case, monkeypatch):
     print(f"{name}: kernel vs float64 {err_k:.4f}, emulation vs float64 {err_e:.4f}, "
           f"kernel vs emulation {err_ke:.4f}")
     assert err_ke <= 5e-2 and err_k <= 1.25 * err_e + 2e-3
+
+
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+def test_exp2_poly_variant_matches_the_pick(d, causal):
+    """The gated `ex2_poly_every` forward (a share of the exponentials on the FMA pipes) against
+    the dispatched pick on the same FP8 operands: the same output but where the polynomial's
+    2**-13.5 error moves a P across an e4m3 rounding boundary, and no less accurate."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.fp8_bench import _fp8_args, tile_launch
+    from jaxflash._types import AttentionArrays
+    from jaxflash.kernels import call
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    # the variants of the grid point (d, 1k) (built by `fp8_bench build`) on two heads
+    B, S, N, D = 1, 1024, 2, d
+    _, (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D, seed=3)
+    arrays = AttentionArrays(q_scale=jnp.broadcast_to(qs, (B, N, 1)),
+                             k_scale=jnp.broadcast_to(ks, (B, N, 1)),
+                             v_scale=jnp.broadcast_to(vs, (B, N, 1)))
+
+    def run(**change):
+        launch, st = tile_launch(d, 1024, causal, **change)
+        return np.asarray(jax.jit(lambda a, b, c: call.forward_fp8(
+            launch, a, b, c, arrays, st)[0])(q8, k8, v8).astype(jnp.float32), np.float64)
+
+    pick, poly = run(), run(ex2_poly_every=4)
+    deq = lambda x, sc: np.asarray(x.astype(jnp.float32), np.float64) * float(sc)
+    ref, _ = _reference64(deq(q8, qs), deq(k8, ks), deq(v8, vs), D ** -0.5, causal, None,
+                          None, None, None)
+    err_pick, err_poly = _rel(pick, ref), _rel(poly, ref)
+    print(f"d{d} causal={causal}: poly vs pick {_rel(poly, pick):.2e}, vs float64 "
+          f"{err_poly:.4f} (pick {err_pick:.4f})")
+    assert _rel(poly, pick) <= 1e-2 and err_poly <= 1.05 * err_pick + 1e-4
+

@@ -538,7 +538,8 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         c.tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
         c.tScS = TileCoords.make(tiled_mma_qk, tidx, (self.tile_m, self.tile_n))
         c.num_rows = cute.size(layouts.acc_as_rows_cols(c.acc_S), mode=[0])
-        c.softmax = OnlineSoftmax(scale_log2, c.num_rows, p_shift_log2=P_SHIFT_LOG2)
+        c.softmax = OnlineSoftmax(scale_log2, c.num_rows, p_shift_log2=P_SHIFT_LOG2,
+                                  poly_every=self.cfg.ex2_poly_every)
         c.tOcO = TileCoords.make(tiled_mma_pv, tidx, (self.tile_m, self.hdv))
         return c
 
