@@ -17,7 +17,6 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from jaxflash.kernels.common.carry import Carried
-from jaxflash.kernels.common.exp2 import exp2_poly
 from jaxflash.kernels.common.layouts import acc_as_rows_cols
 
 LN2 = math.log(2.0)
@@ -64,12 +63,13 @@ class OnlineSoftmax(Carried):
     _dynamic = ("scale_log2", "row_max", "row_sum")
 
     def __init__(self, scale_log2: Float32, num_rows: int, p_shift_log2: int = 0,
-                 poly_every: int = 0):
+                 poly_every: int = 0, exp2_poly=None):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
-        # Every poly_every-th column of a row is exponentiated by `exp2_poly` on the FMA /
-        # integer pipes instead of MUFU.EX2 (static; 0: none).
+        # Every poly_every-th column of a row is exponentiated by the kernel's `exp2_poly`
+        # (the FMA / integer pipes' 2**x, `sm90.exp2`) instead of MUFU.EX2 (static; 0: none).
         self.poly_every = poly_every
+        self.exp2_poly = exp2_poly
         # Probabilities come out scaled by 2**p_shift_log2 (static). The FP8 forward uses 8: P
         # then spans e4m3's range up to 256 (<= 448) instead of [0, 1], so small probabilities
         # keep normal precision; the row sum carries the same factor (it cancels in O) and the
@@ -161,7 +161,7 @@ class OnlineSoftmax(Carried):
         """2**x of a score in column `col` (static): MUFU.EX2, or `exp2_poly` on every
         poly_every-th column. Plain Python, inlined while tracing."""
         if self.poly_every and col % self.poly_every == self.poly_every - 1:
-            return exp2_poly(x)
+            return self.exp2_poly(x)
         return cute.math.exp2(x, fastmath=True)
 
     @cute.jit

@@ -51,7 +51,7 @@ class Fp8FwdConfig(FwdConfig):
     (fused into `precision="fp8"`'s quantization), and TMA loads it as the PV GEMM reads it:
     the producer warpgroup transposes nothing.
     ex2_poly_every: every ex2_poly_every-th score column of a row is exponentiated on the
-      FMA / integer pipes (`common.exp2.exp2_poly`, the polynomial of `exp2_poly`) instead of
+      FMA / integer pipes (`sm90.exp2.exp2_poly`, the polynomial of `exp2_poly`) instead of
       MUFU.EX2, which the FP8 forward also loads with P's conversions; 0: none.
     Other fields: `FwdConfig` (ALiBi, the tile pipe and 64/192/256-row tiles are refused;
     lazy_rescale not with v blocks).

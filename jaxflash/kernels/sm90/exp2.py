@@ -3,7 +3,7 @@
 MUFU.EX2 issues 16 results per clock and SM. Where a kernel's exponentials (and, in the FP8
 forward, P's conversions) keep that unit busier than the tensor cores, a share of them can run
 as this sequence instead (FlashAttention-4's trick; the sm_100a kernels use the packed form in
-`sm100.exp2`). The steps and their error are documented, and modelled bit for bit, in
+`sm100.exp2`; this scalar form is Hopper's, which has no packed FP32 ops). The steps and their error are documented, and modelled bit for bit, in
 `jaxflash.kernels.variants.exp2_poly`; here they are one PTX block with explicit rounding (no
 .ftz, no contraction left to the compiler), so the result is the model's.
 """
