@@ -174,8 +174,7 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
 
 
 # The FP8 backward's deferred dQ GEMM (`Fp8BwdConfig.dq_deferred`, hd <= 128): compiled clean
-# (no spills, no serialized wgmma; with softcap or segment ids only at hd 64), not yet run on a
-# GPU; off until its GPU check and timing
+# (no spills, no serialized wgmma), not yet run on a GPU; off until its GPU check and timing
 # (tests/kernels/test_fp8_bwd_gpu.py and benchmarks/fp8_bench.py run --bwd carry it).
 FP8_BWD_DQ_DEFERRED = False
 
@@ -199,10 +198,12 @@ def fp8_backward_config(problem) -> Fp8BwdConfig:
         raise ValueError(why)
     if problem.statics.deterministic:
         raise ValueError("deterministic FP8 backward: not implemented (dQ adds are unordered)")
-    cfg = Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False),
-                       dq_deferred=FP8_BWD_DQ_DEFERRED and (problem.head_dim <= 64 or (
-                           problem.head_dim <= 128 and problem.statics.softcap is None
-                           and not problem.has_segments)))
+    cfg = Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
+    if FP8_BWD_DQ_DEFERRED and cfg.split == "keys":
+        try:
+            cfg = dataclasses.replace(cfg, dq_deferred=True)
+        except ValueError:  # (refused where it spills: softcap / segment ids above hd 64)
+            pass
     for name, block, length, tile in (("q", spec.q_block, problem.q_len, cfg.tile_m),
                                       ("k", spec.k_block, problem.kv_len, cfg.tile_n),
                                       ("v", spec.v_block, problem.kv_len, cfg.tile_n)):

@@ -61,11 +61,11 @@ class Fp8BwdConfig(BwdConfig):
     applied in the kernel, dQ's softmax scale by the caller).
     tile_m: 64 queries per step (the dS scale block's rows); tile_n 128 keys, 2 stages, or at
     hd 256 (``split == "headdim"``) tile_n 64 and the stages that fit (1).
-    dq_deferred: (128-key kernel) a step's dQ GEMM is issued without a wait and the Q / dO
-      stage released once dV and dK are done; the next step's S^T and dP^T GEMMs queue behind
-      it, and its tile is scaled and flushed under the next step's dV GEMM (the last one after
-      the loop). Without it every step ends waiting for its dQ GEMM and flushing it with the
-      tensor cores idle.
+    dq_deferred: (128-key kernel) step j issues step j-1's dQ GEMM right after its own dV
+      GEMM (under the dS amax barrier) and scales and flushes that tile while its own dK GEMM
+      runs; the last step's dQ follows the loop. Without it every step ends waiting for its
+      dQ GEMM and flushing it with the tensor cores idle. Refused with softcap or segment ids
+      above hd 64 (ptxas spills).
     Other fields: `BwdConfig` (ALiBi, mods, q_multicast, deterministic, early_dv refused).
     """
 
