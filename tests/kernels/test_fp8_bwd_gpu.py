@@ -95,7 +95,7 @@ def _grads64(q, k, v, do, scale, causal, window, softcap, q_len, kv_len, seg):
     return dq, fold(dk), fold(dv)
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["", "dq-deferred"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["pick", "dq-deferred"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fp8_backward_against_emulation_and_float64(case, deferred, monkeypatch):
     """Each case through the kernel dispatch picks and, at hd <= 128, through the gated
