@@ -165,3 +165,25 @@ def test_interleaved_timing_takes_reps_in_turn(monkeypatch):
     assert all(t.min_s <= t.median_s <= t.max_s for t in out.values())
     timed = order[-6:]  # after each one's warm-up and estimate calls
     assert timed == ["a", "b"] * 3, order
+
+
+def test_fp8_bench_variants_trace_under_their_own_settings():
+    """`fp8_bench`'s variant columns: a module constant set while a variant traces takes
+    effect even when the same Python function was traced (and cached by jit) before under the
+    default. jit (jax 0.10-0.11) shares the trace of one function object across its
+    wrappers, so the bench wraps each variant in a function of its own."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.fp8_bench import KM_IMPL, _traced_under
+    from jaxflash.kernels.variants import keys_major as KM
+
+    def f(x):
+        return x * (2.0 if KM.IMPL == "triton" else 3.0)
+
+    one = jnp.ones(())
+    default = float(jax.jit(f)(one))
+    other = "xla" if KM.IMPL == "triton" else "triton"
+    want = 2.0 if other == "triton" else 3.0
+    own = _traced_under(jax.jit(lambda *a, _f=f: _f(*a)), {KM_IMPL: other})
+    assert float(own(one)) == want != default
