@@ -169,19 +169,16 @@ def build(out: str, bwd_only: bool = False, dims=None) -> int:
         for change in TILE_VARIANTS[d].values():
             launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
-    # the backward's deferred dQ GEMM (gated) beside each FP8 backward launch at hd <= 128
-    import dataclasses
-
+    # the backward's deferred dQ GEMM (gated) beside each FP8 backward launch that takes it
+    from jaxflash.kernels.policy.choose import with_dq_deferred
     from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
     from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
     for launch in list(launches.values()):
-        cfg = launch.config
-        if isinstance(cfg, Fp8BwdConfig) and cfg.split == "keys":
-            try:
-                deferred = bwd_fp8_launch(dataclasses.replace(cfg, dq_deferred=True))
-            except ValueError:  # (refused with softcap / segment ids above hd 64)
-                continue
-            launches.setdefault(deferred.name, deferred)
+        deferred = (with_dq_deferred(launch.config)
+                    if isinstance(launch.config, Fp8BwdConfig) else None)
+        if deferred is not None:
+            one = bwd_fp8_launch(deferred)
+            launches.setdefault(one.name, one)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
@@ -270,6 +267,7 @@ def run_tiles(out_dir: str) -> int:
     """TFLOP/s of the FP8 kernel's variants (`TILE_VARIANTS`) on `TILE_POINTS`, interleaved."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from benchmarks import envinfo
     from benchmarks.timing import time_interleaved
@@ -301,7 +299,6 @@ def run_tiles(out_dir: str) -> int:
         row = dict(D=d, S=s, causal=c, **{k: (fl / t[k].median_s / 1e12 if k in t else None)
                                           for k in fns})
         if "pick" in ok:  # each variant's output against the pick's (checked) output
-            import numpy as np
             ref = np.asarray(ok["pick"](*args), np.float32)
             for k in ok:
                 if k != "pick":

@@ -95,14 +95,13 @@ def main(argv=None) -> int:
     import jax
 
     from benchmarks.fp8_bench import KM_IMPL, ROWS_IMPL, _traced_under
-    todo = [(name, jax.jit(f), args)
-            for name, (f, args) in calls(a.d, a.s, a.causal, a.fwd_only).items()]
-    if a.helpers_xla:
-        todo += [(name + ", XLA helpers",
-                  _traced_under(jax.jit(lambda *x, _f=f: _f(*x)), {KM_IMPL: "xla", ROWS_IMPL: "xla"}),
+    todo_calls = calls(a.d, a.s, a.causal, a.fwd_only)
+    todo = [(name, jax.jit(f), args) for name, (f, args) in todo_calls.items()]
+    if a.helpers_xla:   # (a function object of its own: jit would reuse the trace above)
+        xla = {KM_IMPL: "xla", ROWS_IMPL: "xla"}
+        todo += [(name + ", XLA helpers", _traced_under(jax.jit(lambda *x, _f=f: _f(*x)), xla),
                   args)
-                 for name, (f, args) in calls(a.d, a.s, a.causal, a.fwd_only).items()
-                 if "bf16" not in name]
+                 for name, (f, args) in todo_calls.items() if "bf16" not in name]
     print(f"D {a.d}, S {a.s}, {'causal' if a.causal else 'dense'}, {jax.devices()[0].device_kind}")
     for name, f, args in todo:
         us, rows = kernel_times(f, args, a.reps)
