@@ -50,15 +50,11 @@ TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c i
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
     64: {"pick": {}, "m128": dict(tile_m=128), "persistent": dict(persistent=True),
-         "lazy": dict(lazy_rescale=True), "poly4": dict(ex2_poly_every=4),
-         "poly8": dict(ex2_poly_every=8)},
+         "lazy": dict(lazy_rescale=True)},
     128: {"pick": {}, "t192": dict(tile_n=192), "persistent": dict(persistent=True),
-          "lazy": dict(lazy_rescale=True), "poly4": dict(ex2_poly_every=4),
-          "poly8": dict(ex2_poly_every=8)},
+          "lazy": dict(lazy_rescale=True)},
     256: {"pick": {}, "lazy": dict(lazy_rescale=True)},
 }
-# (poly4 / poly8: every 4th / 8th score column exponentiated on the FMA pipes, gated: at hd 64
-# and 128 the exponentials and P's conversions, not the tensor cores, may bound the FP8 tile)
 
 
 def tile_launch(d, s, c, **change):
@@ -169,16 +165,6 @@ def build(out: str, bwd_only: bool = False, dims=None) -> int:
         for change in TILE_VARIANTS[d].values():
             launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
-    # the backward's deferred dQ GEMM (gated) beside each FP8 backward launch that takes it
-    from jaxflash.kernels.policy.choose import with_dq_deferred
-    from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
-    from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
-    for launch in list(launches.values()):
-        deferred = (with_dq_deferred(launch.config)
-                    if isinstance(launch.config, Fp8BwdConfig) else None)
-        if deferred is not None:
-            one = bwd_fp8_launch(deferred)
-            launches.setdefault(one.name, one)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
@@ -366,9 +352,6 @@ def run_bwd(points, out_dir: str) -> int:
         variants = {"ours_fp8_xla_helpers": (ours_fp8, xla),
                     "ours_fp8_e2e_xla_helpers": (ours("fp8"), xla),
                     "ours_fp8_e2e_butterflies": (ours("fp8"), {PROLOGUE_IMPL: "triton"})}
-        if d <= 128:  # the backward's deferred dQ GEMM (gated: `choose.FP8_BWD_DQ_DEFERRED`)
-            variants["ours_fp8_dq_deferred"] = (ours_fp8, {DQ_DEFERRED: True})
-            variants["ours_fp8_e2e_dq_deferred"] = (ours("fp8"), {DQ_DEFERRED: True})
         for name, (fn, settings) in variants.items():
             # a function object of its own: jit reuses a trace of the same function, so the
             # settings would not take effect on `ours_fp8` (traced above)
@@ -407,7 +390,6 @@ def run_bwd(points, out_dir: str) -> int:
 
 # Module constants the benches set while a variant traces (`_traced_under`).
 KM_IMPL = "jaxflash.kernels.variants.keys_major.IMPL"
-DQ_DEFERRED = "jaxflash.kernels.policy.choose.FP8_BWD_DQ_DEFERRED"
 ROWS_IMPL = "jaxflash.fp8.prologue.ROWS_IMPL"
 PROLOGUE_IMPL = "jaxflash.fp8.prologue.IMPL"
 
@@ -433,9 +415,8 @@ def _traced_under(f, settings: dict):
 
 
 def _write_bwd(out_dir, env, rows) -> str:
-    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_dq_deferred", "ours_fp8_e2e",
-            "ours_fp8_e2e_xla_helpers", "ours_fp8_e2e_dq_deferred", "ours_fp8_e2e_butterflies",
-            "ours_bf16", "cudnn_fp8"]
+    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_e2e", "ours_fp8_e2e_xla_helpers",
+            "ours_fp8_e2e_butterflies", "ours_bf16", "cudnn_fp8"]
     lines = ["| D | S | causal | " + " | ".join(cols) + " | FP8/bf16 | FP8/cuDNN FP8 |",
              "|---|---|---|" + "---|" * (len(cols) + 2)]
     f = lambda x: "" if x is None else f"{x:.0f}"

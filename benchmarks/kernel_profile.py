@@ -9,6 +9,12 @@ then (``--helpers-xla``) the FP8 calls again with the XLA forms of the dO quanti
 the keys-major copies. Each is run once, then ``--reps`` times under the profiler; the lines
 give the GPU time per call of every kernel, summed over its launches, longest first. The
 FP8-input call's optimized HLO fusions are listed too (``--hlo``), to name what a fusion is.
+
+Under Nsight Compute (``--ncu``: each selected call runs twice, without jax.profiler, so that
+``ncu --kernel-name regex:... --launch-count 1`` catches one launch of the kernel it names):
+
+    ncu --section WarpStateStats --kernel-name regex:"cutlass_kernel_.*FlashBwd" --launch-count 1 \
+        python -m benchmarks.kernel_profile --d 64 --ncu --calls "FP8 inputs, forward + backward"
 """
 from __future__ import annotations
 
@@ -70,12 +76,43 @@ def calls(d: int, s: int, causal: bool, fwd_only: bool):
         return g
 
     fp8 = attn(q_scale=qs, k_scale=ks, v_scale=vs)
-    out = {"FP8 inputs, forward": (lambda a, b, c, _: fp8(a, b, c), (q8, k8, v8, do))}
+    out = {"FP8 inputs, forward": (lambda a, b, c, _: fp8(a, b, c), (q8, k8, v8, do)),
+           "bf16, forward": (lambda a, b, c, _: attn()(a, b, c), (q, k, v, do))}
     if not fwd_only:
         out["FP8 inputs, forward + backward"] = (fwdbwd(fp8), (q8, k8, v8, do))
         out["precision=fp8, forward + backward"] = (fwdbwd(attn(precision="fp8")),
                                                     (q, k, v, do))
         out["bf16, forward + backward"] = (fwdbwd(attn()), (q, k, v, do))
+    out.update(_cudnn_fp8_calls(D, causal, fwd_only, (q8, k8, v8, do)))
+    return out
+
+
+def _cudnn_fp8_calls(D: int, causal: bool, fwd_only: bool, args) -> dict:
+    """cuDNN's FP8 attention through JAX's private entry point (as `fp8_bench`: unit scales,
+    P's scale 256 for the backward); its backward at D 128 only. {} where it is missing."""
+    import jax
+    import jax.numpy as jnp
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except Exception:  # noqa: BLE001
+        return {}
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    params = {k: one for k in fa.fp8_params_keys}
+    params.update(scale_s=one * 256.0, descale_s=one / 256.0)
+    mt = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+
+    def f(a, b, c):
+        return fa.dot_product_attention(a, b, c, fp8_params=params, scale=D ** -0.5,
+                                        mask_type=mt, qkv_layout="BTNH", use_fp8=True)
+
+    def fb(a, b, c, do):
+        o, vjp = jax.vjp(f, a, b, c)
+        z = jnp.zeros((1, 1, 1, 1), jnp.float32)
+        return vjp((do.astype(jnp.float8_e4m3fn), z, z))
+
+    out = {"cuDNN FP8, forward": (lambda a, b, c, _: f(a, b, c)[0], args)}
+    if not fwd_only and D == 128:
+        out["cuDNN FP8, forward + backward"] = (fb, args)
     return out
 
 
@@ -90,20 +127,32 @@ def main(argv=None) -> int:
     ap.add_argument("--helpers-xla", action="store_true",
                     help="also the FP8 calls with XLA's dO quantization and keys-major copies")
     ap.add_argument("--hlo", action="store_true", help="list the FP8-input call's fusions")
+    ap.add_argument("--calls", default="", help="only this call (or those whose name starts with this)")
+    ap.add_argument("--ncu", action="store_true",
+                    help="run each call twice without the profiler (for Nsight Compute)")
     a = ap.parse_args(argv)
     os.environ.setdefault("JAXFLASH_CUTE_UNVERIFIED", "1")
     import jax
 
     from benchmarks.fp8_bench import KM_IMPL, ROWS_IMPL, _traced_under
     todo_calls = calls(a.d, a.s, a.causal, a.fwd_only)
+    if a.calls in todo_calls:
+        todo_calls = {a.calls: todo_calls[a.calls]}
+    todo_calls = {k: v for k, v in todo_calls.items() if k.startswith(a.calls)}
     todo = [(name, jax.jit(f), args) for name, (f, args) in todo_calls.items()]
     if a.helpers_xla:   # (a function object of its own: jit would reuse the trace above)
         xla = {KM_IMPL: "xla", ROWS_IMPL: "xla"}
         todo += [(name + ", XLA helpers", _traced_under(jax.jit(lambda *x, _f=f: _f(*x)), xla),
                   args)
-                 for name, (f, args) in todo_calls.items() if "bf16" not in name]
+                 for name, (f, args) in todo_calls.items() if name.startswith("FP8")
+                 or name.startswith("precision")]
     print(f"D {a.d}, S {a.s}, {'causal' if a.causal else 'dense'}, {jax.devices()[0].device_kind}")
     for name, f, args in todo:
+        if a.ncu:
+            for _ in range(2):
+                jax.block_until_ready(f(*args))
+            print(f"== {name}: ran twice")
+            continue
         us, rows = kernel_times(f, args, a.reps)
         print(f"== {name}: {us:.1f} us per call on the GPU")
         for k, t, n in rows[:a.top]:

@@ -25,7 +25,7 @@ if [ "${FP8:-0}" = 1 ]; then
 "$PY" -m benchmarks.fp8_bench build --out .device/kernels
 fi
 # FP8BWD=1: the FP8 backward variants of run.sh's fp8bwd stage (its GPU test's cases and the
-# fwd+bwd bench points, hd 128 and 256: benchmarks.fp8_bench build --bwd, ~3 min)
+# fwd+bwd bench points, hd 64, 128 and 256: benchmarks.fp8_bench build --bwd, ~3 min)
 if [ "${FP8BWD:-0}" = 1 ]; then
 "$PY" -m benchmarks.fp8_bench build --bwd --out .device/kernels
 fi

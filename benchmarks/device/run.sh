@@ -19,13 +19,16 @@
 #             (tests/kernels/test_fp8_gpu.py), then ours FP8 / ours bf16 / cuDNN FP8 over the
 #             grid (benchmarks.fp8_bench; FP8_QUICK=1: D 128/256 x S 4k/16k; FP8_TILES=1 adds
 #             the FP8 variants' comparison, +2.5 min; needs `fp8_bench build` in prepare)  (~4 min)
-#   fp8bwd    the Hopper FP8 backward kernel against its emulated contract and float64, the
-#             pick and the gated deferred dQ GEMM (tests/kernels/test_fp8_bwd_gpu.py; FP8BWD_K
-#             selects cases, e.g. d256), then FP8 fwd+bwd vs our bf16 vs cuDNN FP8 at D 128, vs
-#             our bf16 at D 64 / 256 (benchmarks.fp8_bench run --bwd; FP8BWD_DIMS=128 for one
-#             head dim: all of them take more than one call; needs `fp8_bench build --bwd` in
-#             prepare); FP8BWD_SAN=1 adds memcheck + racecheck on one small case
+#   fp8bwd    the Hopper FP8 backward kernel against its emulated contract and float64
+#             (tests/kernels/test_fp8_bwd_gpu.py; FP8BWD_K selects cases, e.g. d256), then FP8
+#             fwd+bwd vs our bf16 vs cuDNN FP8 at D 128, vs our bf16 at D 64 / 256
+#             (benchmarks.fp8_bench run --bwd; FP8BWD_DIMS=128 for one head dim: all of them
+#             take more than one call; needs `fp8_bench build --bwd` in prepare); FP8BWD_SAN=1 adds memcheck + racecheck on one small case
 #             (FP8BWD_SAN_K picks it, e.g. d256-small)                  (~2 + 5 min a dim)
+#   ncufp8    Nsight Compute (full set) of attention kernels at 4k dense, NCU_POINTS of D:what,
+#             what = fp8 / bf16 (our backward kernel), fp8fwd / bf16fwd (our forward kernel),
+#             cudnnfwd / cudnnbwd (cuDNN's FP8 kernels); default 64:fp8 128:fp8 64:bf16: pipes,
+#             stall reasons, instruction counts (benchmarks.kernel_profile --ncu)   (~1 min each)
 #   prologue  precision="fp8"'s prologue on the GPU: the Triton kernel and the XLA arrangement
 #             bit for bit against the rules (tests/fp8/test_prologue_gpu.py, xdist workers
 #             carried in .device/pylib), then benchmarks.fp8_prologue_bench (PROLOGUE_SWEEP=1:
@@ -131,11 +134,11 @@ fp8)
   timeout ${FP8_BENCH_TIMEOUT:-150} python3 -m benchmarks.fp8_bench run ${FP8_QUICK:+--quick} --out $OUT \
     2>&1 | grep -v -i warn | tail -45
   # FP8_TILES=1: the FP8 variants compared (key tiles, persistent loop, 192 rows at hd 64,
-  # exponentials on the FMA pipes)
+  # conditional rescale)
   [ "${FP8_TILES:-0}" = 1 ] && timeout ${FP8_TILES_TIMEOUT:-240} python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
     2>&1 | grep -v -i warn | tail -14 ;;
 fp8bwd)
-  # (each hd <= 128 case twice: the pick and the gated deferred dQ GEMM; 4 workers share the GPU)
+  # (4 workers share the GPU)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   timeout ${FP8BWD_TEST_TIMEOUT:-240} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA -s \
     tests/kernels/test_fp8_bwd_gpu.py ${FP8BWD_K:+-k "$FP8BWD_K"} 2>&1 \
@@ -150,6 +153,26 @@ fp8bwd)
       echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" $OUT/gpu-fp8-bwd-$tool-$D.log | tail -2
     done
   fi ;;
+ncufp8)
+  for pt in ${NCU_POINTS:-64:fp8 128:fp8 64:bf16}; do
+    d=${pt%%:*}; c=${pt#*:}; n=1
+    case $c in
+      fp8) call="FP8 inputs, forward + backward"; k="cutlass_kernel_.*FlashBwd" ;;
+      bf16) call="bf16, forward + backward"; k="cutlass_kernel_.*FlashBwd" ;;
+      fp8fwd) call="FP8 inputs, forward"; k="cutlass_kernel_.*FlashFwd" ;;
+      bf16fwd) call="bf16, forward"; k="cutlass_kernel_.*FlashFwd" ;;
+      cudnnfwd) call="cuDNN FP8, forward"; k="sdpa|fmha|flash|fprop|attn" ;;
+      cudnnbwd) call="cuDNN FP8, forward + backward"; k="sdpa|fmha|flash|prop|attn"; n=3 ;;
+      *) echo "ncufp8: unknown $c"; continue ;;
+    esac
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 ${NCU_TIMEOUT:-150} ncu --clock-control none --set full --print-details all \
+      --kernel-name regex:"$k" --launch-count $n \
+      python3 -m benchmarks.kernel_profile --d $d --s 4096 --ncu --calls "$call" \
+      > $OUT/ncu-$c-h$d-4k-$D.txt 2>&1
+    echo "ncu $pt rc=$?"
+    grep -E "^  [a-zA-Z_].*\(|Duration|Executed Instructions  |Issue Slots|Warp Cycles Per Issued|Pipe (Xu|Alu|Fma|Tensor) |Registers Per" \
+      $OUT/ncu-$c-h$d-4k-$D.txt | sort -u | cut -c1-120 | head -40
+  done ;;
 prologue)
   PYTHONPATH=$PWD/.device/pylib:${PYTHONPATH:-} XLA_PYTHON_CLIENT_PREALLOCATE=false \
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${PROLOGUE_TEST_TIMEOUT:-400} \

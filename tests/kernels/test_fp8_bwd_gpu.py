@@ -95,24 +95,17 @@ def _grads64(q, k, v, do, scale, causal, window, softcap, q_len, kv_len, seg):
     return dq, fold(dk), fold(dv)
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["pick", "dq-deferred"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fp8_backward_against_emulation_and_float64(case, deferred, monkeypatch):
-    """Each case through the kernel dispatch picks and, at hd <= 128, through the gated
-    deferred dQ GEMM (`choose.FP8_BWD_DQ_DEFERRED`)."""
+def test_fp8_backward_against_emulation_and_float64(case, monkeypatch):
     import jax
     import jax.numpy as jnp
 
     import jaxflash
-    from jaxflash.kernels.policy import choose
 
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    name, B, T, S, N, K, D, kw = case
-    if deferred and (D > 128 or D > 64 and (kw.get("softcap") or kw.get("segments"))):
-        pytest.skip("the deferred dQ GEMM: 128-key kernel, softcap / segment ids at hd 64")
     monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
-    monkeypatch.setattr(choose, "FP8_BWD_DQ_DEFERRED", deferred)
+    name, B, T, S, N, K, D, kw = case
     kw = dict(kw)
     rng = np.random.default_rng(abs(hash(name)) % 2**31)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -133,7 +126,6 @@ def test_fp8_backward_against_emulation_and_float64(case, deferred, monkeypatch)
         kw["dout_dtype"] = jnp.float8_e4m3fn
     expl = str(jaxflash.explain(q, k, v, precision="fp8", implementation="cute", **kw))
     assert ("FlashBwdSm90Fp8Wide" if D > 128 else "FlashBwdSm90Fp8 ") in expl, expl
-    assert ("_dqd_" in expl) == deferred, expl
 
     def grads(impl):
         def loss(a, b, c):

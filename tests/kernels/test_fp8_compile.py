@@ -54,9 +54,6 @@ MATRIX = [
                  v_transposed=True),
     # hd 64's pick with per-tensor / per-head q scales (gated until its GPU check)
     Fp8FwdConfig(head_dim=64, tile_m=192, is_causal=True, v_transposed=True),
-    # every 4th exponential on the FMA pipes (gated): hd 128 with block scales
-    Fp8FwdConfig(head_dim=128, is_causal=True, mask_select=True, q_blocks=True, k_blocks=True,
-                 v_blocks=True, v_transposed=True, ex2_poly_every=4),
 ]
 
 
@@ -79,9 +76,6 @@ def test_fp8_variant_compiles_with_e4m3_wgmma_and_no_spills(cfg, tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx
     if cfg.has_softcap:
         assert "tanh.approx" in ptx
-    if cfg.ex2_poly_every:  # the polynomial's split at floor(x), explicitly rounded
-        assert "add.rm.f32" in ptx and "fma.rn.f32" in ptx and ".ftz" not in ptx.split(
-            "add.rm.f32")[1][:40]
     rep = ptxas_report(ptx, tmp_path)
     if rep is None:
         pytest.skip("no usable ptxas here")

@@ -62,14 +62,9 @@ class OnlineSoftmax(Carried):
 
     _dynamic = ("scale_log2", "row_max", "row_sum")
 
-    def __init__(self, scale_log2: Float32, num_rows: int, p_shift_log2: int = 0,
-                 poly_every: int = 0, exp2_poly=None):
+    def __init__(self, scale_log2: Float32, num_rows: int, p_shift_log2: int = 0):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
-        # Every poly_every-th column of a row is exponentiated by the kernel's `exp2_poly`
-        # (the FMA / integer pipes' 2**x, `sm90.exp2`) instead of MUFU.EX2 (static; 0: none).
-        self.poly_every = poly_every
-        self.exp2_poly = exp2_poly
         # Probabilities come out scaled by 2**p_shift_log2 (static). The FP8 forward uses 8: P
         # then spans e4m3's range up to 256 (<= 448) instead of [0, 1], so small probabilities
         # keep normal precision; the row sum carries the same factor (it cancels in O) and the
@@ -107,7 +102,7 @@ class OnlineSoftmax(Carried):
             if cutlass.const_expr(self.p_shift_log2 != 0):
                 neg_max_scaled = neg_max_scaled + Float32(self.p_shift_log2)
             for c in cutlass.range_constexpr(ncol):
-                s[r, c] = self._exp2(s[r, c] * scale_e + neg_max_scaled, c)
+                s[r, c] = cute.math.exp2(s[r, c] * scale_e + neg_max_scaled, fastmath=True)
             block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if cutlass.const_expr(is_first):
                 row_scale[r] = Float32(1.0)
@@ -151,18 +146,12 @@ class OnlineSoftmax(Carried):
             if cutlass.const_expr(self.p_shift_log2 != 0):
                 neg_ref_scaled = neg_ref_scaled + Float32(self.p_shift_log2)
             for c in cutlass.range_constexpr(ncol):
-                s[r, c] = self._exp2(s[r, c] * self.scale_log2 + neg_ref_scaled, c)
+                s[r, c] = cute.math.exp2(s[r, c] * self.scale_log2 + neg_ref_scaled,
+                                         fastmath=True)
             block_sum = s[r, None].load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             row_scale[r] = sc
             self.row_sum[r] = self.row_sum[r] * sc + block_sum
         return row_scale, cute.arch.vote_any_sync(moved)
-
-    def _exp2(self, x: Float32, col: int) -> Float32:
-        """2**x of a score in column `col` (static): MUFU.EX2, or `exp2_poly` on every
-        poly_every-th column. Plain Python, inlined while tracing."""
-        if self.poly_every and col % self.poly_every == self.poly_every - 1:
-            return self.exp2_poly(x)
-        return cute.math.exp2(x, fastmath=True)
 
     @cute.jit
     def finalize(self, lse_out: cute.Tensor) -> cute.Tensor:

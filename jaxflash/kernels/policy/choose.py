@@ -173,23 +173,6 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
     return cfg
 
 
-# The FP8 backward's deferred dQ GEMM (`Fp8BwdConfig.dq_deferred`, hd <= 128): compiled clean
-# (no spills, no serialized wgmma), not yet run on a GPU; off until its GPU check and timing
-# (tests/kernels/test_fp8_bwd_gpu.py and benchmarks/fp8_bench.py run --bwd carry it).
-FP8_BWD_DQ_DEFERRED = False
-
-
-def with_dq_deferred(cfg: Fp8BwdConfig):
-    """`cfg` with the deferred dQ GEMM, or None where the kernel refuses it (the head-dim
-    split; softcap / segment ids above hd 64, where it spills)."""
-    if cfg.split != "keys":
-        return None
-    try:
-        return dataclasses.replace(cfg, dq_deferred=True)
-    except ValueError:
-        return None
-
-
 def fp8_backward_config(problem) -> Fp8BwdConfig:
     """The FP8 backward variant serving an FP8 `Problem` (ValueError if none can): e4m3 q, k,
     v, dO in the spec's format, 64-query steps over 128-key blocks (64-key blocks at hd 256).
@@ -210,8 +193,6 @@ def fp8_backward_config(problem) -> Fp8BwdConfig:
     if problem.statics.deterministic:
         raise ValueError("deterministic FP8 backward: not implemented (dQ adds are unordered)")
     cfg = Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
-    if FP8_BWD_DQ_DEFERRED:
-        cfg = with_dq_deferred(cfg) or cfg
     for name, block, length, tile in (("q", spec.q_block, problem.q_len, cfg.tile_m),
                                       ("k", spec.k_block, problem.kv_len, cfg.tile_n),
                                       ("v", spec.v_block, problem.kv_len, cfg.tile_n)):

@@ -44,12 +44,6 @@ RULES: dict[str, tuple] = {
     "Sm100FwdFp4Config": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100BwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100Fp8FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
-    # The FP8 backward's deferred dQ GEMM: compiled only. Cleared by
-    # tests/kernels/test_fp8_bwd_gpu.py's deferred cases on the H200.
-    "Fp8BwdConfig": (("the deferred dQ GEMM (dq_deferred)", lambda c: c.dq_deferred),),
-    # The FP8 forward's exponentials on the FMA pipes: compiled only (never picked by
-    # `choose`; `benchmarks/fp8_bench.py run --tiles` runs it beside the pick).
-    "Fp8FwdConfig": (("exp2 on the FMA pipes (ex2_poly_every)", lambda c: c.ex2_poly_every),),
 }
 
 

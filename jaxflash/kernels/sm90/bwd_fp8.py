@@ -32,10 +32,6 @@ accumulation, by the numerics contract of `jaxflash.fp8.contract`. What differs 
 - dK and dV leave as float32 (the contract's gradients), stored from registers (rows past S
   dropped): the FP8 K / V buffers are too small to stage them.
 - The dV GEMM is issued before the dS amax barrier, so the barrier waits behind it.
-- `dq_deferred` (gated until its GPU run): step j issues step j-1's dQ GEMM behind its dV
-  GEMM (under the amax barrier) and flushes it while its own dK GEMM runs; no wgmma stays in
-  flight across the loop's back edge (ptxas serializes them otherwise), so step 0 issues a
-  throwaway dQ GEMM on the unwritten dS buffer and skips its flush.
 
 Masks (causal, window, lengths, segment ids) and softcap are the bf16 kernel's code
 (`mask.py`, `segments.py`). Gated unverified (`policy/verified.RULES`) until its GPU check.
@@ -451,11 +447,6 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
         unit_k = Float32(1.0)
         lane = cute.arch.lane_idx()
         cw = warp_idx - 4  # consumer warp 0..7
-        if const_expr(self.cfg.dq_deferred):
-            # the last step's dQ (its GEMM runs in this step): its unit and where it goes
-            prev_m_block = Int32(0)
-            prev_head = Int32(0)
-            prev_dq_unit = Float32(1.0)
 
         if num_steps > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -483,11 +474,6 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                     layouts.acc_as_fp8_operand_a(acc_S).load().to(self.dtype))
                 layouts.wgmma(mma_dv, acc_dV, rP, tdVrdOt[None, None, None, stage],
                               zero_init=False, wait=-1)
-                if const_expr(self.cfg.dq_deferred):
-                    layouts.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, 1 - buf],
-                                  tdQrKt, zero_init=True, wait=-1)
-                    if warp_idx == 4:  # sdQ's last reduce (the amax barrier publishes it)
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 # the block's |dS| max over both warpgroups
                 for off in (16, 8, 4, 2, 1):
                     amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=off))
@@ -516,56 +502,25 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
                               zero_init=False, wait=-1)
                 self.store_ds(acc_dP, coords, ds_inv, sdS16, sdS_l, buf)
                 cute.arch.fence_view_async_shared()  # smem writes -> visible to wgmma
-                if const_expr(self.cfg.dq_deferred):
-                    warpgroup.wait_group(1)  # dV and the last step's dQ; dK may run
-                    if step > 0:
-                        self.flush_dq_scaled(mdQ, sdQ, tdQsdQ, acc_dQ, prev_dq_unit,
-                                             prev_m_block, prev_head, batch, n_block,
-                                             warp_idx, blocks)
-                    cute.arch.barrier(barrier_id=_BAR_DS,
-                                      number_of_threads=self.num_mma_threads)
-                    warpgroup.wait_group(0)
-                    pipe_q.consumer_release(state)
-                    pipe_do.consumer_release(state)
-                    state.advance()
-                    prev_dq_unit = ds_scale * kd
-                    prev_m_block = m_block
-                    prev_head = head
-                else:
-                    if warp_idx == 4:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ's last reduce
-                    cute.arch.barrier(barrier_id=_BAR_DS,
-                                      number_of_threads=self.num_mma_threads)
-                    layouts.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
-                                  zero_init=True, wait=0)
-                    pipe_q.consumer_release(state)
-                    pipe_do.consumer_release(state)
-                    state.advance()
-                    self.flush_dq_scaled(mdQ, sdQ, tdQsdQ, acc_dQ, ds_scale * kd, m_block,
-                                         head, batch, n_block, warp_idx, blocks)
-            if const_expr(self.cfg.dq_deferred):  # the last step's dQ
-                layouts.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, (num_steps - 1) % 2],
-                              tdQrKt, zero_init=True, wait=0)
                 if warp_idx == 4:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ's last reduce
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                self.flush_dq_scaled(mdQ, sdQ, tdQsdQ, acc_dQ, prev_dq_unit, prev_m_block,
-                                     prev_head, batch, n_block, warp_idx, blocks)
+                layouts.wgmma(mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt,
+                              zero_init=True, wait=0)
+                pipe_q.consumer_release(state)
+                pipe_do.consumer_release(state)
+                state.advance()
+                dq_unit = ds_scale * kd
+                for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                    acc_dQ[i] = acc_dQ[i] * dq_unit
+                self.flush_dq(mdQ, sdQ, tdQsdQ, None, acc_dQ, m_block, head, batch, n_block,
+                              warp_idx, None, blocks)
 
         if warp_idx == 4:  # the last dQ reduce reads sdQ: shared memory must outlive it
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self.store_dkdv_f32(acc_dK, acc_dV, unit_k * softmax_scale,
                             unit_v * Float32(2.0 ** -P_SHIFT_LOG2), mma_dk, mma_dv, tidx, mdK,
                             mdV, kv_head, batch, n_block, S)
-
-    @cute.jit
-    def flush_dq_scaled(self, mdQ, sdQ, tdQsdQ, acc_dQ, dq_unit: Float32, m_block: Int32,
-                        head: Int32, batch: Int32, n_block: Int32, warp_idx: Int32, blocks):
-        """A step's dQ tile (complete) times its dS x k unit, flushed (`flush_dq`)."""
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            acc_dQ[i] = acc_dQ[i] * dq_unit
-        self.flush_dq(mdQ, sdQ, tdQsdQ, None, acc_dQ, m_block, head, batch, n_block,
-                      warp_idx, None, blocks)
 
     def tile_accumulators(self, t_s, t_dk, t_dv, t_dq):
         """The consumer thread's accumulators of one key block: S^T and dP^T (tile_n x

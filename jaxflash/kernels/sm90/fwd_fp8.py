@@ -46,7 +46,6 @@ from jaxflash.kernels.common.pipes import TmaPipelines
 from jaxflash.kernels.common.scheduler import NUM_SMS, TileScheduler
 from jaxflash.kernels.common.softmax import OnlineSoftmax
 from jaxflash.kernels.sm90 import v_transpose
-from jaxflash.kernels.sm90.exp2 import exp2_poly
 from jaxflash.kernels.sm90.fwd import _BAR_WG_SCHED, FlashFwdSm90, _ConsumerCtx, _ScoreMods
 from jaxflash.kernels.sm90.fwd_epilogue import BAR_EPILOGUE
 from jaxflash.kernels.variants.fwd import FLOAT_SCALARS, INT_SCALARS, L2_SECTION_MB
@@ -539,8 +538,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         c.tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
         c.tScS = TileCoords.make(tiled_mma_qk, tidx, (self.tile_m, self.tile_n))
         c.num_rows = cute.size(layouts.acc_as_rows_cols(c.acc_S), mode=[0])
-        c.softmax = OnlineSoftmax(scale_log2, c.num_rows, p_shift_log2=P_SHIFT_LOG2,
-                                  poly_every=self.cfg.ex2_poly_every, exp2_poly=exp2_poly)
+        c.softmax = OnlineSoftmax(scale_log2, c.num_rows, p_shift_log2=P_SHIFT_LOG2)
         c.tOcO = TileCoords.make(tiled_mma_pv, tidx, (self.tile_m, self.hdv))
         return c
 

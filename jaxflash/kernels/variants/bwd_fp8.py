@@ -61,18 +61,12 @@ class Fp8BwdConfig(BwdConfig):
     applied in the kernel, dQ's softmax scale by the caller).
     tile_m: 64 queries per step (the dS scale block's rows); tile_n 128 keys, 2 stages, or at
     hd 256 (``split == "headdim"``) tile_n 64 and the stages that fit (1).
-    dq_deferred: (128-key kernel) step j issues step j-1's dQ GEMM right after its own dV
-      GEMM (under the dS amax barrier) and scales and flushes that tile while its own dK GEMM
-      runs; the last step's dQ follows the loop. Without it every step ends waiting for its
-      dQ GEMM and flushing it with the tensor cores idle. Refused with softcap or segment ids
-      above hd 64 (ptxas spills).
     Other fields: `BwdConfig` (ALiBi, mods, q_multicast, deterministic, early_dv refused).
     """
 
     dtype: str = "float8_e4m3fn"
     do_dtype: str = "float8_e5m2"
     dq_flat: bool = True
-    dq_deferred: bool = False
 
     def check(self) -> tuple[bool, str]:
         if self.dtype != "float8_e4m3fn":
@@ -97,12 +91,6 @@ class Fp8BwdConfig(BwdConfig):
             return False, f"FP8 backward: {', '.join(extra)} not implemented"
         if not self.dq_flat:
             return False, "FP8 backward: dq_flat only (one bulk reduce of the dQ tile)"
-        if self.dq_deferred and wide:
-            return False, ("FP8 backward: dq_deferred in the 128-key kernel only (the head-dim "
-                           "split stages P^T / dS^T / dS in buffers the flush's barrier guards)")
-        if self.dq_deferred and self.head_dim > 64 and (self.has_softcap or self.has_segments):
-            return False, ("FP8 backward: dq_deferred with softcap or segment ids above hd 64 "
-                           "(ptxas spills beside the in-flight dQ tile)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B"
         return True, ""
@@ -130,8 +118,7 @@ class Fp8BwdConfig(BwdConfig):
                  if on]
         do = {"float8_e5m2": "e5m2", "float8_e4m3fn": "e4m3"}[self.do_dtype]
         return (f"bwd8_sm90_e4m3_do{do}_h{self.head_dim}_t{self.tile_m}x{self.tile_n}"
-                f"s{self.num_stages}{'_dqd' if self.dq_deferred else ''}_"
-                f"{'-'.join(feats) or 'dense'}")
+                f"s{self.num_stages}_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: Fp8BwdConfig | None = None, **problem) -> tuple[bool, str]:

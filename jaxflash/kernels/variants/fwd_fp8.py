@@ -50,9 +50,6 @@ class Fp8FwdConfig(FwdConfig):
     in: `fp8_v_layout`; Sp = S rounded up to 16), written by the XLA step before the launch
     (fused into `precision="fp8"`'s quantization), and TMA loads it as the PV GEMM reads it:
     the producer warpgroup transposes nothing.
-    ex2_poly_every: every ex2_poly_every-th score column of a row is exponentiated on the
-      FMA / integer pipes (`sm90.exp2.exp2_poly`, the polynomial of `exp2_poly`) instead of
-      MUFU.EX2, which the FP8 forward also loads with P's conversions; 0: none.
     Other fields: `FwdConfig` (ALiBi, the tile pipe and 64/192/256-row tiles are refused;
     lazy_rescale not with v blocks).
     """
@@ -63,7 +60,6 @@ class Fp8FwdConfig(FwdConfig):
     k_blocks: bool = False
     v_blocks: bool = False
     v_transposed: bool = False
-    ex2_poly_every: int = 0
 
     def __post_init__(self):
         tm, tn = _FP8_TILES.get(self.head_dim, (128, 128))
@@ -101,8 +97,6 @@ class Fp8FwdConfig(FwdConfig):
                            "ratio of consecutive v scales)")
         if self.num_stages != 2:
             return False, f"FP8: num_stages {self.num_stages} (only 2)"
-        if self.ex2_poly_every and not 2 <= self.ex2_poly_every <= 16:
-            return False, f"ex2_poly_every {self.ex2_poly_every}: 0 (off) or 2 to 16 columns"
         if self.num_stages * self.tile_n < self.tile_m and not self.persistent:
             return False, (f"FP8: tile_n {self.tile_n} too small for O to fit in the V buffers "
                            f"(stages x tile_n >= tile_m)")
@@ -141,8 +135,7 @@ class Fp8FwdConfig(FwdConfig):
         blocks = "".join(n for n, on in (("q", self.q_blocks), ("k", self.k_blocks),
                                             ("v", self.v_blocks)) if on)
         base = base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
-        return (base + (f"_sb{blocks}" if blocks else "") + ("_vt" if self.v_transposed else "")
-                + (f"_px{self.ex2_poly_every}" if self.ex2_poly_every else ""))
+        return base + (f"_sb{blocks}" if blocks else "") + ("_vt" if self.v_transposed else "")
 
 
 def can_implement(config: Fp8FwdConfig | None = None, **problem) -> tuple[bool, str]:
