@@ -51,8 +51,8 @@ TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
     64: {"pick": {}, "m128": dict(tile_m=128), "persistent": dict(persistent=True),
          "lazy": dict(lazy_rescale=True)},
-    128: {"pick": {}, "t192": dict(tile_n=192), "persistent": dict(persistent=True),
-          "lazy": dict(lazy_rescale=True)},
+    128: {"pick": {}, "t160": dict(tile_n=160), "t192": dict(tile_n=192),
+          "persistent": dict(persistent=True), "lazy": dict(lazy_rescale=True)},
     256: {"pick": {}, "lazy": dict(lazy_rescale=True)},
 }
 
