@@ -172,7 +172,6 @@ def build(out: str, bwd_only: bool = False, dims=None) -> int:
 
 def run(points, out_dir: str) -> int:
     import jax
-    import jax.numpy as jnp
 
     import jaxflash
     from benchmarks import envinfo
@@ -188,7 +187,6 @@ def run(points, out_dir: str) -> int:
     for d, s, c in points:
         B, S, N, D = shapes(d, s)
         (q, k, v), (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
-        scale = D ** -0.5
         args = (q, k, v, q8, k8, v8, qs, ks, vs)
         fns = {
             "ours_fp8": jax.jit(lambda q, k, v, q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
@@ -211,11 +209,8 @@ def run(points, out_dir: str) -> int:
                 q, k, v, is_causal=c, precision="fp8", implementation="cute")),
             {KM_IMPL: "xla"})
         if fa is not None:
-            params = {kk: jnp.full((1, 1, 1, 1), 1.0, jnp.float32) for kk in fa.fp8_params_keys}
-            mt = fa.MaskType.CAUSAL if c else fa.MaskType.NO_MASK
-            fns["cudnn_fp8"] = jax.jit(lambda q, k, v, q8, k8, v8, *_: fa.dot_product_attention(
-                q8, k8, v8, fp8_params=params, scale=scale, mask_type=mt, qkv_layout="BTNH",
-                use_fp8=True)[0])
+            cudnn = cudnn_fp8_attention(D, c)
+            fns["cudnn_fp8"] = jax.jit(lambda q, k, v, q8, k8, v8, *_: cudnn(q8, k8, v8)[0])
         ok = {}
         for name, f in fns.items():
             try:
@@ -323,7 +318,6 @@ def run_bwd(points, out_dir: str) -> int:
         (q, k, v), (q8, k8, v8, qs, ks, vs) = _fp8_args(B, S, N, D)
         do = jax.random.normal(jax.random.PRNGKey(9), q.shape, jnp.bfloat16)
         do8 = do.astype(jnp.float8_e4m3fn)
-        scale = D ** -0.5
         args = (q, k, v, do, q8, k8, v8, qs, ks, vs, do8)
 
         def ours_fp8(q, k, v, do, q8, k8, v8, qs, ks, vs, do8):
@@ -357,18 +351,9 @@ def run_bwd(points, out_dir: str) -> int:
             # settings would not take effect on `ours_fp8` (traced above)
             fns[name] = _traced_under(jax.jit(lambda *a, _f=fn: _f(*a)), settings)
         if fa is not None and d == 128:  # (cuDNN's FP8 backward: D 128 only)
-            one = jnp.ones((1, 1, 1, 1), f32)
-            params = {kk: one for kk in fa.fp8_params_keys}
-            params.update(scale_s=one * 256.0, descale_s=one / 256.0)
-            mt = fa.MaskType.CAUSAL if c else fa.MaskType.NO_MASK
-
-            def cudnn_fp8(q, k, v, do, q8, k8, v8, qs, ks, vs, do8):
-                (o8, _a, _b), vjp = jax.vjp(lambda a, b, e: fa.dot_product_attention(
-                    a, b, e, fp8_params=params, scale=scale, mask_type=mt, qkv_layout="BTNH",
-                    use_fp8=True), q8, k8, v8)
-                z = jnp.zeros((1, 1, 1, 1), f32)
-                return vjp((do8, z, z))
-            fns["cudnn_fp8"] = jax.jit(cudnn_fp8)
+            fb = cudnn_fp8_fwdbwd(D, c)
+            fns["cudnn_fp8"] = jax.jit(lambda q, k, v, do, q8, k8, v8, qs, ks, vs, do8:
+                                       fb(q8, k8, v8, do8))
         ok = {}
         for name, f in fns.items():
             try:
@@ -386,6 +371,34 @@ def run_bwd(points, out_dir: str) -> int:
         _write_bwd(out_dir, env, rows)    # after every row: a run cut short keeps them
     print(_write_bwd(out_dir, env, rows))
     return 0
+
+
+def cudnn_fp8_attention(D: int, causal: bool, p_scale: float = 1.0):
+    """cuDNN's FP8 attention through JAX's private entry point: f(q8, k8, v8) -> (o8, amax_s,
+    amax_o), every scale 1 but P's quantization scale (`p_scale`; the forward + backward takes
+    256, as ../shared/anchors/fp8's bench does)."""
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    params = {k: one for k in fa.fp8_params_keys}
+    params.update(scale_s=one * p_scale, descale_s=one / p_scale)
+    mt = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    return lambda q8, k8, v8: fa.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=D ** -0.5, mask_type=mt, qkv_layout="BTNH",
+        use_fp8=True)
+
+
+def cudnn_fp8_fwdbwd(D: int, causal: bool):
+    """cuDNN's FP8 forward + backward: g(q8, k8, v8, do8) -> (dq, dk, dv) (D 128 only)."""
+    import jax
+    import jax.numpy as jnp
+    f = cudnn_fp8_attention(D, causal, p_scale=256.0)
+
+    def g(q8, k8, v8, do8):
+        _, vjp = jax.vjp(f, q8, k8, v8)
+        z = jnp.zeros((1, 1, 1, 1), jnp.float32)
+        return vjp((do8, z, z))
+    return g
 
 
 # Module constants the benches set while a variant traces (`_traced_under`).

@@ -88,31 +88,20 @@ def calls(d: int, s: int, causal: bool, fwd_only: bool):
 
 
 def _cudnn_fp8_calls(D: int, causal: bool, fwd_only: bool, args) -> dict:
-    """cuDNN's FP8 attention through JAX's private entry point (as `fp8_bench`: unit scales,
-    P's scale 256 for the backward); its backward at D 128 only. {} where it is missing."""
-    import jax
+    """cuDNN's FP8 forward (and, at D 128, forward + backward) as `fp8_bench` times them;
+    {} where JAX's entry point is missing."""
     import jax.numpy as jnp
+
+    from benchmarks.fp8_bench import cudnn_fp8_attention, cudnn_fp8_fwdbwd
     try:
-        from jax._src.cudnn import fused_attention_stablehlo as fa
+        f = cudnn_fp8_attention(D, causal)
     except Exception:  # noqa: BLE001
         return {}
-    one = jnp.ones((1, 1, 1, 1), jnp.float32)
-    params = {k: one for k in fa.fp8_params_keys}
-    params.update(scale_s=one * 256.0, descale_s=one / 256.0)
-    mt = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-
-    def f(a, b, c):
-        return fa.dot_product_attention(a, b, c, fp8_params=params, scale=D ** -0.5,
-                                        mask_type=mt, qkv_layout="BTNH", use_fp8=True)
-
-    def fb(a, b, c, do):
-        o, vjp = jax.vjp(f, a, b, c)
-        z = jnp.zeros((1, 1, 1, 1), jnp.float32)
-        return vjp((do.astype(jnp.float8_e4m3fn), z, z))
-
     out = {"cuDNN FP8, forward": (lambda a, b, c, _: f(a, b, c)[0], args)}
     if not fwd_only and D == 128:
-        out["cuDNN FP8, forward + backward"] = (fb, args)
+        fb = cudnn_fp8_fwdbwd(D, causal)
+        out["cuDNN FP8, forward + backward"] = (
+            lambda a, b, c, do: fb(a, b, c, do.astype(jnp.float8_e4m3fn)), args)
     return out
 
 
@@ -127,7 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--helpers-xla", action="store_true",
                     help="also the FP8 calls with XLA's dO quantization and keys-major copies")
     ap.add_argument("--hlo", action="store_true", help="list the FP8-input call's fusions")
-    ap.add_argument("--calls", default="", help="only this call (or those whose name starts with this)")
+    ap.add_argument("--calls", default="",
+                    help="only this call (or those whose name starts with this)")
     ap.add_argument("--ncu", action="store_true",
                     help="run each call twice without the profiler (for Nsight Compute)")
     a = ap.parse_args(argv)

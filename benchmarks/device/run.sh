@@ -23,8 +23,9 @@
 #             (tests/kernels/test_fp8_bwd_gpu.py; FP8BWD_K selects cases, e.g. d256), then FP8
 #             fwd+bwd vs our bf16 vs cuDNN FP8 at D 128, vs our bf16 at D 64 / 256
 #             (benchmarks.fp8_bench run --bwd; FP8BWD_DIMS=128 for one head dim: all of them
-#             take more than one call; needs `fp8_bench build --bwd` in prepare); FP8BWD_SAN=1 adds memcheck + racecheck on one small case
-#             (FP8BWD_SAN_K picks it, e.g. d256-small)                  (~2 + 5 min a dim)
+#             take more than one call; needs `fp8_bench build --bwd` in prepare); FP8BWD_SAN=1
+#             adds memcheck + racecheck on one small case (FP8BWD_SAN_K picks it, e.g.
+#             d256-small)                                               (~2 + 5 min a dim)
 #   ncufp8    Nsight Compute (full set) of attention kernels at 4k dense, NCU_POINTS of D:what,
 #             what = fp8 / bf16 (our backward kernel), fp8fwd / bf16fwd (our forward kernel),
 #             cudnnfwd / cudnnbwd (cuDNN's FP8 kernels); default 64:fp8 128:fp8 64:bf16: pipes,
@@ -165,7 +166,8 @@ ncufp8)
       cudnnbwd) call="cuDNN FP8, forward + backward"; k="sdpa|fmha|flash|prop|attn"; n=3 ;;
       *) echo "ncufp8: unknown $c"; continue ;;
     esac
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 ${NCU_TIMEOUT:-150} ncu --clock-control none --set full --print-details all \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 10 ${NCU_TIMEOUT:-150} \
+      ncu --clock-control none --set full --print-details all \
       --kernel-name regex:"$k" --launch-count $n \
       python3 -m benchmarks.kernel_profile --d $d --s 4096 --ncu --calls "$call" \
       > $OUT/ncu-$c-h$d-4k-$D.txt 2>&1
