@@ -165,6 +165,16 @@ def build(out: str, bwd_only: bool = False, dims=None) -> int:
         for change in TILE_VARIANTS[d].values():
             launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
+    # the backward's descales loaded a step ahead (gated) beside each backward launch taking it
+    from jaxflash.kernels.policy.choose import with_scale_prefetch
+    from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
+    from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
+    for launch in list(launches.values()):
+        ahead = (with_scale_prefetch(launch.config)
+                 if isinstance(launch.config, Fp8BwdConfig) else None)
+        if ahead is not None:
+            one = bwd_fp8_launch(ahead)
+            launches.setdefault(one.name, one)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
@@ -346,6 +356,9 @@ def run_bwd(points, out_dir: str) -> int:
         variants = {"ours_fp8_xla_helpers": (ours_fp8, xla),
                     "ours_fp8_e2e_xla_helpers": (ours("fp8"), xla),
                     "ours_fp8_e2e_butterflies": (ours("fp8"), {PROLOGUE_IMPL: "triton"})}
+        if d <= 128:  # the descales loaded a step ahead (gated: `choose.FP8_BWD_SCALE_PREFETCH`)
+            variants["ours_fp8_scale_prefetch"] = (ours_fp8, {SCALE_PREFETCH: True})
+            variants["ours_fp8_e2e_scale_prefetch"] = (ours("fp8"), {SCALE_PREFETCH: True})
         for name, (fn, settings) in variants.items():
             # a function object of its own: jit reuses a trace of the same function, so the
             # settings would not take effect on `ours_fp8` (traced above)
@@ -403,6 +416,7 @@ def cudnn_fp8_fwdbwd(D: int, causal: bool):
 
 # Module constants the benches set while a variant traces (`_traced_under`).
 KM_IMPL = "jaxflash.kernels.variants.keys_major.IMPL"
+SCALE_PREFETCH = "jaxflash.kernels.policy.choose.FP8_BWD_SCALE_PREFETCH"
 ROWS_IMPL = "jaxflash.fp8.prologue.ROWS_IMPL"
 PROLOGUE_IMPL = "jaxflash.fp8.prologue.IMPL"
 
@@ -428,8 +442,9 @@ def _traced_under(f, settings: dict):
 
 
 def _write_bwd(out_dir, env, rows) -> str:
-    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_e2e", "ours_fp8_e2e_xla_helpers",
-            "ours_fp8_e2e_butterflies", "ours_bf16", "cudnn_fp8"]
+    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_scale_prefetch", "ours_fp8_e2e",
+            "ours_fp8_e2e_xla_helpers", "ours_fp8_e2e_scale_prefetch", "ours_fp8_e2e_butterflies",
+            "ours_bf16", "cudnn_fp8"]
     lines = ["| D | S | causal | " + " | ".join(cols) + " | FP8/bf16 | FP8/cuDNN FP8 |",
              "|---|---|---|" + "---|" * (len(cols) + 2)]
     f = lambda x: "" if x is None else f"{x:.0f}"

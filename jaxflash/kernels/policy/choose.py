@@ -173,6 +173,22 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
     return cfg
 
 
+# The FP8 backward's descales loaded a step ahead (`Fp8BwdConfig.scale_prefetch`, 128-key
+# kernel): compiled clean (no spills, no serialized wgmma), not yet run on a GPU; off until its
+# GPU check and timing (tests/kernels/test_fp8_bwd_gpu.py and benchmarks/fp8_bench.py run
+# --bwd carry it).
+FP8_BWD_SCALE_PREFETCH = False
+
+
+def with_scale_prefetch(cfg: Fp8BwdConfig):
+    """`cfg` with the descales loaded a step ahead, or None where the kernel refuses it (the
+    head-dim split)."""
+    try:
+        return dataclasses.replace(cfg, scale_prefetch=True)
+    except ValueError:
+        return None
+
+
 def fp8_backward_config(problem) -> Fp8BwdConfig:
     """The FP8 backward variant serving an FP8 `Problem` (ValueError if none can): e4m3 q, k,
     v, dO in the spec's format, 64-query steps over 128-key blocks (64-key blocks at hd 256).
@@ -193,6 +209,8 @@ def fp8_backward_config(problem) -> Fp8BwdConfig:
     if problem.statics.deterministic:
         raise ValueError("deterministic FP8 backward: not implemented (dQ adds are unordered)")
     cfg = Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
+    if FP8_BWD_SCALE_PREFETCH:
+        cfg = with_scale_prefetch(cfg) or cfg
     for name, block, length, tile in (("q", spec.q_block, problem.q_len, cfg.tile_m),
                                       ("k", spec.k_block, problem.kv_len, cfg.tile_n),
                                       ("v", spec.v_block, problem.kv_len, cfg.tile_n)):
