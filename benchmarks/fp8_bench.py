@@ -210,13 +210,13 @@ def run(points, out_dir: str) -> int:
                 q, k, v, is_causal=c, precision="fp8", implementation="cute")),
         }
         # V^T by XLA's transpose instead of the Triton kernel (`keys_major.IMPL`)
-        fns["ours_fp8_km_xla"] = _traced_under(jax.jit(
+        fns["ours_fp8_km_xla"] = _traced_under(
             lambda q, k, v, q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
                 q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs, is_causal=c,
-                implementation="cute")), {KM_IMPL: "xla"})
-        fns["ours_fp8_e2e_km_xla"] = _traced_under(jax.jit(
+                implementation="cute"), {KM_IMPL: "xla"})
+        fns["ours_fp8_e2e_km_xla"] = _traced_under(
             lambda q, k, v, *_: jaxflash.flash_attention(
-                q, k, v, is_causal=c, precision="fp8", implementation="cute")),
+                q, k, v, is_causal=c, precision="fp8", implementation="cute"),
             {KM_IMPL: "xla"})
         if fa is not None:
             cudnn = cudnn_fp8_attention(D, c)
@@ -360,9 +360,7 @@ def run_bwd(points, out_dir: str) -> int:
             variants["ours_fp8_scale_prefetch"] = (ours_fp8, {SCALE_PREFETCH: True})
             variants["ours_fp8_e2e_scale_prefetch"] = (ours("fp8"), {SCALE_PREFETCH: True})
         for name, (fn, settings) in variants.items():
-            # a function object of its own: jit reuses a trace of the same function, so the
-            # settings would not take effect on `ours_fp8` (traced above)
-            fns[name] = _traced_under(jax.jit(lambda *a, _f=fn: _f(*a)), settings)
+            fns[name] = _traced_under(fn, settings)
         if fa is not None and d == 128:  # (cuDNN's FP8 backward: D 128 only)
             fb = cudnn_fp8_fwdbwd(D, c)
             fns["cudnn_fp8"] = jax.jit(lambda q, k, v, do, q8, k8, v8, qs, ks, vs, do8:
@@ -421,10 +419,15 @@ ROWS_IMPL = "jaxflash.fp8.prologue.ROWS_IMPL"
 PROLOGUE_IMPL = "jaxflash.fp8.prologue.IMPL"
 
 
-def _traced_under(f, settings: dict):
-    """`f` (jitted) with the module constants of `settings` (``"package.module.NAME": value``)
-    set while it traces (its first call per shape; the timed calls reuse that trace)."""
+def _traced_under(fn, settings: dict):
+    """`fn` jitted with the module constants of `settings` (``"package.module.NAME": value``)
+    set while it traces (its first call per shape; the timed calls reuse that trace). The jit
+    wraps a function object of its own: jit (jax 0.10-0.11) shares one function's trace across
+    its wrappers, so `fn`, traced before under the defaults, would keep them."""
     import importlib
+
+    import jax
+    f = jax.jit(lambda *args: fn(*args))
 
     def g(*args):
         saved = []

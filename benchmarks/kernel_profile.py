@@ -126,14 +126,12 @@ def main(argv=None) -> int:
 
     from benchmarks.fp8_bench import KM_IMPL, ROWS_IMPL, _traced_under
     todo_calls = calls(a.d, a.s, a.causal, a.fwd_only)
-    if a.calls in todo_calls:
-        todo_calls = {a.calls: todo_calls[a.calls]}
-    todo_calls = {k: v for k, v in todo_calls.items() if k.startswith(a.calls)}
+    todo_calls = ({a.calls: todo_calls[a.calls]} if a.calls in todo_calls else
+                  {k: v for k, v in todo_calls.items() if k.startswith(a.calls)})
     todo = [(name, jax.jit(f), args) for name, (f, args) in todo_calls.items()]
-    if a.helpers_xla:   # (a function object of its own: jit would reuse the trace above)
+    if a.helpers_xla:
         xla = {KM_IMPL: "xla", ROWS_IMPL: "xla"}
-        todo += [(name + ", XLA helpers", _traced_under(jax.jit(lambda *x, _f=f: _f(*x)), xla),
-                  args)
+        todo += [(name + ", XLA helpers", _traced_under(f, xla), args)
                  for name, (f, args) in todo_calls.items() if name.startswith("FP8")
                  or name.startswith("precision")]
     print(f"D {a.d}, S {a.s}, {'causal' if a.causal else 'dense'}, {jax.devices()[0].device_kind}")

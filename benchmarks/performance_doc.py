@@ -419,7 +419,8 @@ def section_fp8() -> list[str]:
         "",
         *section_fp8_e2e(),
         f"Forward + backward (TFLOP/s at 3.5× the forward's FLOPs; "
-        f"{', '.join(f'`{n}`' for n in FP8_FWDBWD)}, one device call each, run after the forward's; "
+        f"{', '.join(f'`{n}`' for n in FP8_FWDBWD)}, one device call each, run after the "
+        f"forward's; "
         f"cuDNN's FP8 backward runs at D = 128 only):", "",
         *table(["D", "S", "causal", "ours FP8", "ours bf16", "cuDNN FP8", "ours e2e",
                 "FP8 / bf16", "FP8 / cuDNN FP8"], fbrows), ""]

@@ -171,7 +171,7 @@ def test_fp8_bench_variants_trace_under_their_own_settings():
     """`fp8_bench`'s variant columns: a module constant set while a variant traces takes
     effect even when the same Python function was traced (and cached by jit) before under the
     default. jit (jax 0.10-0.11) shares the trace of one function object across its
-    wrappers, so the bench wraps each variant in a function of its own."""
+    wrappers, so `_traced_under` jits a function of its own."""
     import jax
     import jax.numpy as jnp
 
@@ -185,5 +185,5 @@ def test_fp8_bench_variants_trace_under_their_own_settings():
     default = float(jax.jit(f)(one))
     other = "xla" if KM.IMPL == "triton" else "triton"
     want = 2.0 if other == "triton" else 3.0
-    own = _traced_under(jax.jit(lambda *a, _f=f: _f(*a)), {KM_IMPL: other})
+    own = _traced_under(f, {KM_IMPL: other})
     assert float(own(one)) == want != default
