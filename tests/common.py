@@ -6,8 +6,11 @@ normal draws (never zeros); outputs are checked finite where the reference is fi
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import glob
 import itertools
+import os
 import re
 import shutil
 import subprocess
@@ -188,3 +191,48 @@ def ptxas_report(ptx: str, tmp_path, arch: str = "sm_90a"):
     r = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(tmp_path / "k.ptx"), "-o",
                         str(tmp_path / "k.cubin")], capture_output=True, text=True)
     return r.stdout + r.stderr if r.returncode == 0 else None
+
+
+def cuda_tool(name: str):
+    """nvdisasm / cuobjdump: $NVDISASM / $CUOBJDUMP, PATH, or the pip wheels the test extra
+    installs (nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump); None if absent."""
+    found = os.environ.get(name.upper()) or shutil.which(name)
+    if found:
+        return found
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for cand in glob.glob(os.path.join(root, "*", "bin", name)):
+            return cand
+    return None
+
+
+def sass_opcodes(cubin) -> Optional[collections.Counter]:
+    """Static count of each SASS opcode (with its modifiers, e.g. ``QGMMA.64x128x32.F32.E4M3.
+    E4M3``) in a cubin, predicates dropped; None without nvdisasm."""
+    nvdisasm = cuda_tool("nvdisasm")
+    if nvdisasm is None:
+        return None
+    sass = subprocess.run([nvdisasm, str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    return collections.Counter(re.findall(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)", sass))
+
+
+def check_hopper_sass(ptx: str, tmp_path, mma: str = "QGMMA"):
+    """After `ptxas_report` wrote tmp_path / k.cubin: every PTX wgmma is one SASS ``mma``
+    (QGMMA for FP8, HGMMA for 16-bit), every packed e4m3 conversion one F2FP, and nothing
+    touches local memory. Returns the opcode counts (None without nvdisasm)."""
+    ops = sass_opcodes(tmp_path / "k.cubin")
+    if ops is None:
+        return None
+    n_mma = sum(c for op, c in ops.items() if op.split(".")[0] == mma)
+    other = "HGMMA" if mma == "QGMMA" else "QGMMA"
+    assert n_mma == ptx.count("wgmma.mma_async.sync"), (n_mma, ptx.count("wgmma.mma_async"))
+    assert not any(op.split(".")[0] == other for op in ops), ops
+    n_cvt = sum(c for op, c in ops.items() if op.startswith("F2FP.SATFINITE.E4M3"))
+    assert n_cvt == ptx.count("cvt.rn.satfinite.e4m3x2.f32"), n_cvt
+    assert not any(op.split(".")[0] in ("LDL", "STL") for op in ops), ops
+    return ops

@@ -94,7 +94,7 @@ PTXAS_CLEAN = [
 
 def _ptxas_clean(cfg, tmp_path, maxnreg):
     from devtools.standalone import compile_fwd
-    from tests.common import ptxas_report
+    from tests.common import check_hopper_sass, ptxas_report
     compile_fwd(cfg, arch="sm_90a", dump_dir=str(tmp_path))
     ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
     report = ptxas_report(ptx, tmp_path)
@@ -105,6 +105,7 @@ def _ptxas_clean(cfg, tmp_path, maxnreg):
     assert "C7512" not in report and "serialized" not in report, report
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
     assert spills and max(spills) == 0, report
+    check_hopper_sass(ptx, tmp_path, "HGMMA")
 
 
 @pytest.mark.parametrize("cfg", PTXAS_CLEAN, ids=lambda c: c.key)

@@ -121,8 +121,8 @@ def test_sass_p_path_budget(cfg, compiled):
     """SASS: UTCOMMA.4X for QK (block16), UTCOMMA for PV (block32), per score pair one FFMA2
     and one F2FP.SATFINITE.RELU.E2M1, MUFU.EX2 only for the accurate policy's native pairs,
     IDP.4A per N32 block, UTCCP for the scales; no stack / local memory."""
-    from tests.kernels.test_sm100_compile import _cuda_tool
-    nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
+    from tests.common import cuda_tool
+    nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")

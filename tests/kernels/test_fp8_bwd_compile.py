@@ -44,7 +44,7 @@ def test_fp8_bwd_variant_compiles_with_fp8_wgmma_and_no_spills(cfg, tmp_path):
     pytest.importorskip("cutlass", reason="the CuTe DSL is not installed")
     from devtools.ptx_digest import ptx_of
     from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
-    from tests.common import ptxas_report
+    from tests.common import check_hopper_sass, ptxas_report
     ptx = ptx_of(bwd_fp8_launch(cfg), str(tmp_path))
     assert ".target sm_90a" in ptx
     do = "e5m2" if cfg.do_dtype == "float8_e5m2" else "e4m3"
@@ -77,6 +77,7 @@ def test_fp8_bwd_variant_compiles_with_fp8_wgmma_and_no_spills(cfg, tmp_path):
     assert "C7512" not in rep and "serialized" not in rep, rep
     # nor an injected warpgroup.arrive: every A register is converted before its GEMM's fence
     assert "C7519" not in rep, rep
+    check_hopper_sass(ptx, tmp_path, "QGMMA")
 
 
 def test_kernel_constants_follow_the_contract():

@@ -61,7 +61,7 @@ MATRIX = [
 def test_fp8_variant_compiles_with_e4m3_wgmma_and_no_spills(cfg, tmp_path):
     from devtools.ptx_digest import ptx_of
     from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_launch
-    from tests.common import ptxas_report
+    from tests.common import check_hopper_sass, ptxas_report
     ptx = ptx_of(fwd_fp8_launch(cfg), str(tmp_path))
     assert ".target sm_90a" in ptx
     for n in (cfg.tile_n, cfg.head_dim_v):  # S = Q K^T, O += P V^T
@@ -82,6 +82,8 @@ def test_fp8_variant_compiles_with_e4m3_wgmma_and_no_spills(cfg, tmp_path):
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", rep)]
     assert spills and max(spills) == 0, rep
     assert "C7512" not in rep and "serialized" not in rep, rep
+    # SASS: each FP8 wgmma one QGMMA (none fell back to 16-bit), each P conversion one F2FP
+    check_hopper_sass(ptx, tmp_path, "QGMMA")
 
 
 def _fp8_args(B=2, T=200, S=300, N=4, K=2, H=128, gran="head"):

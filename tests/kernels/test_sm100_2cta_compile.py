@@ -82,8 +82,8 @@ def test_pair_sass_is_utchmma_2cta(cfg, compiled):
     import collections
     import subprocess
 
-    from tests.kernels.test_sm100_compile import _cuda_tool
-    nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
+    from tests.common import cuda_tool
+    nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed")
     ptx, cubin = compiled(cfg)

@@ -127,8 +127,8 @@ def test_sass_and_resources(cfg, compiled):
     cuobjdump: no stack, no local memory, 128 registers at launch (512 threads)."""
     import collections
     import subprocess
-    from tests.kernels.test_sm100_compile import _cuda_tool
-    nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
+    from tests.common import cuda_tool
+    nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")

@@ -172,23 +172,6 @@ def test_same_source_same_cubin(tmp_path):
     assert digests[0] == digests[1]
 
 
-def _cuda_tool(name):
-    """nvdisasm / cuobjdump: $NVDISASM / $CUOBJDUMP, PATH, or the pip wheels
-    (nvidia-cuda-nvdisasm, nvidia-cuda-cuobjdump); None if absent."""
-    import shutil
-    found = os.environ.get(name.upper()) or shutil.which(name)
-    if found:
-        return found
-    try:
-        import nvidia
-        for root in nvidia.__path__:
-            for cand in glob.glob(os.path.join(root, "*", "bin", name)):
-                return cand
-    except ImportError:
-        pass
-    return None
-
-
 @pytest.mark.parametrize("cfg", [MATRIX[2], MATRIX[3], MATRIX[9]], ids=lambda c: c.key)
 def test_sass_and_resources(cfg, compiled):
     """SASS (nvdisasm): one UTCHMMA per PTX MMA, MUFU.EX2 beside the polynomial's FADD2.RM /
@@ -196,7 +179,7 @@ def test_sass_and_resources(cfg, compiled):
     no local memory, 168 registers at launch (384 threads)."""
     import collections
     import subprocess
-    nvdisasm, cuobjdump = _cuda_tool("nvdisasm"), _cuda_tool("cuobjdump")
+    nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")
