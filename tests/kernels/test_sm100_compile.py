@@ -179,6 +179,8 @@ def test_sass_and_resources(cfg, compiled):
     no local memory, 168 registers at launch (384 threads)."""
     import collections
     import subprocess
+
+    from tests.common import cuda_tool
     nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
