@@ -40,7 +40,9 @@ QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, T
 # contract's 128-key tiles; V^T from the XLA side in every one, as picked): at hd 64 the
 # 128-row tiles beside the 192-row pick (three consumer warpgroups), the persistent tile loop
 # (the bf16 kernel's gain at S = 1k), wider key tiles (FlashAttention-3's FP8 choice at hd 128
-# is 224), and the conditional O rescale (FlashAttention-4's, bitwise the same result).
+# is 224), the conditional O rescale (FlashAttention-4's, bitwise the same result), and the
+# consumer warpgroups' softmax at once instead of by turns (`npp`: FP8 halves the GEMMs, not
+# the exponentials).
 BWD_POINTS = [(128, s, c) for s in (1024, 4096, 16384) for c in (False, True)]
 # hd 256 (`FlashBwdSm90Fp8Wide`): beside our bf16 forward + backward only (no cuDNN FP8 backward)
 BWD_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
@@ -49,10 +51,11 @@ BWD_POINTS += [(64, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
-    64: {"pick": {}, "m128": dict(tile_m=128), "persistent": dict(persistent=True),
-         "lazy": dict(lazy_rescale=True)},
-    128: {"pick": {}, "t160": dict(tile_n=160), "t192": dict(tile_n=192),
-          "persistent": dict(persistent=True), "lazy": dict(lazy_rescale=True)},
+    64: {"pick": {}, "m128": dict(tile_m=128), "m128_npp": dict(tile_m=128, pingpong=False),
+         "persistent": dict(persistent=True), "lazy": dict(lazy_rescale=True)},
+    128: {"pick": {}, "npp": dict(pingpong=False), "t160": dict(tile_n=160),
+          "t192": dict(tile_n=192), "persistent": dict(persistent=True),
+          "lazy": dict(lazy_rescale=True)},
     256: {"pick": {}, "lazy": dict(lazy_rescale=True)},
 }
 

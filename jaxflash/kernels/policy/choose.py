@@ -170,7 +170,25 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
         tuned = dataclasses.replace(cfg, **change)
         if tuned.check()[0] and (not verified.pending(tuned) or verified.allowed()):
             cfg = tuned
+    if FP8_FWD_NO_PINGPONG:
+        cfg = without_pingpong(cfg) or cfg
     return cfg
+
+
+# The FP8 forward with both consumer warpgroups' softmax at once (`Fp8FwdConfig.pingpong`
+# off, 128-row tiles up to hd 128): compiled clean, not yet run on a GPU; off until its GPU
+# check and timing (tests/kernels/test_fp8_gpu.py and benchmarks/fp8_bench.py run --tiles
+# carry it).
+FP8_FWD_NO_PINGPONG = False
+
+
+def without_pingpong(cfg: Fp8FwdConfig):
+    """`cfg` with the consumer warpgroups not taking turns, or None where they never do (hd 256,
+    192-row tiles)."""
+    try:
+        return dataclasses.replace(cfg, pingpong=False)
+    except ValueError:
+        return None
 
 
 # The FP8 backward's descales loaded a step ahead (`Fp8BwdConfig.scale_prefetch`, 128-key
