@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 from typing import Optional
@@ -20,6 +21,20 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 
 def _shape(x):
     return tuple(np.shape(x))
+
+
+def _static_scalar(x, name):
+    """A 0-d array (NumPy or a concrete JAX array) as a Python float: the scale and softcap are
+    compiled into the kernels, so a traced value is refused with the reason."""
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)) and np.ndim(x) == 0 and \
+            not isinstance(x, (bool, np.bool_)):
+        try:
+            return float(x)
+        except jax.errors.ConcretizationTypeError:
+            raise ValueError(f"{name} must be a concrete number (it is compiled into the "
+                             f"kernel); got a traced value {x!r}: pass it as a Python float, "
+                             f"or mark it static under jit") from None
+    return x
 
 
 def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengths,
@@ -80,9 +95,11 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     # Scalars.
     if scale is None:
         scale = 1.0 / math.sqrt(H)
+    scale = _static_scalar(scale, "scale")
     if not isinstance(scale, numbers.Real) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite real number; got {scale!r}")
     if softcap is not None:
+        softcap = _static_scalar(softcap, "softcap")
         if (not isinstance(softcap, numbers.Real) or isinstance(softcap, bool)
                 or not math.isfinite(softcap) or softcap <= 0):
             raise ValueError(f"softcap must be a positive finite number or None; got {softcap!r}")
@@ -104,6 +121,9 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         if x is None:
             return None
         x = jnp.asarray(x)
+        # jax.nn's 4-D [B, N, T, S] with inputs that have no batch dim: a leading 1 is no dim
+        while x.ndim > len(full) and x.shape[0] == 1:
+            x = x.reshape(x.shape[1:])
         if want_bool and x.dtype != jnp.bool_:
             raise ValueError(f"{name} must be boolean (True = attend); got dtype {x.dtype}")
         if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
@@ -360,6 +380,10 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
     """The plan `flash_attention` would follow for these arguments: which backend runs (and,
     for ``cute``, which kernels), and why each other one was refused. Takes the same arguments
     (arrays or `jax.ShapeDtypeStruct`s). ``str()`` it to read."""
+    unknown = sorted(set(kwargs) - _FLASH_ATTENTION_KEYWORDS)
+    if unknown:
+        raise TypeError(f"explain() got unexpected keyword arguments {unknown} (it takes "
+                        f"flash_attention's)")
     kwargs.pop("return_residual", None)
     fp8_kw = {n: kwargs.pop(n, d) for n, d in _FP8_DEFAULTS.items()}
     req = prec.fp8_request(query, key, value, implementation=implementation, **fp8_kw)
@@ -383,6 +407,10 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
                if p.backend else "")
             + "; the result is output 0 and LSE -inf in the call's shapes, gradients 0")
     return dataclasses.replace(p, problem=problem, notes=p.notes + (note,))
+
+
+_FLASH_ATTENTION_KEYWORDS = frozenset(inspect.signature(flash_attention).parameters) - {
+    "query", "key", "value", "bias", "mask", "implementation"}
 
 
 def _is_empty(problem: Problem) -> bool:

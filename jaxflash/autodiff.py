@@ -26,14 +26,14 @@ def _attention(backend, q, k, v, arrays, statics, plan):
 
 
 def _fwd(backend, q, k, v, arrays, statics, plan):
-    out, lse = sharding.forward(backend, q, k, v, arrays, statics, plan)
+    out, lse = _forward(backend, q, k, v, arrays, statics, plan)
     return (out, lse), (q, k, v, arrays, out, lse)
 
 
 def _bwd(backend, statics, plan, res, cts):
     q, k, v, arrays, out, lse = res
     dout, _ = cts  # the LSE's cotangent is dropped: see the module docstring
-    grads = sharding.backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+    grads = _backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
     dq, dk, dv, dbias, dalibi = grads[:5]
     # With mods the backend adds the aux leaves' cotangents (None where a leaf has none).
     daux = grads[5] if len(grads) > 5 else (None,) * len(arrays.mod_aux)
@@ -54,6 +54,45 @@ def _bwd(backend, statics, plan, res, cts):
 
 
 _attention.defvjp(_fwd, _bwd)
+
+
+# A kernel's forward and backward are not differentiable themselves. A first derivative
+# never differentiates them (the custom_vjp above pairs them); a second one (grad of grad)
+# differentiates the code of `_fwd` and `_bwd`, and raises NotImplementedError with the reason
+# instead of failing inside a kernel's lowering. The XLA backend's passes are plain JAX and
+# differentiate again.
+
+
+def _forward(backend, q, k, v, arrays, statics, plan):
+    if backend.differentiable_backward:
+        return sharding.forward(backend, q, k, v, arrays, statics, plan)
+    return _first_order_forward(backend, q, k, v, arrays, statics, plan)
+
+
+def _backward(backend, q, k, v, arrays, statics, plan, out, lse, dout):
+    if backend.differentiable_backward:
+        return sharding.backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+    return _first_order_backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+
+
+def _no_second_order(backend, statics, plan, primals, tangents):
+    raise NotImplementedError(
+        f"second-order gradients through the '{backend.name}' backend: its kernels have no "
+        f"derivative of their own; implementation='xla' differentiates twice")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 5, 6))
+def _first_order_forward(backend, q, k, v, arrays, statics, plan):
+    return sharding.forward(backend, q, k, v, arrays, statics, plan)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 5, 6))
+def _first_order_backward(backend, q, k, v, arrays, statics, plan, out, lse, dout):
+    return sharding.backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+
+
+_first_order_forward.defjvp(_no_second_order)
+_first_order_backward.defjvp(_no_second_order)
 
 
 def attention(backend, q, k, v, arrays, statics, plan):
@@ -95,7 +134,7 @@ def _fp8_quantized(backend, q, k, v, arrays, statics, plan, signs):
 def _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan, signs):
     q8, k8, v8, (qs, ks, vs) = _quantize_all(q, k, v, statics, plan.platform, signs)
     arr8 = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
-    out, lse = sharding.forward(backend, q8, k8, v8, arr8, statics, plan)
+    out, lse = _forward(backend, q8, k8, v8, arr8, statics, plan)
     zero = lambda x: jax.numpy.zeros((), x.dtype)
     return (out, lse), (q8, k8, v8, arr8, out, lse, (zero(q), zero(k), zero(v)), signs)
 
@@ -103,8 +142,8 @@ def _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan, signs):
 def _fp8_quantized_bwd(backend, statics, plan, res, cts):
     q8, k8, v8, arr8, out, lse, dtypes, signs = res
     dout, _ = cts
-    dq, dk, dv, dbias, dalibi = sharding.backward(backend, q8, k8, v8, arr8, statics, plan,
-                                                  out, lse, dout)
+    dq, dk, dv, dbias, dalibi = _backward(backend, q8, k8, v8, arr8, statics, plan, out, lse,
+                                          dout)
     darrays = AttentionArrays(
         bias=None if arr8.bias is None else dbias.astype(arr8.bias.dtype),
         alibi_slopes=None if arr8.alibi_slopes is None else dalibi.astype(jax.numpy.float32))

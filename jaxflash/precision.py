@@ -8,6 +8,7 @@ import dataclasses
 import numbers
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,7 +37,10 @@ def _shape(x):
 
 
 def _dtype(x):
-    return jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
+    """The dtype the call computes in: NumPy float64 becomes float32 without x64, as
+    `jnp.asarray` (and jax.nn) would make it."""
+    d = getattr(x, "dtype", None)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(d if d is not None else jnp.asarray(x).dtype))
 
 
 def check_precision(precision):

@@ -16,6 +16,9 @@ class Backend(abc.ABC):
     # Whether forward / backward honour ``arrays.mod_offsets`` (a shard's global batch / head
     # offsets, which mods see); calls with mods are partitioned only over backends that do.
     shards_mods: bool = False
+    # Whether `backward` is plain JAX that autodiff can differentiate again (grad of grad);
+    # a kernel's backward is not, and `jaxflash.autodiff` says so when asked.
+    differentiable_backward: bool = False
 
     @abc.abstractmethod
     def plan(self, problem: Problem):

@@ -13,6 +13,7 @@ from jaxflash.fp8 import emulated
 
 class XlaBackend(Backend):
     name = "xla"
+    differentiable_backward = True
     shards_mods = True
 
     def plan(self, problem):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import logging
 from typing import Optional
 
@@ -152,16 +153,29 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                          qk_einsum=qk_attn_weights_einsum, pv_einsum=attn_weights_value_einsum)
 
 
-def make_attention_fn(implementation: Optional[str] = None, **options):
+def make_attention_fn(implementation: Optional[str] = None, *, is_causal: bool = False,
+                      **options):
     """`attention_fn` with jaxflash options bound (``implementation``, ``scale``, ``softcap``,
-    ``local_window_size``, ``attention_precision``), e.g. ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(
-    implementation="pallas"))``. Keeps an inspectable signature (Linen filters keywords by it)."""
+    ``local_window_size``, ``attention_precision``, ``is_causal``), e.g.
+    ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(implementation="pallas"))``.
+    ``is_causal=True`` masks causally whatever the layer passes (Flax's layers pass their own
+    ``is_causal``, False by default). Keeps an inspectable signature (Linen filters keywords
+    by it)."""
     allowed = {"scale", "softcap", "local_window_size", "attention_precision"}
     bad = set(options) - allowed
     if bad:
         raise ValueError(f"make_attention_fn: unknown options {sorted(bad)}; allowed: "
-                         f"{sorted(allowed | {'implementation'})}")
-    return functools.partial(attention_fn, implementation=implementation, **options)
+                         f"{sorted(allowed | {'implementation', 'is_causal'})}")
+    fn = functools.partial(attention_fn, implementation=implementation, **options)
+    if not is_causal:
+        return fn
+
+    @functools.wraps(attention_fn)
+    def causal_fn(*args, is_causal=False, **kwargs):
+        return fn(*args, is_causal=True, **kwargs)
+
+    causal_fn.__signature__ = inspect.signature(fn)
+    return causal_fn
 
 
 def _weights_path(q, k, v, bias, mask, *, is_causal, extra, dropout, precision, module,

@@ -195,7 +195,7 @@ def attend_cached(q, cached_key, cached_value, index, opts: AttentionOptions, *,
     if opts.local_window_size is not None:
         left, right = opts.local_window_size
         keep = keep & (j >= pos - left) & (j <= pos + right)
-    keep = keep.reshape((1,) * (nb + 1) + (t, L))
+    keep = jnp.broadcast_to(keep, (t, L)).reshape((1,) * (nb + 1) + (t, L))
     if user_mask is not None:
         keep = jnp.logical_and(keep, user_mask)
     return flash_attention(q, cached_key, cached_value, mask=keep, **common)

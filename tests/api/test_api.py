@@ -272,6 +272,39 @@ def test_explain_validates_like_the_call():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="softcap"):
         jaxflash.explain(q, k, v, softcap=-2.0)
+    with pytest.raises(TypeError, match="is_casual"):  # a misspelt keyword is not ignored
+        jaxflash.explain(q, k, v, is_casual=True)
+
+
+def test_inputs_jax_nn_accepts():
+    """What jax.nn.dot_product_attention takes, jaxflash takes: NumPy float64 (float32 without
+    x64), a scale given as a 0-d array, a 4-D bias / mask with 3-D (batchless) inputs. A traced
+    scale is refused with the reason (it is compiled into the kernels)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((7, 2, 8)) for _ in range(3))   # float64, [T, N, H]
+    bias = rng.standard_normal((1, 2, 7, 7)).astype(np.float32)
+    mask = rng.random((1, 1, 7, 7)) < 0.8
+    mask[..., 0] = True
+    kw = dict(bias=bias, mask=mask, scale=jnp.float32(0.3), implementation="xla")
+    want = jax.nn.dot_product_attention(q, k, v, **kw)
+    got = jaxflash.flash_attention(q, k, v, **kw)
+    assert got.dtype == jnp.float32
+    assert_close(got, want, 1e-5, "drop-in")
+    with pytest.raises(ValueError, match="concrete"):
+        jax.jit(lambda s: jaxflash.flash_attention(q, k, v, scale=s))(0.3)
+
+
+def test_second_order_gradients():
+    """grad of grad: the XLA backend differentiates twice; a kernel backend says it cannot."""
+    q, k, v = _qkv()
+    for impl in ("xla", "pallas"):
+        f = lambda q: jnp.sum(jaxflash.flash_attention(q, k, v, implementation=impl) ** 2)
+        gg = lambda q: jnp.sum(jax.grad(f)(q) ** 2)
+        if impl == "xla":
+            assert np.all(np.isfinite(np.asarray(jax.jit(jax.grad(gg))(q))))
+        else:
+            with pytest.raises(NotImplementedError, match="second-order"):
+                jax.jit(jax.grad(gg))(q)
 
 
 # ---------------------------------------------------------------- transformations (xla)

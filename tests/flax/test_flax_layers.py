@@ -115,6 +115,17 @@ def test_attention_fn_in_nnx_mha_decode():
         assert_close(step(ours, xt), step(ref, xt), FWD, f"step {t}")
 
 
+def test_make_attention_fn_binds_is_causal():
+    """``make_attention_fn(is_causal=True)`` in Flax's attention: Flax's own causal mask."""
+    B, T, F, N = 2, 7, 16, 2
+    mk = lambda fn: nnx.MultiHeadAttention(N, F, decode=False, attention_fn=fn, rngs=nnx.Rngs(2))
+    ref, ours = mk(nnx.dot_product_attention), mk(fl.make_attention_fn(is_causal=True))
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    x = _inputs((B, T, F))
+    want = ref(x, mask=nnx.make_causal_mask(jnp.ones((B, T))))
+    assert_close(nnx.jit(lambda m, x: m(x))(ours, x), want, FWD, "bound causal")
+
+
 # --------------------------------------------------------------------------------------------
 # Fallbacks: dropout and sown weights go to the weights path, visibly, and stay correct
 
@@ -330,6 +341,20 @@ def test_nnx_kv_cache_decode_equals_full_forward(variant):
     outs += [step(m, x[:, t:t + 1]) for t in range(3, L)]  # then one token at a time
     assert int(m.cache_index[...]) == L
     assert_close(np.concatenate(outs, axis=1), full, FWD, "decode vs full")
+
+
+def test_nnx_kv_cache_decode_without_causal_mask():
+    """A layer without a causal mask decodes a chunk as the full forward of what is written:
+    every new token sees every key written so far, its own chunk's included."""
+    B, L, F, N = 2, 6, 32, 4
+    m = fl.FlashMultiHeadAttention(N, F, rngs=nnx.Rngs(1))
+    x = np.asarray(_inputs((B, L, F)))
+    fwd = nnx.jit(lambda m, x: m(x))
+    m.init_cache(x.shape)
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    assert_close(step(m, x[:, :3]), fwd(m, x[:, :3]), FWD, "prefill chunk")
+    assert_close(step(m, x[:, 3:5]), fwd(m, x[:, :5])[:, 3:5], FWD, "second chunk")
+    assert_close(step(m, x[:, 5:6]), fwd(m, x)[:, 5:6], FWD, "one token")
 
 
 def test_linen_layer_matches_flax_and_decodes():
