@@ -48,6 +48,16 @@ class _Aux:
 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _SHAPE_OPS = ("squeeze", "reshape", "broadcast_in_dim", "expand_dims")
+# What a mod may use inside the kernels: element-wise arithmetic that Triton lowers (the
+# CuTe kernels' set, `jaxflash.kernels.variants.mod_program.SUPPORTED`, in JAX's names), aux
+# reads (size-1 dynamic_slice) and scalar reshapes; nested calls are replayed. Anything else is
+# refused by name before a kernel is traced, so dispatch falls back.
+_ALLOWED = frozenset((
+    "neg", "abs", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p", "expm1",
+    "tanh", "logistic", "sqrt", "rsqrt", "not", "square", "integer_pow",
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor",
+    "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp", "convert_element_type",
+    "dynamic_slice", "copy", "copy_p", "stop_gradient") + _SHAPE_OPS)
 
 
 def _value(x):
@@ -185,15 +195,41 @@ def _order(name):
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
+def _walk(closed, prims: set, consts: list) -> None:
+    """Every primitive of a ClosedJaxpr and its nested calls into `prims`, the shapes of the
+    array constants they close over into `consts`."""
+    consts += [np.shape(c) for c in getattr(closed, "consts", ()) if np.ndim(c)]
+    for eqn in getattr(closed, "jaxpr", closed).eqns:
+        inner = _inner(eqn)
+        if inner is not None:
+            _walk(inner, prims, consts)
+        else:
+            prims.add(eqn.primitive.name)
+
+
 @functools.lru_cache(maxsize=256)
 def check(spec) -> None:
     """Raise NotImplementedError (naming the operation) if these kernels cannot run `spec`'s
-    mods: the jaxprs are replayed abstractly on a small tile, as the kernels will (once per
-    spec: a refusal is not cached, a pass is)."""
+    mods: every operation must be one they translate, arrays must come in as aux (a Pallas
+    kernel takes arrays only as operands), and the jaxprs are replayed abstractly on a small
+    tile, as the kernels will (once per spec: a refusal is not cached, a pass is)."""
     for shape, dtype in spec.aux_avals:
         if jnp.dtype(dtype) == jnp.bool_:
             raise NotImplementedError(f"a boolean aux array {shape}: the Triton kernels have "
                                       f"no boolean memory type (pass it as int8 or int32)")
+    prims, consts = set(), []
+    for closed in ((_mods.score_deriv_jaxpr(spec),) if spec.has_score else ()) + (
+            (_mods.mask_jaxpr(spec),) if spec.has_mask else ()):
+        _walk(closed, prims, consts)
+    bad = sorted(prims - _ALLOWED)
+    if bad:
+        raise NotImplementedError(
+            f"mod operations {bad} are not supported in the Pallas kernels (element-wise "
+            f"arithmetic, comparisons, where and aux[i, j] reads are)")
+    if consts:
+        raise NotImplementedError(
+            f"a mod captured array constants of shapes {consts}: pass arrays as aux (the "
+            f"Pallas kernels take arrays only as operands)")
 
     def probe(*aux):
         mt = ModTile(spec, jnp.int32(0), jnp.int32(0), tuple(aux))
