@@ -17,9 +17,11 @@ Forward (per batch row b, query head n, kv head n // G):
   A row with no visible key: out 0, lse -inf.
 
 Backward (FlashAttention-2 order, recomputing P from the saved FP8 Q/K and the LSE):
-  D_i    = sum_d dO_id * out_id     (dO unquantized, out as returned)
   dO8    = E5M2 of dO (E4M3 when Fp8Spec.do_dtype says so), scales per (b, n, block of
            BWD_Q_TILE query rows), amax rule
+  D_i    = sum_d dO8_id * out_id    (the dequantized dO8, as dP uses it, and out as returned:
+           then sum_j p_ij (dP_ij - D_i) = 0 as for the exact gradient, up to P's rounding; a
+           row with one visible key gets dQ = 0, not dO's quantization error)
   p_ij   = exp(z_ij - lse_i);  p8 as in the forward (E4M3, x 2^8)
   dV_j  += sum_i p8_ij dO8_i                     (dequantized operands, float32 accumulate)
   dP_ij  = dO8_i . v_j;   dZ_ij = p_ij (dP_ij - D_i)   (float32)

@@ -205,9 +205,12 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
     qc, qs, kc, ks, vd = _operands(q8, k8, v8, arrays, spec)
     qd = qc * qs[..., None]
     do = _split(dout.astype(jnp.float32), K)                               # [B,K,G,T,Hv]
-    dvec = jnp.sum(do * _split(out.astype(jnp.float32), K), axis=-1)      # D_i
     do8 = _fq_rows(do, jnp.dtype(spec.do_dtype), C.BWD_Q_TILE, axis=3,
-                   amax_axes=(4,), floor=C.BWD_AMAX_FLOOR)                                         # per (b, n, rows)
+                   amax_axes=(4,), floor=C.BWD_AMAX_FLOOR)                # per (b, n, rows)
+    # D_i from the quantized dO, as dP; `out` as the forward returned it (the barrier keeps
+    # XLA from eliding its rounding to out_dtype, which it may do across a sharded call)
+    out = lax.optimization_barrier(out)
+    dvec = jnp.sum(do8 * _split(out.astype(jnp.float32), K), axis=-1)    # D_i
     lse_t = lse.astype(jnp.float32).reshape(B, K, G, T)
     lse_safe = jnp.where(jnp.isfinite(lse_t), lse_t, jnp.inf)              # empty rows: p = 0
     xs = (_tiles(kc, 2, tile), _tiles(ks, 2, tile), _tiles(vd, 2, tile),

@@ -87,7 +87,10 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
 def bwd_prepare(lse, dout, out, q_seqlen, Tp: int):
     """(lse2, delta) [B, N, Tp] float32, the backward kernel's O(T) inputs."""
     T = lse.shape[-1]
-    delta = jnp.einsum("btnh,btnh->bnt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    # a plain product and sum over the head dim (the FP8 contract's D_i is computed so too:
+    # where dS cancels almost exactly, D's summation order shows in the gradient)
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1),
+                         1, 2)
     # Rows that saw no key have LSE -inf; rows past q_seqlen get no gradient: +inf makes
     # P = exp2(s - lse2) exactly 0 there (never NaN).
     valid = lse > -jnp.inf
@@ -264,7 +267,10 @@ def backward_fp8(launch, q8, k8, v8, arrays, statics, out, lse, dout, do8, do_sc
     spec = statics.fp8
     Tp = padded_len(T, cfg)
     Sp = -(-S // KEY_PAD) * KEY_PAD
-    lse2, delta = bwd_prepare(lse, dout, out, arrays.q_seqlen, Tp)
+    # the contract's D_i: from dO as quantized (what the kernel's dP is made of)
+    do_rows = jnp.repeat(jnp.asarray(do_scale, jnp.float32), DO_SCALE_ROWS, axis=-1)[..., :T]
+    do_deq = do8.astype(jnp.float32) * jnp.swapaxes(do_rows, 1, 2)[..., None]
+    lse2, delta = bwd_prepare(lse, do_deq, out, arrays.q_seqlen, Tp)
     inputs = [q8, k8, v8, do8, keys_major(q8, Q_SPLIT, Tp), keys_major(k8, K_SPLIT, Sp),
               keys_major(do8, Q_SPLIT, Tp), lse2, delta]
     if cfg.has_q_seqlen:

@@ -350,7 +350,12 @@ def test_launch_inputs_through_the_kernels_algorithm_match_the_emulation(causal,
         g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
         assert np.all(np.isfinite(g)), what
         err = np.linalg.norm(g - r) / np.linalg.norm(r)
-        assert err < 1e-3, (what, err)   # measured ~5e-7 (exp2 vs exp: rare FP8 flips)
+        # measured ~5e-7 (exp2 vs exp: rare FP8 flips). In the far case every query's first
+        # block has equal P and equal keys on channel 0, so dQ's channel 0 is sum_j dS_ij k_j
+        # with sum_j dS_ij = 0 exactly (D_i from the quantized dO): what is left there is dS's
+        # rounding, where a flip of one E4M3 code between the two orders of summation shows
+        # (~1e-3); a scale or unit mistake would be O(1).
+        assert err < (3e-3 if far else 1e-3), (what, err)
 
 
 @pytest.mark.parametrize("hd,k_block,tile_n", [(128, 128, 128), (256, 128, 64), (256, 64, 64),
