@@ -254,7 +254,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     kv_segment_ids=None, implementation: Optional[str] = None,
                     deterministic: bool = False, precision: Optional[str] = None,
                     q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
-                    hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
+                    hadamard: Optional[bool] = None, hadamard_seed=None, scale_block: int = 128,
                     scale_granularity: str = "block", dout_dtype=None, emulate: bool = False,
                     score_mod=None, mask_mod=None, aux=(), block_mask=None):
     """Scaled dot-product attention with the layout and meaning of `jax.nn.dot_product_attention`.
@@ -308,7 +308,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     ``[B..., heads, ceil(L / scale_block)]`` -- the layouts `jaxflash.quantize.quantize`
     returns. The output is ``out_dtype`` (bfloat16 by default). ``precision="fp8"`` on float16 /
     bfloat16 / float32 inputs quantizes them here (amax scales per block of ``scale_block``
-    rows, or per ``scale_granularity="tensor"`` / ``"head"``; Q and K first through a random-sign Hadamard transform, ``hadamard=False`` to skip,
+    rows, or per ``scale_granularity="tensor"`` / ``"head"``; Q and K first through a random-sign Hadamard transform (by default where the head dim is a power of two from 16 to 256; ``hadamard=True`` insists, ``False`` skips it),
     ``hadamard_seed`` an int or a `jax.random` key) and returns the input dtype unless
     ``out_dtype`` says otherwise; its gradients are the FP8 backward's, straight-through to the
     float inputs; ``dout_dtype`` (float8_e5m2 by default, or float8_e4m3fn) is the backward's
@@ -469,7 +469,7 @@ def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, all
 
 
 _FP8_DEFAULTS = dict(precision=None, q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
-                     hadamard=True, hadamard_seed=None, scale_block=128, emulate=False,
+                     hadamard=None, hadamard_seed=None, scale_block=128, emulate=False,
                      scale_granularity="block", dout_dtype=None)
 
 

@@ -95,8 +95,8 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
     do_dt = jnp.dtype(dout_dtype or jnp.float8_e5m2)
     if not Q.is_fp8(do_dt):
         raise ValueError(f"dout_dtype must be float8_e5m2 or float8_e4m3fn; got {dout_dtype!r}")
-    if not isinstance(hadamard, bool):
-        raise ValueError(f"hadamard must be True or False; got {hadamard!r}")
+    if hadamard is not None and not isinstance(hadamard, bool):
+        raise ValueError(f"hadamard must be None, True or False; got {hadamard!r}")
     if emulate:
         if implementation not in (None, "xla"):
             raise ValueError(f"emulate=True runs the emulated FP8 path (implementation 'xla'); "
@@ -127,6 +127,8 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
         raise ValueError(f"scale_granularity must be one of {Q.GRANULARITIES}; got "
                          f"{scale_granularity!r}")
     D = _shape(query)[-1]
+    if hadamard is None:  # the default: on wherever the transform exists
+        hadamard = D in Q.HADAMARD_DIMS
     if hadamard and D not in Q.HADAMARD_DIMS:
         raise ValueError(f"precision='fp8' applies a Hadamard transform to the head dim, which "
                          f"takes {Q.HADAMARD_DIMS}; got head dim {D} (query {_shape(query)}); "

@@ -78,7 +78,7 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                    kv_segment_ids=None, implementation: Optional[str] = None,
                    return_residual: bool = False, precision: Optional[str] = None,
                    q_scale=None, k_scale=None, v_scale=None, out_dtype=None,
-                   hadamard: bool = True, hadamard_seed=None, scale_block: int = 128,
+                   hadamard: Optional[bool] = None, hadamard_seed=None, scale_block: int = 128,
                    dout_dtype=None):
     """Self-attention with the sequence sharded over ``mesh`` axis ``seq_axis`` (ring).
 

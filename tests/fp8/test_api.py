@@ -42,7 +42,8 @@ def _explain(*a, **kw):
     ((qb, kb, kb), dict(out_dtype=jnp.float32), r"out_dtype is for FP8 calls"),
     ((qb, kb, kb), dict(precision="fp16"), r"precision must be None, 'fp8' or 'fp4'"),
     ((S8((B, T, N, 96), jnp.bfloat16), S8((B, T, K, 96), jnp.bfloat16),
-      S8((B, T, K, 96), jnp.bfloat16)), dict(precision="fp8"), r"hadamard=False"),
+      S8((B, T, K, 96), jnp.bfloat16)), dict(precision="fp8", hadamard=True),
+     r"hadamard=False"),
     ((qb, kb, kb), dict(precision="fp8", scale_granularity="row"), r"scale_granularity"),
     ((qb, kb, kb), dict(precision="fp8", dout_dtype=jnp.bfloat16), r"dout_dtype"),
     ((qb, kb, kb), dict(precision="fp8", emulate=True, implementation="pallas"),
@@ -57,6 +58,15 @@ def test_value_errors(args, kw, match):
         jaxflash.flash_attention(*(jnp.zeros(a.shape, a.dtype) for a in args),
                                  **{n: (jnp.zeros(v.shape, v.dtype) if isinstance(v, S8) else v)
                                     for n, v in kw.items()})
+
+
+def test_hadamard_by_default_where_the_head_dim_takes_it():
+    """precision="fp8" at a head dim the transform does not take (96) runs without it (the
+    Flax layers cannot pass hadamard=False), and says so; where it does, it is on."""
+    import jaxflash
+    x96, x64 = (S8((B, T, N, d), jnp.bfloat16) for d in (96, 64))
+    assert "no Hadamard transform" in str(jaxflash.explain(x96, x96, x96, precision="fp8"))
+    assert "random-sign Hadamard" in str(jaxflash.explain(x64, x64, x64, precision="fp8"))
 
 
 @pytest.mark.parametrize("impl", ["cudnn", "pallas"])
