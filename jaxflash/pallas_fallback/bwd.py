@@ -236,7 +236,7 @@ def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,
     B, T, N, _ = q.shape
     S = k.shape[1]
     G, bq = spec.G, cfg.block_q
-    kvh = lambda n: lax.div(n, G)
+    kvh = lambda n: tiles.idiv(n, G)
     names = ["q", "k", "v", "do", "lse", "delta"]
     args = [q, k, v, do, lse, delta]
     specs = [
@@ -307,10 +307,10 @@ def _dbias_kernel(*refs, spec: Spec, cfg: PassConfig, names, RB: int, RN: int):
 
         def pair(t, acc):
             # (rb, rn): the batch row / head inside this program's broadcast group.
-            rb, rn = lax.div(t, RN), lax.rem(t, RN)
+            rb, rn = tiles.idiv(t, RN), tiles.irem(t, RN)
             b = bb * RB + rb          # global batch row and query head
             n = nb * RN + rn
-            kh = lax.div(rn, spec.G) if RN > 1 else jnp.int32(0)  # a Python 0 trips the discharge
+            kh = tiles.idiv(rn, spec.G) if RN > 1 else jnp.int32(0)  # a Python 0 trips the discharge
             q = tiles.load(r["q"].at[rb, :, rn, :], tiles.tile_mask(q_rows, hq))
             do = tiles.load(r["do"].at[rb, :, rn, :], tiles.tile_mask(q_rows, hv))
             lse = tiles.load(r["lse"].at[rb, rn, :], q_rows)
@@ -356,7 +356,7 @@ def dbias(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpre
     Bb, Nb = bias.shape[:2]
     RB, RN = B // Bb, N // Nb   # rows / heads each program sums over
     bq = cfg.block_q
-    kh = (lambda nb: 0) if RN > 1 else (lambda nb: lax.div(nb, spec.G))
+    kh = (lambda nb: 0) if RN > 1 else (lambda nb: tiles.idiv(nb, spec.G))
     KB = K if RN > 1 else 1
     names = ["q", "k", "v", "do", "lse", "delta", "bias"]
     args = [q, k, v, do, lse, delta, bias]

@@ -73,7 +73,7 @@ def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,
     S = k.shape[1]
     bq = cfg.block_q
     G = spec.G
-    kvh = lambda n: lax.div(n, G)
+    kvh = lambda n: tiles.idiv(n, G)
     names = ["q", "k", "v"]
     args = [q, k, v]
     specs = [

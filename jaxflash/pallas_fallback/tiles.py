@@ -213,12 +213,23 @@ def softcap_grad(qk, spec: Spec):
 
 # ---- which blocks a program visits --------------------------------------------------------
 
+def idiv(x, n):
+    """x // n for a traced non-negative integer x and a static n, in x's integer type (under
+    jax_enable_x64 a Python int would be int64 beside an int32 grid index)."""
+    return lax.div(x, lax.convert_element_type(n, x.dtype))
+
+
+def irem(x, n):
+    """x % n, as `idiv`."""
+    return lax.rem(x, lax.convert_element_type(n, x.dtype))
+
+
 def _div(x, n):
-    return lax.div(x, jnp.int32(n))
+    return idiv(x, n)
 
 
 def _cdiv(x, n):
-    return lax.div(x + jnp.int32(n - 1), jnp.int32(n))
+    return idiv(x + lax.convert_element_type(n - 1, x.dtype), n)
 
 
 def _clamp(x, lo, hi):
