@@ -9,8 +9,8 @@ Each compile takes 5-10 s on 2 cores (+ about 1 s of ptxas).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-
 import os
 import re
 
@@ -90,7 +90,15 @@ def test_fp8_variant_compiles_with_e4m3_wgmma_and_no_spills(cfg, tmp_path):
     assert spills and max(spills) == 0, rep
     assert "C7512" not in rep and "serialized" not in rep, rep
     # SASS: each FP8 wgmma one QGMMA (none fell back to 16-bit), each P conversion one F2FP
-    check_hopper_sass(ptx, tmp_path, "QGMMA")
+    ops = check_hopper_sass(ptx, tmp_path, "QGMMA")
+    if ops is not None and cfg == Fp8FwdConfig(head_dim=128, v_transposed=True):
+        # the block budget docs/design.md reasons from (`devtools.sass_loops`): a 128-key
+        # block is 8 QGMMA, 64 exponentials + 2 rescale factors, 32 packed conversions a warp
+        from devtools import sass_loops
+        instrs, labels = sass_loops.instructions(str(tmp_path / "k.cubin"))
+        first, last = max(sass_loops.loops(instrs, labels), key=lambda fl: fl[1] - fl[0])
+        mix = collections.Counter(sass_loops.opcode(t) for _, t, _ in instrs[first:last + 1])
+        assert (mix["QGMMA"], mix["MUFU"], mix["F2FP"]) == (8, 66, 32), mix
 
 
 def _fp8_args(B=2, T=200, S=300, N=4, K=2, H=128, gran="head"):
