@@ -121,8 +121,8 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         if x is None:
             return None
         x = jnp.asarray(x)
-        # jax.nn's 4-D [B, N, T, S] with inputs that have no batch dim: a leading 1 is no dim
-        while x.ndim > len(full) and x.shape[0] == 1:
+        # jax.nn's 4-D [B, N, T, S] with inputs that have no batch dim: its B of 1 is no dim
+        if nb == 0 and x.ndim == 4 and x.shape[0] == 1:
             x = x.reshape(x.shape[1:])
         if want_bool and x.dtype != jnp.bool_:
             raise ValueError(f"{name} must be boolean (True = attend); got dtype {x.dtype}")
