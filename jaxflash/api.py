@@ -356,23 +356,34 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         out, lse = _empty_result(q, v, None if req is None else req.spec.out_dtype)
     else:
         backend, plan = dispatch.select(problem, implementation)
-        if req is None:
-            out, lse = backend(q, k, v, arrays, statics, plan)
-        elif req.spec.source == "fp8":
-            out, lse = autodiff.fp8_attention(backend, q, k, v, arrays, statics, plan)
-        else:
-            # The random-sign Hadamard transform of Q and K is part of the quantizing prologue
-            # (`jaxflash.fp8.prologue`: one pass over each operand where a kernel does it).
-            signs = (quantize.hadamard_signs(req.hadamard_seed, q.shape[-1])
-                     if req.spec.hadamard else None)
-            out, lse = autodiff.fp8_quantized_attention(backend, q, k, v, arrays, statics, plan,
-                                                        signs)
+        source = None if req is None else req.spec.source
+        # The random-sign Hadamard transform of Q and K is part of the quantizing prologue
+        # (`jaxflash.fp8.prologue`: one pass over each operand where a kernel does it).
+        signs = (quantize.hadamard_signs(req.hadamard_seed, q.shape[-1])
+                 if source == "quantized" and req.spec.hadamard else None)
+        # Outside any trace the call runs as one jitted program, compiled once per
+        # configuration (op by op, each Pallas kernel would compile again at every call).
+        run = _attend if isinstance(q, jax.core.Tracer) else _attend_jit
+        out, lse = run(backend, q, k, v, arrays, statics, plan, source, signs)
     T, N = q.shape[1], q.shape[2]
     out = out.reshape(batch_shape + out.shape[1:])
     if not return_residual:
         return out
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(jnp.float32))
     return out, lse.reshape(batch_shape + (T, N))
+
+
+def _attend(backend, q, k, v, arrays, statics, plan, source, signs):
+    """Differentiable (out, lse) of a planned call: float inputs, FP8 inputs with their scales
+    (``source == "fp8"``), or float inputs quantized here (``"quantized"``)."""
+    if source is None:
+        return backend(q, k, v, arrays, statics, plan)
+    if source == "fp8":
+        return autodiff.fp8_attention(backend, q, k, v, arrays, statics, plan)
+    return autodiff.fp8_quantized_attention(backend, q, k, v, arrays, statics, plan, signs)
+
+
+_attend_jit = jax.jit(_attend, static_argnums=(0, 5, 6, 7))
 
 
 def explain(query, key, value, bias=None, mask=None, *, implementation: Optional[str] = None,

@@ -213,15 +213,22 @@ def softcap_grad(qk, spec: Spec):
 
 # ---- which blocks a program visits --------------------------------------------------------
 
+def _int_type(x):
+    return x.dtype if hasattr(x, "dtype") else jnp.int32
+
+
 def idiv(x, n):
-    """x // n for a traced non-negative integer x and a static n, in x's integer type (under
-    jax_enable_x64 a Python int would be int64 beside an int32 grid index)."""
-    return lax.div(x, lax.convert_element_type(n, x.dtype))
+    """x // n for a non-negative integer x (traced or a Python int: int32) and a static n, in
+    x's integer type (under jax_enable_x64 a Python int would be int64 beside an int32 grid
+    index)."""
+    t = _int_type(x)
+    return lax.div(lax.convert_element_type(x, t), lax.convert_element_type(n, t))
 
 
 def irem(x, n):
     """x % n, as `idiv`."""
-    return lax.rem(x, lax.convert_element_type(n, x.dtype))
+    t = _int_type(x)
+    return lax.rem(lax.convert_element_type(x, t), lax.convert_element_type(n, t))
 
 
 def _div(x, n):
@@ -229,7 +236,7 @@ def _div(x, n):
 
 
 def _cdiv(x, n):
-    return idiv(x + lax.convert_element_type(n - 1, x.dtype), n)
+    return idiv(x + lax.convert_element_type(n - 1, _int_type(x)), n)
 
 
 def _clamp(x, lo, hi):
