@@ -331,7 +331,13 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                                 key_value_seq_lengths=key_value_seq_lengths,
                                 local_window_size=local_window_size, softcap=softcap,
                                 alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
-                                kv_segment_ids=kv_segment_ids))
+                                kv_segment_ids=kv_segment_ids, score_mod=score_mod,
+                                mask_mod=mask_mod, aux=aux or None, block_mask=block_mask,
+                                deterministic=deterministic or None, hadamard=hadamard,
+                                hadamard_seed=hadamard_seed, dout_dtype=dout_dtype,
+                                scale_block=None if scale_block == 128 else scale_block,
+                                scale_granularity=(None if scale_granularity == "block"
+                                                   else scale_granularity)))
     if req is not None:
         implementation = req.implementation
     q, k, v, arrays, statics, batch_shape = _prepare(
@@ -400,7 +406,8 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
     req = prec.fp8_request(query, key, value, implementation=implementation, **fp8_kw)
     if fp8_kw["precision"] == "fp4":
         return _explain_fp4(query, key, value, bias, mask, implementation, fp8_kw["emulate"],
-                            kwargs)
+                            dict(kwargs, **{n: fp8_kw[n] for n in ("hadamard", "hadamard_seed",
+                                                                   "dout_dtype")}))
     if req is not None:
         implementation = req.implementation
     q, k, v, arrays, statics, _ = _prepare_abstract(
@@ -520,6 +527,10 @@ def _fp8_helpers_note() -> str:
             f"of 128 rows, off arch 9.0 and inside a jit trace of a multi-device process")
 
 
+_FP8_ONLY_OPTIONS = ("hadamard", "hadamard_seed", "dout_dtype", "scale_block",
+                     "scale_granularity")
+
+
 def _fp4_checks(query, key, value, bias, mask, implementation, others):
     """precision='fp4' takes q, k, v (causal or not) and the softmax scale, nothing else."""
     if implementation is not None:
@@ -527,12 +538,18 @@ def _fp4_checks(query, key, value, bias, mask, implementation, others):
                          f"must be None, got {implementation!r}")
     used = [n for n, x in (("bias", bias), ("mask", mask)) + tuple(others.items())
             if x is not None]
+    fp8_only = [n for n in used if n in _FP8_ONLY_OPTIONS]
+    if fp8_only:
+        raise ValueError(f"{', '.join(fp8_only)}: options of precision='fp8', meaningless with "
+                         f"precision='fp4'")
     if used:
         raise NotImplementedError(f"precision='fp4' (jaxflash.fp4) serves plain or causal "
                                   f"attention only; this call also has {', '.join(used)}")
     shapes = [tuple(np.shape(x)) for x in (query, key, value)]
     if any(len(s) != 4 for s in shapes):
         raise ValueError(f"precision='fp4' takes [B, T, N, H] arrays; got {shapes}")
+    # the shape / dtype rules of every call (batch, lengths, heads, head dims, one dtype)
+    _prepare_abstract(query, key, value, None, None)
 
 
 def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_residual,
@@ -541,6 +558,15 @@ def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_res
     _fp4_checks(query, key, value, bias, mask, implementation, others)
     if return_residual and is_causal:
         raise NotImplementedError("precision='fp4' returns the LSE only on its non-causal path")
+    if min(np.shape(query)[:2] + np.shape(key)[1:2]) == 0:   # nothing to attend: as any call
+        out, lse = _empty_result(jnp.asarray(query), jnp.asarray(value))
+        return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
+    if not is_causal:
+        # the non-causal Direct-P path has no backward (its roundings have zero derivative):
+        # differentiating it raises instead of returning zeros
+        why = ("precision='fp4' without is_causal is inference only (Direct-P has no "
+               "backward); the causal FP4 path trains")
+        query, key, value = (autodiff.forward_only(x, why) for x in (query, key, value))
     kernel = _fp4_kernel(query, key, value, is_causal, emulate)
     if frontend._route(emulate, kernel and kernel[:2])[0] == "kernel":
         from jaxflash.kernels import fp4_call
@@ -551,8 +577,8 @@ def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_res
                                    scale=scale, return_lse=bool(return_residual),
                                    kernel=kernel and kernel[:2])
     if return_residual:
-        out, lse = r
-        return out, jax.lax.stop_gradient(jnp.asarray(lse, jnp.float32))
+        out, lse = r   # lse [B, N, T] from jaxflash.fp4; [B, T, N] as every call returns it
+        return out, jax.lax.stop_gradient(jnp.swapaxes(jnp.asarray(lse, jnp.float32), -1, -2))
     return r
 
 
@@ -570,7 +596,10 @@ def _explain_fp4(query, key, value, bias, mask, implementation, emulate, kwargs)
     from jaxflash.fp4 import frontend
     others = {n: kwargs.get(n) for n in ("query_seq_lengths", "key_value_seq_lengths",
                                          "local_window_size", "softcap", "alibi_slopes",
-                                         "q_segment_ids", "kv_segment_ids")}
+                                         "q_segment_ids", "kv_segment_ids", "score_mod",
+                                         "mask_mod", "block_mask", "hadamard", "hadamard_seed",
+                                         "dout_dtype")}
+    others["aux"] = kwargs.get("aux") or None
     _fp4_checks(query, key, value, bias, mask, implementation, others)
     q, k, v, arrays, statics, _ = _prepare_abstract(
         query, key, value, None, None, scale=kwargs.get("scale"),

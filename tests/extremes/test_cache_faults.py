@@ -201,6 +201,18 @@ def test_unwritable_cache_compiles_in_memory_with_one_warning(fake_dsl, tmp_path
     assert cache.ENV_CACHE_DIR in warnings[0]
 
 
+def test_artifacts_are_readable_by_other_users(fake_dsl):
+    """A cached kernel is written 0644 under the usual umask (not mkstemp's private 0600):
+    a kernel directory built by one user (an image built as root) serves another."""
+    launch = _launch()
+    ffi.get_binary(launch)
+    d = cache.cache_dir(DSL)
+    files = [os.path.join(d, f) for f in os.listdir(d) if not f.startswith(".")]
+    assert files
+    for f in files:
+        assert os.stat(f).st_mode & 0o777 == 0o644 & ~cache._UMASK, (f, oct(os.stat(f).st_mode))
+
+
 def test_read_only_cache_dir_still_serves_its_entries(fake_dsl, tmp_path):
     launch = _launch()
     ffi.get_binary(launch)

@@ -243,3 +243,30 @@ def test_do_flush_fraction_e4m3_vs_e5m2():
     e5 = float(TR.do_flush_fraction(do, "e5m2"))
     assert e4 > 0.3 and e5 < 0.02 and e4 > 10 * e5, (e4, e5)
     assert float(TR.do_flush_fraction(rng.standard_normal((256, 64)), "e4m3")) < 0.01
+
+
+def test_flash_attention_fp4_follows_the_call_rules():
+    """precision="fp4" through flash_attention: what it cannot serve raises (mods, block masks;
+    FP8-only options are ValueErrors), shapes follow every call's rules, an empty call returns
+    empty results, the LSE is [B, T, N] like every call's, and the inference-only non-causal
+    path raises when differentiated instead of returning zero gradients."""
+    import jaxflash
+    from jaxflash import mods
+    q, k, v = (_rand((1, 64, 2, 64), s, jnp.bfloat16) for s in (31, 32, 33))
+    fa = lambda *a, **kw: jaxflash.flash_attention(*a, precision="fp4", emulate=True, **kw)
+    for kw in (dict(score_mod=lambda s, b, h, i, j: s * 0.5), dict(mask_mod=mods.causal())):
+        with pytest.raises(NotImplementedError, match="plain or causal attention only"):
+            fa(q, k, v, **kw)
+    with pytest.raises(ValueError, match="hadamard"):
+        fa(q, k, v, hadamard=True)
+    with pytest.raises(ValueError, match="sequence lengths differ"):
+        fa(q, k, v[:, :48], is_causal=True)
+    with pytest.raises(ValueError, match="batch dims"):
+        fa(jnp.concatenate([q, q]), k, v, is_causal=True)
+    assert fa(q[:, :0], k, v).shape == (1, 0, 2, 64)
+    out, lse = fa(q, k, v, return_residual=True)
+    assert lse.shape == (1, 64, 2)
+    with pytest.raises(NotImplementedError, match="inference only"):
+        jax.grad(lambda q: jnp.sum(fa(q, k, v).astype(jnp.float32)))(q)
+    g = jax.grad(lambda q: jnp.sum(fa(q, k, v, is_causal=True).astype(jnp.float32)))(q)
+    assert np.all(np.isfinite(np.asarray(g, np.float32))) and np.any(np.asarray(g) != 0)
