@@ -141,19 +141,27 @@ def main(argv=None) -> int:
     from jaxflash.ffi.variant import Launch
     launches = []
     for v in a.variant:
-        launch = Launch.from_json(v)
+        try:
+            launch = Launch.from_json(v)
+        except (ValueError, TypeError, KeyError) as e:
+            p.error(f"--variant {v[:80]!r}: not a variant's JSON ({type(e).__name__}: {e})")
         if launch.arch != a.arch:
             p.error(f"--variant is for {launch.arch}, --arch says {a.arch}")
         launches.append(launch)
+    refused = []
     if a.kernel:
-        got, refused = expand(a.kernel, a.selections, a.arch)
+        try:
+            got, refused = expand(a.kernel, a.selections, a.arch)
+        except ValueError as e:
+            p.error(f"--kernel {a.kernel} {' '.join(a.selections)}: {e}")
         for fields, why in refused:
             print(f"skipped {fields}: {why}", file=sys.stderr)
         launches += got
     elif a.selections:
         p.error("FIELD=values selections need --kernel")
     if not launches:
-        p.error("nothing to build: give --kernel [FIELD=v1,v2 ...] and/or --variant JSON")
+        p.error("every selected variant was refused (above)" if refused else
+                "nothing to build: give --kernel [FIELD=v1,v2 ...] and/or --variant JSON")
     counts = build(launches, a.out, progress=not a.no_progress)
     print(f"{counts['built']} built, {counts['kept']} up to date in {a.out} ({a.arch}); "
           f"run with JAXFLASH_KERNEL_DIR={a.out}")

@@ -56,15 +56,17 @@ class CutePlan:
             bcls = self.bwd.kernel.rpartition(":")[2]
             return (f"forward: CuTe FP8 kernel {cls} ({self.fwd.config.key}); "
                     f"backward: CuTe FP8 kernel {bcls} ({self.bwd.config.key})")
+        fwd = f"forward: CuTe kernel {self.fwd.kernel.rpartition(':')[2]} ({self.fwd.config.key})"
         if self.bwd is None:
-            return f"backward: Pallas kernels on the CuTe forward's (out, lse) ({self.bwd_reason})"
+            return (f"{fwd}; backward: Pallas kernels on the CuTe forward's (out, lse) "
+                    f"({self.bwd_reason})")
         cls = self.bwd.kernel.rpartition(":")[2]
         # a backward of several passes (the sm_100a one at head dim 256) names each
         passes = getattr(self.bwd.config, "passes", lambda: (self.bwd.config,))()
         if len(passes) > 1:
-            return (f"backward: CuTe kernel {cls} in {len(passes)} passes "
+            return (f"{fwd}; backward: CuTe kernel {cls} in {len(passes)} passes "
                     f"({', then '.join(c.key for c in passes)})")
-        return f"backward: CuTe kernel {cls} ({self.bwd.config.key})"
+        return f"{fwd}; backward: CuTe kernel {cls} ({self.bwd.config.key})"
 
 
 def _module_present(name: str) -> bool:

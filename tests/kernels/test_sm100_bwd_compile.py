@@ -238,6 +238,7 @@ def test_hd256_operand_views():
     import cutlass.tensor_utils
     import cutlass.utils.blackwell_helpers as sm100_helpers
 
+    from jaxflash.ffi.compiler import target_arch
     from jaxflash.kernels.sm100.bwd import FlashBwdSm100
     got = {}
 
@@ -260,7 +261,10 @@ def test_hd256_operand_views():
         for n, l in lays.items():
             got[n] = (str(l.inner), str(l.outer))
 
-    cute.compile(probe)
+    # the DSL's target, not the process's (another module of the session may hold sm_90a):
+    # the tcgen05 MMAs exist on sm_100a only
+    with target_arch("sm_100a"):
+        cute.compile(probe)
     assert len({sw for sw, _ in got.values()}) == 1, got  # one swizzle for every view
     # operand layouts: mode 0 = (M or N part, K part), mode 1 = M / N repeats, 2 = K repeats
     op = lambda name, mn, k: _offsets(got[name][1], [(0, 0), (1,)], [(0, 1), (2,)], mn, k)
