@@ -208,17 +208,29 @@ class _Layout(NamedTuple):
         return rule, tuple(repl), sizes
 
 
+def _zero_offsets(arrays, statics, q):
+    """The op's global body sees offsets (0, 0), as a shard sees its own: a backend then builds
+    what depends on them from traced values (custom_partitioning takes no captured constants,
+    which a backend may otherwise fold an offset-free table into). The zeros are computed from
+    q (an empty sum), so they are traced too: a jnp.zeros would be a captured constant."""
+    if getattr(statics, "mods", None) is None or arrays.mod_offsets is not None:
+        return arrays
+    zero = jax.lax.convert_element_type(jax.numpy.sum(q[:0]), jax.numpy.int32)
+    return arrays._replace(mod_offsets=jax.numpy.broadcast_to(zero, (2,)))
+
+
 @functools.lru_cache(maxsize=None)
 def _op(kind: str, layout: _Layout):
     """One custom_partitioning op per (direction, layout); static args: backend, statics,
     plan (all hashable)."""
     if kind == "fwd":
         def fun(backend, q, k, v, arrays, statics, plan):
-            return backend.forward(q, k, v, arrays, statics, plan)
+            return backend.forward(q, k, v, _zero_offsets(arrays, statics, q), statics, plan)
         static = (0, 5, 6)
     else:
         def fun(backend, q, k, v, arrays, statics, plan, out, lse, dout):
-            return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
+            return backend.backward(q, k, v, _zero_offsets(arrays, statics, q), statics, plan,
+                                    out, lse, dout)
         static = (0, 5, 6)
     op = custom_partitioning(fun, static_argnums=static)
     rule, repl, sizes = layout.rule(kind)

@@ -17,6 +17,9 @@ from jaxflash.backends.base import Backend
 
 class CuteBackend(Backend):
     name = "cute"
+    # the kernels' mods read the shard's (batch, head) offsets (a launch input, zeros
+    # unsharded), so calls with mods partition like any other
+    shards_mods = True
 
     def plan(self, problem):
         if problem.platform not in GPU_PLATFORMS:

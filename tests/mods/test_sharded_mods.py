@@ -47,3 +47,28 @@ def test_batch_x_heads_sharded_mods_equal_unsharded():
         assert_close(np.atleast_1d(a), np.atleast_1d(b), tol, name)
     text = grad.lower(put(q), put(k), put(v), table).compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text
+
+
+@pytest.mark.parametrize("kind", ["mask_mod", "mask_mod_heads", "score_mod"])
+def test_cute_mods_partition_under_batch_x_heads_sharding(kind):
+    """Lowered for CUDA (no GPU needed): a CuTe call with mods runs per shard (the kernels add
+    the shard's offsets, `CuteBackend.shards_mods`), forward and backward: the custom
+    partitioning op is there and the kernel sees the shard's q, not the global one."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
+    pytest.importorskip("cutlass", reason="lowering the CuTe kernels needs the DSL")
+    import re
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("b", "h"))
+    sh = NamedSharding(mesh, P("b", None, "h", None))
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16, sharding=sh)
+    k = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16, sharding=sh)
+    kw = {"mask_mod": dict(mask_mod=mods.chunked(512)),
+          "mask_mod_heads": dict(mask_mod=lambda b, h, qi, ki: (ki <= qi) & ((h % 2 == 0)
+                                                                          | (ki >= qi - 256))),
+          "score_mod": dict(score_mod=mods.softcap(20.0), is_causal=True)}[kind]
+    f = lambda q, k, v: jnp.sum(jaxflash.flash_attention(q, k, v, **kw).astype(jnp.float32))
+    with jaxflash.target_platform("cuda"):
+        for fn in (f, jax.grad(f, argnums=(0, 1, 2))):
+            text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+            assert "CustomSPMDPartitioning" in text
+            assert not re.search(r"CuteDSLRT\w*\([^\n]*tensor<2x1024x8x128xbf16>", text)
