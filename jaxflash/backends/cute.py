@@ -11,6 +11,8 @@ the primitive's name.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from jaxflash._types import GPU_PLATFORMS
 from jaxflash.backends.base import Backend
 
@@ -27,7 +29,19 @@ class CuteBackend(Backend):
         if problem.block_sparse is not None and problem.mods is None:
             raise NotImplementedError("a block_mask without a mask_mod")
         from jaxflash.kernels import plan
-        return plan.plan(problem)
+        detail = plan.plan(problem)
+        if detail.bwd is None and not detail.fp8:
+            # the backward would be the Pallas kernels'; where they cannot serve the call (a
+            # kv head's slice past int32 indexing) the forward still runs, and differentiating
+            # it raises with both reasons instead of launching what Pallas refuses
+            from jaxflash import pallas_fallback
+            try:
+                pallas_fallback.check(problem)
+            except NotImplementedError as e:
+                detail = dataclasses.replace(detail, bwd_reason=(
+                    f"{detail.bwd_reason}; the Pallas backward cannot serve it either ({e}): "
+                    f"forward only, differentiating it raises"), bwd_refused=True)
+        return detail
 
     def notes(self, detail):
         return (detail.note,)
@@ -52,6 +66,8 @@ class CuteBackend(Backend):
             # serve the call (or is gated: `policy.verified`)
             from jaxflash.fp8 import emulated
             return emulated.backward(q, k, v, arrays, statics, out, lse, dout)
+        if getattr(plan.detail, "bwd_refused", False):
+            raise NotImplementedError(f"no backward for this CuTe call: {plan.detail.bwd_reason}")
         if plan.detail.bwd is None:
             from jaxflash import pallas_fallback
             return pallas_fallback.backward(q, k, v, arrays, statics, out, lse, dout,

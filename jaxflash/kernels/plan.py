@@ -45,6 +45,7 @@ class CutePlan:
     bwd: Optional[Launch]
     bwd_reason: str = ""
     fp8: bool = False
+    bwd_refused: bool = False   # no backward at all (``bwd_reason`` says why)
 
     @property
     def note(self) -> str:
@@ -57,6 +58,8 @@ class CutePlan:
             return (f"forward: CuTe FP8 kernel {cls} ({self.fwd.config.key}); "
                     f"backward: CuTe FP8 kernel {bcls} ({self.bwd.config.key})")
         fwd = f"forward: CuTe kernel {self.fwd.kernel.rpartition(':')[2]} ({self.fwd.config.key})"
+        if self.bwd_refused:
+            return f"{fwd}; backward: none ({self.bwd_reason})"
         if self.bwd is None:
             return (f"{fwd}; backward: Pallas kernels on the CuTe forward's (out, lse) "
                     f"({self.bwd_reason})")

@@ -55,3 +55,24 @@ def test_batch_pieces_when_heads_fit(monkeypatch):
     monkeypatch.setattr(pf, "_GRID_YZ_MAX", 2)  # batch 3 -> 2 + 1; heads G=2 -> one kv head
     assert pf._pieces(q, k, v, arrays) == [(0, 1, 0, 1), (0, 1, 1, 2), (1, 2, 0, 1),
                                             (1, 2, 1, 2), (2, 3, 0, 1), (2, 3, 1, 2)]
+
+
+def test_cute_forward_whose_backward_nobody_serves():
+    """A CuTe forward whose backward neither the CuTe kernel nor the Pallas kernels serve
+    (ALiBi at 2.2M tokens, one kv head: a kv head's slice past int32 indexing) still runs,
+    and `explain` says there is no backward; differentiating it raises with both reasons
+    (lowered for CUDA, no GPU needed)."""
+    pytest.importorskip("cutlass", reason="planning the CuTe kernels needs the DSL")
+    import jaxflash
+    S = 2228224
+    q = jax.ShapeDtypeStruct((1, S, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
+    sl = jax.ShapeDtypeStruct((8,), jnp.float32)
+    f = lambda q, k, v, s: jnp.sum(jaxflash.flash_attention(
+        q, k, v, is_causal=True, alibi_slopes=s).astype(jnp.float32))
+    with jaxflash.target_platform("cuda"):
+        plan = jaxflash.explain(q, k, k, is_causal=True, alibi_slopes=sl)
+        assert plan.backend == "cute" and "backward: none" in str(plan), str(plan)
+        jax.jit(f).trace(q, k, k, sl).lower(lowering_platforms=("cuda",))
+        with pytest.raises(NotImplementedError, match="int32"):
+            jax.jit(jax.grad(f)).trace(q, k, k, sl).lower(lowering_platforms=("cuda",))
