@@ -11,6 +11,10 @@ from jaxflash.backends.base import Backend
 from jaxflash.fp8 import emulated
 
 
+# Above this the plan notes the reference's T x S memory (`explain` shows it).
+LARGE_SCORES_BYTES = 2**32
+
+
 class XlaBackend(Backend):
     name = "xla"
     differentiable_backward = True
@@ -19,7 +23,16 @@ class XlaBackend(Backend):
     def plan(self, problem):
         if problem.statics.fp8 is not None and problem.statics.mods is not None:
             raise NotImplementedError("the emulated FP8 path has no score_mod / mask_mod")
+        if problem.statics.fp8 is None:
+            scores = problem.batch * problem.num_heads * problem.q_len * problem.kv_len * 4
+            if scores > LARGE_SCORES_BYTES:
+                # said before it runs: the reference holds every score at once
+                return (f"the XLA reference materializes the B x N x T x S float32 scores "
+                        f"({scores / 2**30:.0f} GiB, twice that with its gradients)",)
         return None
+
+    def notes(self, detail):
+        return detail or ()
 
     def forward(self, q, k, v, arrays, statics, plan):
         if statics.fp8 is not None:
