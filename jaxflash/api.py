@@ -369,7 +369,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                  if source == "quantized" and req.spec.hadamard else None)
         # Outside any trace the call runs as one jitted program, compiled once per
         # configuration (op by op, each Pallas kernel would compile again at every call).
-        run = _attend if isinstance(q, jax.core.Tracer) else _attend_jit
+        run = _attend if isinstance(q, _Tracer) else _attend_jit
         out, lse = run(backend, q, k, v, arrays, statics, plan, source, signs)
     T, N = q.shape[1], q.shape[2]
     out = out.reshape(batch_shape + out.shape[1:])
@@ -390,6 +390,10 @@ def _attend(backend, q, k, v, arrays, statics, plan, source, signs):
 
 
 _attend_jit = jax.jit(_attend, static_argnums=(0, 5, 6, 7))
+try:  # any traced value (jit, grad, vmap): the call is part of a larger program already
+    _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover - jax versions that hide it
+    from jax._src.core import Tracer as _Tracer
 
 
 def explain(query, key, value, bias=None, mask=None, *, implementation: Optional[str] = None,
