@@ -93,6 +93,12 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
         lc = sl(lsep, 2)[..., None]
         p = jnp.where(keep & jnp.isfinite(lc), jnp.exp(sm - jnp.where(jnp.isfinite(lc), lc, 0.0)),
                       0.0)
+        # renormalized: the kernel's LSE is a float32 log of its own row sum, and a relative
+        # error e in it makes every p of the row e off; dS's row sum, which the exact gradient
+        # has at 0, is then e * delta, and a mod whose derivative grows along the row (ALiBi's
+        # |i - j|) collects it over every query
+        l = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(l > 0, l, 1.0)
         doc = sl(dop, 1).astype(jnp.float32).reshape(B, rows, K, G, -1)
         dp = jnp.einsum("btkgh,bskh->bkgts", doc, vf, precision=prec).reshape(B, N, rows, S)
         # delta = rowsum(P * dP) over the whole row, which this chunk holds: exact, where the
@@ -100,6 +106,9 @@ def aux_grads(q, k, v, arrays, statics, lse, dout, delta) -> tuple:
         # cancellation in dP - delta, and a sum over all pairs would collect it).
         delta_c = jnp.sum(p * dp, axis=-1, keepdims=True)
         ds = jnp.where(keep, p * (dp - delta_c), 0.0)
+        # dS's row sum is 0 in exact arithmetic; its float32 residue (dp - delta_c cancels)
+        # would be collected by a derivative that grows along the row: take it out once more
+        ds = ds - p * jnp.sum(ds, axis=-1, keepdims=True)
         (g,) = vjp(ds)
         return tuple(a + b.astype(jnp.float32) for a, b in zip(acc, g)), None
 
