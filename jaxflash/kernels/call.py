@@ -71,7 +71,8 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
             n_cols = -(-(T if backward else S) // cols)
             table = mod_blocks.table_from_block_mask(arrays.block_mask, rows, cols, backward, N,
                                                      K, n_cols)
-        if table is None and off is None and not mod_blocks.reads_aux(cfg.mask_mod):
+        if (table is None and off is None and not mod_blocks.reads_aux(cfg.mask_mod)
+                and T * S <= mod_blocks.CONSTANT_TABLE_MAX_PAIRS):
             table = jnp.asarray(mod_blocks.constant_table(cfg.mask_mod, backward, B, N, K, T,
                                                           S, cfg.tile_m, cfg.tile_n))
         if table is None and backward:

@@ -195,6 +195,13 @@ def reads_aux(mask_text: str) -> bool:
     return any(prog.uses(n) for n, _, _ in prog.inputs if n.startswith("x"))
 
 
+# Up to this many (query, key) pairs a mask that reads no aux is classified on the host while
+# tracing (once per shape, ~2 s at 64k x 64k on two cores); beyond, the table is computed on
+# the device at each call (the same program, traced), which beats minutes of tracing at 1M
+# tokens. A `BlockMask` built once (`jaxflash.mods.create_block_mask`) avoids both.
+CONSTANT_TABLE_MAX_PAIRS = 2**32
+
+
 @functools.lru_cache(maxsize=64)
 def constant_table(mask_text: str, backward: bool, B: int, N: int, K: int, T: int, S: int,
                    tile_m: int, tile_n: int) -> np.ndarray:

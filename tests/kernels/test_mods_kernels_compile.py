@@ -97,3 +97,27 @@ def test_mod_variants_are_dispatched_without_the_switch(monkeypatch):
     for direction in ("fwd", "bwd"):
         launch = _launch(direction, _problem(spec))
         assert launch.config.mask_mod and launch.config.score_mod, launch.name
+
+
+def test_long_context_mask_table_is_not_classified_on_the_host(monkeypatch):
+    """Past `CONSTANT_TABLE_MAX_PAIRS` (query, key) pairs a mask that reads no aux gets its
+    block table from the device at run time, not from a host evaluation over T x S while
+    tracing (minutes at 1M tokens): lowering 128k tokens forward and backward never calls it."""
+    import jax
+
+    import jaxflash
+    from jaxflash.kernels import mod_blocks
+
+    def host_table(*args, **kwargs):
+        raise AssertionError("the T x S mask table was classified on the host")
+
+    monkeypatch.setattr(mod_blocks, "constant_table", host_table)
+    S = 2**17
+    assert S * S > mod_blocks.CONSTANT_TABLE_MAX_PAIRS
+    q = jax.ShapeDtypeStruct((1, S, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, S, 1, 128), jnp.bfloat16)
+    f = lambda q, k, v: jnp.sum(jaxflash.flash_attention(
+        q, k, v, mask_mod=L.chunked(4096)).astype(jnp.float32))
+    with jaxflash.target_platform("cuda"):
+        text = jax.jit(jax.grad(f)).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert "CuteDSLRT" in text
