@@ -327,17 +327,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
         return _fp4(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                     emulate=emulate, return_residual=return_residual,
                     implementation=implementation,
-                    others=dict(query_seq_lengths=query_seq_lengths,
-                                key_value_seq_lengths=key_value_seq_lengths,
-                                local_window_size=local_window_size, softcap=softcap,
-                                alibi_slopes=alibi_slopes, q_segment_ids=q_segment_ids,
-                                kv_segment_ids=kv_segment_ids, score_mod=score_mod,
-                                mask_mod=mask_mod, aux=aux or None, block_mask=block_mask,
-                                deterministic=deterministic or None, hadamard=hadamard,
-                                hadamard_seed=hadamard_seed, dout_dtype=dout_dtype,
-                                scale_block=None if scale_block == 128 else scale_block,
-                                scale_granularity=(None if scale_granularity == "block"
-                                                   else scale_granularity)))
+                    others=_fp4_others(locals()))
     if req is not None:
         implementation = req.implementation
     q, k, v, arrays, statics, batch_shape = _prepare(
@@ -410,8 +400,7 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
     req = prec.fp8_request(query, key, value, implementation=implementation, **fp8_kw)
     if fp8_kw["precision"] == "fp4":
         return _explain_fp4(query, key, value, bias, mask, implementation, fp8_kw["emulate"],
-                            dict(kwargs, **{n: fp8_kw[n] for n in ("hadamard", "hadamard_seed",
-                                                                   "dout_dtype")}))
+                            kwargs, _fp4_others({**kwargs, **fp8_kw}))
     if req is not None:
         implementation = req.implementation
     q, k, v, arrays, statics, _ = _prepare_abstract(
@@ -431,7 +420,8 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
     return dataclasses.replace(p, problem=problem, notes=p.notes + (note,))
 
 
-_FLASH_ATTENTION_KEYWORDS = frozenset(inspect.signature(flash_attention).parameters) - {
+_FLASH_ATTENTION_PARAMS = inspect.signature(flash_attention).parameters
+_FLASH_ATTENTION_KEYWORDS = frozenset(_FLASH_ATTENTION_PARAMS) - {
     "query", "key", "value", "bias", "mask", "implementation"}
 
 
@@ -533,15 +523,31 @@ def _fp8_helpers_note() -> str:
 
 _FP8_ONLY_OPTIONS = ("hadamard", "hadamard_seed", "dout_dtype", "scale_block",
                      "scale_granularity")
+# flash_attention's options a precision='fp4' call handles itself (or `fp8_request` checks)
+_FP4_OWN = ("query", "key", "value", "bias", "mask", "scale", "is_causal", "return_residual",
+            "implementation", "precision", "q_scale", "k_scale", "v_scale", "out_dtype",
+            "emulate")
 
 
-def _fp4_checks(query, key, value, bias, mask, implementation, others):
-    """precision='fp4' takes q, k, v (causal or not) and the softmax scale, nothing else."""
+def _fp4_others(options: dict) -> dict:
+    """The options among `options` (flash_attention's keywords and values) that a
+    precision='fp4' call does not take and that differ from their defaults."""
+    params = _FLASH_ATTENTION_PARAMS
+    return {n: x for n, x in options.items()
+            if n in params and n not in _FP4_OWN and x is not params[n].default
+            and not (isinstance(x, (bool, int, float, str, tuple)) and x == params[n].default)}
+
+
+def _fp4_checks(query, key, value, bias, mask, implementation, others, scale=None,
+                is_causal=False):
+    """precision='fp4' takes q, k, v (causal or not) and the softmax scale, nothing else.
+    Returns `_prepare_abstract`'s canonical operands (the shape / dtype rules of every
+    call)."""
     if implementation is not None:
         raise ValueError(f"precision='fp4' picks its own path (jaxflash.fp4); implementation "
                          f"must be None, got {implementation!r}")
     used = [n for n, x in (("bias", bias), ("mask", mask)) + tuple(others.items())
-            if x is not None]
+            if x is not None]  # `others`: options not at their defaults (`_fp4_others`)
     fp8_only = [n for n in used if n in _FP8_ONLY_OPTIONS]
     if fp8_only:
         raise ValueError(f"{', '.join(fp8_only)}: options of precision='fp8', meaningless with "
@@ -552,8 +558,7 @@ def _fp4_checks(query, key, value, bias, mask, implementation, others):
     shapes = [tuple(np.shape(x)) for x in (query, key, value)]
     if any(len(s) != 4 for s in shapes):
         raise ValueError(f"precision='fp4' takes [B, T, N, H] arrays; got {shapes}")
-    # the shape / dtype rules of every call (batch, lengths, heads, head dims, one dtype)
-    _prepare_abstract(query, key, value, None, None)
+    return _prepare_abstract(query, key, value, None, None, scale=scale, is_causal=is_causal)
 
 
 def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_residual,
@@ -596,17 +601,10 @@ def _fp4_kernel(query, key, value, is_causal, emulate):
     return fp4_call.kernel_route(query, key, value, is_causal=bool(is_causal))
 
 
-def _explain_fp4(query, key, value, bias, mask, implementation, emulate, kwargs):
+def _explain_fp4(query, key, value, bias, mask, implementation, emulate, kwargs, others):
     from jaxflash.fp4 import frontend
-    others = {n: kwargs.get(n) for n in ("query_seq_lengths", "key_value_seq_lengths",
-                                         "local_window_size", "softcap", "alibi_slopes",
-                                         "q_segment_ids", "kv_segment_ids", "score_mod",
-                                         "mask_mod", "block_mask", "hadamard", "hadamard_seed",
-                                         "dout_dtype")}
-    others["aux"] = kwargs.get("aux") or None
-    _fp4_checks(query, key, value, bias, mask, implementation, others)
-    q, k, v, arrays, statics, _ = _prepare_abstract(
-        query, key, value, None, None, scale=kwargs.get("scale"),
+    q, k, v, arrays, statics, _ = _fp4_checks(
+        query, key, value, bias, mask, implementation, others, scale=kwargs.get("scale"),
         is_causal=kwargs.get("is_causal", False))
     problem = Problem.from_arrays(q, k, v, arrays, statics, dispatch.current_platform())
     causal = bool(kwargs.get("is_causal", False))

@@ -210,15 +210,16 @@ def cuda_tool(name: str):
 
 
 def sass_opcodes(cubin) -> Optional[collections.Counter]:
-    """Static count of each SASS opcode (with its modifiers, e.g. ``QGMMA.64x128x32.F32.E4M3.
-    E4M3``) in a cubin, predicates dropped; None without nvdisasm."""
+    """Static count of each SASS opcode with its upper-case modifiers (``MUFU.EX2``,
+    ``F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C``; a shape such as ``QGMMA.64x128x32`` ends at
+    its first digit group) in a cubin, predicates dropped; None without nvdisasm."""
     nvdisasm = cuda_tool("nvdisasm")
     if nvdisasm is None:
         return None
     sass = subprocess.run([nvdisasm, str(cubin)], capture_output=True, text=True,
                           check=True).stdout
     return collections.Counter(re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)", sass))
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
 
 
 def check_hopper_sass(ptx: str, tmp_path, mma: str = "QGMMA"):

@@ -31,9 +31,9 @@ import json
 import logging
 import os
 import shlex
-import tempfile
 import threading
 import time
+import uuid
 from typing import Optional
 
 from jaxflash.ffi.variant import Launch
@@ -140,29 +140,17 @@ def read_entry(directory: str, launch: Launch, version: Optional[str]
     return data, ""
 
 
-def _read_umask() -> int:
-    # read once, at import: setting the umask to read it is process-wide, and kernels may be
-    # written from several threads
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()
-
-
 def _atomic_write(path: str, data: bytes) -> None:
     d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    # created 0644 less the umask, as any file the user writes (mkstemp's would be private
+    # 0600): a kernel directory built by one user (an image built as root) serves another
+    tmp = os.path.join(d, f".tmp-{os.getpid()}-{uuid.uuid4().hex}-{os.path.basename(path)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp makes the file private (0600); an artifact is readable as any file the
-        # user writes (0644 under the usual umask), so a kernel directory built by one user
-        # (a container image built as root) serves another
-        os.chmod(tmp, 0o644 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -231,10 +231,6 @@ def irem(x, n):
     return lax.rem(lax.convert_element_type(x, t), lax.convert_element_type(n, t))
 
 
-def _div(x, n):
-    return idiv(x, n)
-
-
 def _cdiv(x, n):
     return idiv(x + lax.convert_element_type(n - 1, _int_type(x)), n)
 
@@ -255,13 +251,13 @@ def k_block_range(q_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
     a, b = lo, jnp.int32(spec.S // bk)  # the ragged last block always takes the masked path
     if spec.is_causal:
         hi = jnp.minimum(hi, _cdiv(q_hi, bk))
-        b = jnp.minimum(b, _div(q_lo + 1, bk))
+        b = jnp.minimum(b, idiv(q_lo + 1, bk))
     if spec.window is not None:
         left, right = spec.window
-        lo = jnp.maximum(lo, _div(jnp.maximum(q_lo - left, 0), bk))
-        hi = jnp.minimum(hi, _div(q_hi - 1 + right, bk) + 1)
+        lo = jnp.maximum(lo, idiv(jnp.maximum(q_lo - left, 0), bk))
+        hi = jnp.minimum(hi, idiv(q_hi - 1 + right, bk) + 1)
         a = jnp.maximum(a, _cdiv(jnp.maximum(q_hi - 1 - left, 0), bk))
-        b = jnp.minimum(b, _div(q_lo + right + 1, bk))
+        b = jnp.minimum(b, idiv(q_lo + right + 1, bk))
     if kv_len is not None:  # keys past the length are never visible
         hi = jnp.minimum(hi, _cdiv(kv_len, bk))
     if q_len is not None:  # a query block past the length has nothing to do
@@ -282,14 +278,14 @@ def q_block_range(k_lo, bq: int, bk: int, spec: Spec, q_len=None, kv_len=None):
     hi = jnp.int32(nq)
     a, b = lo, jnp.int32(spec.T // bq)
     if spec.is_causal:
-        lo = jnp.maximum(lo, _div(k_lo, bq))
+        lo = jnp.maximum(lo, idiv(k_lo, bq))
         a = jnp.maximum(a, _cdiv(k_hi - 1, bq))
     if spec.window is not None:
         left, right = spec.window
-        lo = jnp.maximum(lo, _div(jnp.maximum(k_lo - right, 0), bq))
-        hi = jnp.minimum(hi, _div(k_hi - 1 + left, bq) + 1)
+        lo = jnp.maximum(lo, idiv(jnp.maximum(k_lo - right, 0), bq))
+        hi = jnp.minimum(hi, idiv(k_hi - 1 + left, bq) + 1)
         a = jnp.maximum(a, _cdiv(jnp.maximum(k_hi - 1 - right, 0), bq))
-        b = jnp.minimum(b, _div(k_lo + left + 1, bq))
+        b = jnp.minimum(b, idiv(k_lo + left + 1, bq))
     if q_len is not None:
         hi = jnp.minimum(hi, _cdiv(q_len, bq))
     if kv_len is not None:

@@ -209,8 +209,10 @@ def test_artifacts_are_readable_by_other_users(fake_dsl):
     d = cache.cache_dir(DSL)
     files = [os.path.join(d, f) for f in os.listdir(d) if not f.startswith(".")]
     assert files
+    umask = os.umask(0o022)
+    os.umask(umask)
     for f in files:
-        assert os.stat(f).st_mode & 0o777 == 0o644 & ~cache._UMASK, (f, oct(os.stat(f).st_mode))
+        assert os.stat(f).st_mode & 0o777 == 0o644 & ~umask, (f, oct(os.stat(f).st_mode))
 
 
 def test_read_only_cache_dir_still_serves_its_entries(fake_dsl, tmp_path):

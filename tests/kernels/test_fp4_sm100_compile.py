@@ -15,7 +15,6 @@ Each compile takes about 2-3 s on 2 cores. Nothing here has run on a Blackwell G
 """
 from __future__ import annotations
 
-import collections
 import glob
 import re
 import subprocess
@@ -121,15 +120,13 @@ def test_sass_p_path_budget(cfg, compiled):
     """SASS: UTCOMMA.4X for QK (block16), UTCOMMA for PV (block32), per score pair one FFMA2
     and one F2FP.SATFINITE.RELU.E2M1, MUFU.EX2 only for the accurate policy's native pairs,
     IDP.4A per N32 block, UTCCP for the scales; no stack / local memory."""
-    from tests.common import cuda_tool
+    from tests.common import cuda_tool, sass_opcodes
     nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")
     ptx, cubin, _ = compiled(cfg)
-    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    ops = sass_opcodes(cubin)
     assert ops["UTCOMMA.4X"] == SITES * cfg.head_dim // 64, ops
     assert ops["UTCOMMA"] == SITES * 2, ops
     e2m1 = sum(v for k, v in ops.items() if k.startswith("F2FP.SATFINITE.RELU.E2M1"))

@@ -79,17 +79,14 @@ def test_pair_variant_issues_2cta_mmas(cfg, compiled, tmp_path):
 @pytest.mark.compile
 @pytest.mark.parametrize("cfg", [MATRIX[0], MATRIX[2]], ids=lambda c: c.key)
 def test_pair_sass_is_utchmma_2cta(cfg, compiled):
-    import collections
     import subprocess
 
-    from tests.common import cuda_tool
+    from tests.common import cuda_tool, sass_opcodes
     nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed")
     ptx, cubin = compiled(cfg)
-    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    ops = sass_opcodes(cubin)
     mma = {k: v for k, v in ops.items() if re.match(r"UTC\w*MMA", k)}
     assert mma == {"UTCHMMA.2CTA": len(re.findall(r"tcgen05\.mma\.cta_group::2", ptx))}, mma
     res = subprocess.run([cuobjdump, "--dump-resource-usage", cubin], capture_output=True,

@@ -125,17 +125,14 @@ def test_no_stack_no_spills(cfg, compiled, tmp_path):
 def test_sass_and_resources(cfg, compiled):
     """SASS (nvdisasm): UTCHMMA, tensor-memory loads / stores, TMA loads and reduce-adds;
     cuobjdump: no stack, no local memory, 128 registers at launch (512 threads)."""
-    import collections
     import subprocess
-    from tests.common import cuda_tool
+    from tests.common import cuda_tool, sass_opcodes
     nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")
     ptx, cubin, _ = compiled(cfg)
-    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    ops = sass_opcodes(cubin)
     assert ops["UTCHMMA"] >= len(re.findall(r"tcgen05\.mma\.cta_group::1", ptx))
     for op in ("LDTM", "STTM", "UTMALDG", "UTMAREDG") if cfg.has_dkdq else ("LDTM", "STTM",
                                                                              "UTMALDG"):

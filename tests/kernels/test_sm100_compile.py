@@ -177,18 +177,15 @@ def test_sass_and_resources(cfg, compiled):
     """SASS (nvdisasm): one UTCHMMA per PTX MMA, MUFU.EX2 beside the polynomial's FADD2.RM /
     FFMA2, tensor-memory loads / stores (LDTM / STTM), TMA loads (UTMALDG); cuobjdump: no stack,
     no local memory, 168 registers at launch (384 threads)."""
-    import collections
     import subprocess
 
-    from tests.common import cuda_tool
+    from tests.common import cuda_tool, sass_opcodes
     nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")
     ptx, cubin, _ = compiled(cfg)
-    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    ops = sass_opcodes(cubin)
     n_mma = len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f16", ptx))
     assert ops["UTCHMMA"] == n_mma, {k: v for k, v in ops.items() if "MMA" in k}
     pairs = cfg.tile_n // 2

@@ -108,19 +108,16 @@ def test_fp8_variant_has_no_stack_and_no_spills(cfg, compiled, tmp_path):
 def test_fp8_sass_and_resources(compiled):
     """SASS: one UTCQMMA (the f8f6f4 MMA) per PTX MMA and no 16-bit UTCHMMA; cuobjdump: no
     stack, no local memory, 168 registers at launch."""
-    import collections
     import subprocess
 
-    from tests.common import cuda_tool
+    from tests.common import cuda_tool, sass_opcodes
     nvdisasm, cuobjdump = cuda_tool("nvdisasm"), cuda_tool("cuobjdump")
     if nvdisasm is None or cuobjdump is None:
         pytest.skip("nvdisasm / cuobjdump not installed (pip nvidia-cuda-nvdisasm "
                     "nvidia-cuda-cuobjdump)")
     cfg = MATRIX[1]
     ptx, cubin, _ = compiled(cfg)
-    sass = subprocess.run([nvdisasm, cubin], capture_output=True, text=True, check=True).stdout
-    ops = collections.Counter(re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)", sass))
+    ops = sass_opcodes(cubin)
     n_mma = len(re.findall(r"tcgen05\.mma\.cta_group::1\.kind::f8f6f4", ptx))
     assert ops["UTCQMMA"] == n_mma and ops["UTCHMMA"] == 0, {k: v for k, v in ops.items()
                                                              if "MMA" in k}
