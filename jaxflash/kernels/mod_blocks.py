@@ -196,7 +196,7 @@ def reads_aux(mask_text: str) -> bool:
 
 
 # Up to this many (query, key) pairs a mask that reads no aux is classified on the host while
-# tracing (once per shape, ~2 s at 64k x 64k on two cores); beyond, the table is computed on
+# tracing (once per shape, seconds at 64k x 64k on two cores); beyond, the table is computed on
 # the device at each call (the same program, traced), which beats minutes of tracing at 1M
 # tokens. A `BlockMask` built once (`jaxflash.mods.create_block_mask`) avoids both.
 CONSTANT_TABLE_MAX_PAIRS = 2**32
