@@ -9,7 +9,9 @@ leading batch dims other than one, 3D inputs, int windows or broadcast-shaped se
 - ``AttentionStatics`` holds everything static (hashable, so it can key caches and custom_vjp
   nondiff args).
 - Backends return ``(out [B, T, N, Hv] in q.dtype, lse [B, N, T] float32)``; LSE is -inf for a
-  row with no key left to attend to, and that row's output is 0.
+  row with no key left to attend to, and that row's output is 0. float64 inputs (under
+  ``jax_enable_x64``; only the XLA reference serves them) compute and return their LSE in
+  float64 (`accum_dtype`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import dataclasses
 from typing import NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 
 # What `jax.default_backend()` ("gpu") or a lowering target ("cuda") calls an NVIDIA GPU.
 GPU_PLATFORMS = ("cuda", "gpu")
@@ -25,6 +28,13 @@ DEFAULT_CUDA_ARCH = (9, 0)
 # The CUDA archs the Pallas (Triton) helper kernels of the FP8 path (the prologue, the
 # keys-major copies) have run on; elsewhere their XLA forms serve.
 TRITON_HELPER_ARCHS = ((9, 0),)
+
+
+def accum_dtype(dtype):
+    """The dtype softmax statistics and accumulations are kept in for inputs of `dtype`:
+    float32, or float64 for float64 inputs (a float32 LSE would cost a float64 call its
+    precision in the backward's exp(s - lse))."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
 def cuda_arch() -> tuple[int, int]:

@@ -13,10 +13,13 @@ import numpy as np
 
 from jaxflash import autodiff, dispatch, precision as prec, quantize
 from jaxflash import mods as _mods
-from jaxflash._types import GPU_PLATFORMS, AttentionArrays, AttentionStatics, Problem
+from jaxflash._types import GPU_PLATFORMS, AttentionArrays, AttentionStatics, Problem, accum_dtype
 from jaxflash.fp8 import prologue
 
-_FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# float64 exists only under jax_enable_x64 (jnp.asarray makes NumPy float64 float32 otherwise);
+# the XLA reference serves it in float64, the kernels refuse it.
+_FLOAT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                 jnp.dtype(jnp.float64))
 
 
 def _shape(x):
@@ -59,7 +62,7 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     fp8 = allow_fp8 and all(quantize.is_fp8(x.dtype) for x in (q, k, v))
     for name, x in (("query", q), ("key", k), ("value", v)):
         if x.dtype not in _FLOAT_DTYPES and not fp8:
-            raise ValueError(f"{name} dtype must be float16, bfloat16 or float32"
+            raise ValueError(f"{name} dtype must be float16, bfloat16, float32 or float64"
                              + (" (FP8 through flash_attention with scales)"
                                 if quantize.is_fp8(x.dtype) else "") + f"; got {x.dtype}")
     if not fp8 and not (q.dtype == k.dtype == v.dtype):
@@ -167,7 +170,7 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
             raise ValueError(f"alibi_slopes must have shape (N,) = ({N},); got {a.shape}")
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"alibi_slopes must be floating; got {a.dtype}")
-        alibi_c = a.astype(jnp.float32)
+        alibi_c = a.astype(accum_dtype(q.dtype))
 
     qseg_c = kvseg_c = None
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -264,6 +267,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     (``softcap * tanh(x / softcap)``), ALiBi (``-alibi_slopes[n] * |i - j|``), ``bias``; then
     every mask (``mask``, ``is_causal``, ``local_window_size``, the sequence lengths, the segment
     ids) removes keys. Softmax statistics are float32; the output has the query's dtype.
+    float64 inputs (under ``jax_enable_x64``) run on the XLA reference in float64, LSE too.
 
     One deliberate difference from jax.nn: a query row with no key left to attend to gives
     output 0, a finite gradient and LSE = -inf.
@@ -298,9 +302,10 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     enter the compiled code). ``block_mask`` (`jaxflash.mods.create_block_mask` of the same
     mask_mod and aux) lets the kernels skip empty tiles and the mask on full ones.
 
-    ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 with its
-    gradient stopped. ``implementation`` is None (best available; see `explain`), "cute",
-    "cudnn", "pallas" or "xla". ``deterministic=True`` asks for bitwise-reproducible gradients.
+    ``return_residual=True`` returns ``(out, lse)``, lse ``[B..., T, N]`` float32 (float64 for
+    float64 inputs) with its gradient stopped. ``implementation`` is None (best available; see
+    `explain`), "cute", "cudnn", "pallas" or "xla". ``deterministic=True`` asks for
+    bitwise-reproducible gradients.
 
     FP8. float8_e4m3fn / float8_e5m2 query, key, value (all three FP8) need ``q_scale``,
     ``k_scale``, ``v_scale``: float32 dequantization scales (value = code * scale) per tensor
@@ -365,7 +370,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     out = out.reshape(batch_shape + out.shape[1:])
     if not return_residual:
         return out
-    lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(jnp.float32))
+    lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(accum_dtype(q.dtype)))
     return out, lse.reshape(batch_shape + (T, N))
 
 
@@ -445,7 +450,7 @@ def _empty_result(q, v, out_dtype=None):
     every gradient is 0 (empty where the input is)."""
     B, T, N, _ = q.shape
     out = jnp.zeros((B, T, N, v.shape[-1]), out_dtype or q.dtype)
-    return out, jnp.full((B, N, T), -jnp.inf, jnp.float32)
+    return out, jnp.full((B, N, T), -jnp.inf, accum_dtype(q.dtype))
 
 
 def _prepare_abstract(query, key, value, bias, mask, *, implementation=None, allow_fp8=False,

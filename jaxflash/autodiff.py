@@ -47,7 +47,8 @@ def _bwd(backend, statics, plan, res, cts):
         dv, scales["v_scale"] = layout.fp8_cotangents(v, arrays.v_scale, spec.v_block, dv)
     darrays = AttentionArrays(
         bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
-        alibi_slopes=None if arrays.alibi_slopes is None else dalibi.astype(jax.numpy.float32),
+        alibi_slopes=(None if arrays.alibi_slopes is None
+                      else dalibi.astype(arrays.alibi_slopes.dtype)),
         mod_aux=tuple(None if g is None else g.astype(x.dtype)
                       for g, x in zip(daux, arrays.mod_aux)), **scales)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), darrays

@@ -19,7 +19,7 @@ from jaxflash.fp8 import layout
 
 PRECISIONS = (None, "fp8", "fp4")
 _OUT_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_FLOATS = _OUT_DTYPES
+_FLOATS = _OUT_DTYPES + (jnp.dtype(jnp.float64),)   # float64: x64 only, precision=None only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +67,11 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
     if not fp8_in:
         for n, d in zip(("query", "key", "value"), dts):
             if d not in _FLOATS:
-                raise ValueError(f"{n} dtype must be float16, bfloat16, float32, float8_e4m3fn "
-                                 f"or float8_e5m2; got {shapes}")
+                raise ValueError(f"{n} dtype must be float16, bfloat16, float32, float64, "
+                                 f"float8_e4m3fn or float8_e5m2; got {shapes}")
+        if precision is not None and jnp.dtype(jnp.float64) in dts:
+            raise ValueError(f"precision={precision!r} quantizes float16 / bfloat16 / float32 "
+                             f"inputs; got {shapes}")
     if given and not fp8_in:
         raise ValueError(f"{', '.join(given)} given with non-FP8 inputs ({shapes}): scales are "
                          f"for FP8 query/key/value; precision='fp8' quantizes float inputs itself")

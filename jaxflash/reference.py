@@ -2,7 +2,7 @@
 
 It is ``implementation="xla"``, the oracle of every test and the baseline of the benchmarks. It
 materializes the T x S logits, so it is for correctness and small problems, not for speed.
-Computation is in float32 (or float64 when asked and x64 is on); output in q's dtype. Mods
+Computation is in float32 (float64 for float64 inputs, under x64); output in q's dtype. Mods
 (``statics.mods``) are evaluated on the whole index grid by `jaxflash.mods.dense` (vmap of the
 user's scalar functions), after the built-in logit transforms; the block mask is an
 acceleration structure only and is not read here.
@@ -14,12 +14,12 @@ import jax.numpy as jnp
 
 from jaxflash import masking
 from jaxflash.mods import dense
-from jaxflash._types import AttentionArrays, AttentionStatics
+from jaxflash._types import AttentionArrays, AttentionStatics, accum_dtype
 
 
-def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
-              compute_dtype=jnp.float32):
-    """Canonical-form attention. Returns ``(out [B,T,N,Hv], lse [B,N,T] float32)``.
+def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics):
+    """Canonical-form attention. Returns ``(out [B,T,N,Hv], lse [B,N,T])``, computed and the
+    LSE kept in float32 (float64 for float64 inputs: `accum_dtype`).
 
     A row with no visible key gets output 0 and LSE -inf, with finite gradients (the divisions and
     the log are guarded so no NaN is produced on either pass).
@@ -27,7 +27,7 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
     B, T, N, H = q.shape
     _, S, K, Hv = v.shape
     G = N // K
-    cd = compute_dtype
+    cd = accum_dtype(q.dtype)
     qf = q.astype(cd).reshape(B, T, K, G, H)
     kf = k.astype(cd)
     vf = v.astype(cd)
@@ -63,7 +63,7 @@ def attention(q, k, v, arrays: AttentionArrays, statics: AttentionStatics,
     p, lse = masked_softmax(s, keep, arrays.mask)
     out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(B, K, G, T, S), vf, precision=prec)
     out = out.reshape(B, T, N, Hv).astype(q.dtype)
-    return out, lse.astype(jnp.float32)
+    return out, lse.astype(cd)
 
 
 def masked_softmax(s, keep=None, mask=None):

@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxflash import api, dispatch, precision as prec, quantize
-from jaxflash._types import AttentionArrays, AttentionStatics, Problem
+from jaxflash._types import AttentionArrays, AttentionStatics, Problem, accum_dtype
 from jaxflash.backends.base import Backend
 from jaxflash.fp8 import layout as fp8_layout, prologue
 
@@ -314,7 +314,7 @@ def _merge(out, lse, out_b, lse_b):
     inv = jnp.where(tot > 0, 1.0 / jnp.where(tot > 0, tot, 1.0), 0.0)
     wa = jnp.swapaxes(a * inv, 1, 2)[..., None]
     wb = jnp.swapaxes(b * inv, 1, 2)[..., None]
-    return out * wa + out_b.astype(jnp.float32) * wb, new_lse
+    return out * wa + out_b.astype(out.dtype) * wb, new_lse
 
 
 def _fp8_arrays(cfg, arrays, scales, qs, ks):
@@ -340,8 +340,9 @@ def _forward(cfg: _Ring, q, k, v, extras, scales=None):
     B, L, N, _ = q.shape
     Hv = v.shape[-1]
     me = lax.axis_index(cfg.axis)
-    out = jnp.zeros((B, L, N, Hv), jnp.float32)
-    lse = jnp.full((B, N, L), -jnp.inf, jnp.float32)
+    acc = accum_dtype(q.dtype)
+    out = jnp.zeros((B, L, N, Hv), acc)
+    lse = jnp.full((B, N, L), -jnp.inf, acc)
     kv_sc = None if scales is None else scales[1:]
 
     for step in range(cfg.size):
@@ -375,10 +376,11 @@ def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout, scales=None):
     q_len, kv_len, q_seg, kv_seg = extras
     L = q.shape[1]
     me = lax.axis_index(cfg.axis)
-    f32 = lambda x: x.astype(jnp.float32)
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
+    acc = accum_dtype(q.dtype)
+    up = lambda x: x.astype(acc)
+    dq = jnp.zeros(q.shape, acc)
+    dk = jnp.zeros(k.shape, acc)
+    dv = jnp.zeros(v.shape, acc)
     kv_sc = None if scales is None else scales[1:]
 
     for step in range(cfg.size):
@@ -394,9 +396,9 @@ def _backward(cfg: _Ring, q, k, v, extras, out, lse, dout, scales=None):
             statics, plan = _block_plan(cfg, case, qb, kb, vb, arrays)
             gq, gk, gv, _, _ = cfg.backend.backward(qb, kb, vb, arrays, statics, plan,
                                                     out[:, qs], lse[..., qs], dout[:, qs])
-            return (_put(dq, 1, qs, _get(dq, 1, qs) + f32(gq)),
-                    _put(dk, 1, ks, _get(dk, 1, ks) + f32(gk)),
-                    _put(dv, 1, ks, _get(dv, 1, ks) + f32(gv)))
+            return (_put(dq, 1, qs, _get(dq, 1, qs) + up(gq)),
+                    _put(dk, 1, ks, _get(dk, 1, ks) + up(gk)),
+                    _put(dv, 1, ks, _get(dv, 1, ks) + up(gv)))
 
         hi, lo = _cases(cfg, step)
         if hi == lo:

@@ -28,8 +28,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan):
-        """Return ``(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32)``. Not differentiated.
-        Shapes come from the arrays (under sharding they are a shard's)."""
+        """Return ``(out [B,T,N,Hv] q.dtype, lse [B,N,T] float32)`` (float64 LSE for float64
+        q). Not differentiated. Shapes come from the arrays (under sharding they are a shard's)."""
 
     @abc.abstractmethod
     def backward(self, q, k, v, arrays: AttentionArrays, statics: AttentionStatics, plan,

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflash import reference
+from jaxflash._types import accum_dtype
 from jaxflash.backends.base import Backend
 from jaxflash.fp8 import emulated
 
@@ -61,8 +62,9 @@ class XlaBackend(Backend):
         (out_b, lse_b), vjp = jax.vjp(f, q, k, v, arrays.bias, arrays.alibi_slopes, faux)
         w = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - lse), 0.0)  # [B, N, T]
         w_t = jnp.swapaxes(w, 1, 2)[..., None]  # [B, T, N, 1]
-        d32 = dout.astype(jnp.float32)
-        delta = jnp.sum(d32 * (out_b.astype(jnp.float32) - out.astype(jnp.float32)), axis=-1)
+        acc = accum_dtype(q.dtype)
+        d32 = dout.astype(acc)
+        delta = jnp.sum(d32 * (out_b.astype(acc) - out.astype(acc)), axis=-1)
         dlse = w * jnp.swapaxes(delta, 1, 2)
         dq, dk, dv, dbias, dalibi, dfaux = vjp(((d32 * w_t).astype(out_b.dtype), dlse))
         if statics.mods is None:
