@@ -189,6 +189,13 @@ class Problem:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def symbolic(self) -> tuple[str, ...]:
+        """The dims that are symbolic (`jax.export` shape polymorphism), by name."""
+        dims = (("batch", self.batch), ("q_len", self.q_len), ("kv_len", self.kv_len))
+        return tuple(n for n, d in dims + tuple(("bias", d) for d in self.bias_shape or ())
+                     if not isinstance(d, int))
+
     def features(self) -> tuple[str, ...]:
         """Names of the features in use, for messages and kernel variant keys."""
         f = []

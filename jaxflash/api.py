@@ -91,7 +91,7 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     if N % K != 0:
         raise ValueError(f"query heads ({N}) must be a multiple of key/value heads ({K}); "
                          f"got {shapes}")
-    B = int(np.prod(batch_shape, dtype=np.int64)) if batch_shape else 1
+    B = math.prod(batch_shape)   # a symbolic product under jax.export shape polymorphism
     nb = len(batch_shape)
     full = batch_shape + (N, T, S)
 
@@ -133,11 +133,10 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
             raise ValueError(f"{name} must be a floating dtype; got {x.dtype}")
         if x.ndim > len(full):
             raise ValueError(f"{name} shape {x.shape} has more dims than [B..., N, T, S] = {full}")
-        try:
-            np.broadcast_shapes(x.shape, full)
-        except ValueError:
+        # dim by dim: symbolic dims (jax.export) are equal only to themselves
+        if not all(d == 1 or d == f for d, f in zip(x.shape[::-1], full[::-1])):
             raise ValueError(f"{name} shape {x.shape} does not broadcast to [B..., N, T, S] = "
-                             f"{full} (query {qs}, key {ks})") from None
+                             f"{full} (query {qs}, key {ks})")
         x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
         # Keep size-1 batch/head dims (backends broadcast them without copies); expand T, S.
         bdims = x.shape[:nb]
@@ -220,6 +219,8 @@ def _builtin_mask_form(mods, T: int, S: int):
     from jaxflash.kernels import mod_builtin
     from jaxflash.kernels.variants.mod_program import program_from_jaxpr, to_text
     from jaxflash.mods.spec import mask_jaxpr
+    if not (isinstance(T, int) and isinstance(S, int)):
+        return None   # symbolic lengths (jax.export): the form is told on a concrete grid
     try:
         text = to_text(program_from_jaxpr(mask_jaxpr(mods), "mask"))
     except (NotImplementedError, ValueError):
@@ -432,7 +433,9 @@ _FLASH_ATTENTION_KEYWORDS = frozenset(_FLASH_ATTENTION_PARAMS) - {
 
 def _is_empty(problem: Problem) -> bool:
     """No query row (batch or T is 0) or no key (S is 0): the result needs no backend."""
-    return min(problem.batch, problem.q_len, problem.kv_len) == 0
+    # a symbolic dim (jax.export shape polymorphism) is at least 1 by jax's convention
+    return any(isinstance(d, int) and d == 0
+               for d in (problem.batch, problem.q_len, problem.kv_len))
 
 
 def _nonempty(problem: Problem) -> Problem:

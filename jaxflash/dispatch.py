@@ -108,6 +108,9 @@ class Plan:
 def _try(name: str, problem: Problem):
     """(detail, None) if backend `name` serves `problem`, else (None, why)."""
     backend = _BACKENDS[name]
+    if problem.symbolic and not backend.symbolic_shapes:
+        return None, (f"symbolic {', '.join(dict.fromkeys(problem.symbolic))} (jax.export shape "
+                      f"polymorphism): its kernels are picked and compiled per shape")
     try:
         return backend.plan(problem), None
     except NotImplementedError as e:

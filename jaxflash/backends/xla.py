@@ -19,12 +19,13 @@ LARGE_SCORES_BYTES = 2**32
 class XlaBackend(Backend):
     name = "xla"
     differentiable_backward = True
+    symbolic_shapes = True
     shards_mods = True
 
     def plan(self, problem):
         if problem.statics.fp8 is not None and problem.statics.mods is not None:
             raise NotImplementedError("the emulated FP8 path has no score_mod / mask_mod")
-        if problem.statics.fp8 is None:
+        if problem.statics.fp8 is None and not problem.symbolic:
             scores = problem.batch * problem.num_heads * problem.q_len * problem.kv_len * 4
             if scores > LARGE_SCORES_BYTES:
                 # said before it runs: the reference holds every score at once

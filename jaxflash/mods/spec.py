@@ -127,7 +127,10 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
     for x in leaves:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             x = np.asarray(x)
-        avals.append((tuple(int(d) for d in x.shape), str(jnp.dtype(x.dtype))))
+        # a symbolic dim (jax.export shape polymorphism) stays symbolic: only the XLA
+        # reference serves such calls, and its name keys them
+        avals.append((tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in x.shape),
+                      str(jnp.dtype(x.dtype))))
     leaves = [jnp.asarray(x) for x in leaves]
     avals = tuple(avals)
     h = hashlib.sha256()
