@@ -114,7 +114,16 @@ _first_order_backward.defjvp(_no_second_order)
 
 def attention(backend, q, k, v, arrays, statics, plan):
     """Differentiable ``(out, lse)`` through `backend`'s own forward and backward, both
-    following the call's `jaxflash.dispatch.Plan`."""
+    following the call's `jaxflash.dispatch.Plan`.
+
+    A backend whose passes are plain JAX (the XLA reference) is differentiated by JAX itself
+    under `jax.checkpoint` instead: the same gradients and residuals (the inputs; the T x S
+    scores are recomputed), every transformation works, forward mode (`jvp`, `jacfwd`,
+    Hessians) included, which a `custom_vjp` refuses, and XLA's own SPMD partitioner shards
+    it (plain einsums and element-wise ops over batch and heads)."""
+    if backend.differentiable_backward:
+        return jax.checkpoint(lambda q, k, v, arrays: backend.forward(q, k, v, arrays, statics,
+                                                                      plan))(q, k, v, arrays)
     return _attention(backend, q, k, v, arrays, statics, plan)
 
 
