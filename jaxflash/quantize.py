@@ -243,16 +243,22 @@ def signed_hadamard_matrix(signs) -> jax.Array:
     return fwht(jnp.eye(signs.shape[-1], dtype=jnp.float32)) * signs[:, None]
 
 
-def hadamard_signed(x, signs) -> jax.Array:
+def hadamard_signed(x, signs, *, saturate: bool = True) -> jax.Array:
     """`hadamard` with its sign vector given (``hadamard_signs``): the arithmetic every
     implementation of the transform reproduces bit for bit: ``x * signs`` in float32, the
     butterflies of `fwht` in float32 in their order, times float32 ``1 / sqrt(D)``, rounded
-    once to x's dtype (float32 for FP8 input)."""
+    once to x's dtype (float32 for FP8 input). The transform can grow an entry by up to
+    sqrt(D): finite sums beyond a 16-bit dtype's range are saturated to its largest value
+    (`saturate_finite`) rather than rounded to inf (float16 entries above 65504 / sqrt(D)
+    would otherwise turn whole FP8 blocks to NaN); ``saturate=False`` is the linear map (for
+    its transpose)."""
     x = jnp.asarray(x)
     D = x.shape[-1]
     _check_dim(D)
     out_dt = jnp.float32 if is_fp8(x.dtype) else x.dtype
     y = fwht(x.astype(jnp.float32) * signs) * jnp.float32(1.0 / math.sqrt(D))
+    if out_dt != jnp.float32 and saturate:
+        y = saturate_finite(y, out_dt)
     if out_dt != jnp.float32:
         # The rounding as an op XLA keeps: with excess precision allowed (its GPU default) it
         # folds the convert pair of `astype(out_dt)` and a consumer's `astype(float32)`, and
@@ -265,6 +271,15 @@ def hadamard_signed(x, signs) -> jax.Array:
         else:
             return lax.optimization_barrier(y.astype(out_dt))
     return y.astype(out_dt)
+
+
+def saturate_finite(y, dtype):
+    """float32 `y` with finite entries beyond `dtype`'s range set to its largest value (of
+    their sign), so rounding to `dtype` keeps them finite; infinities and NaN stay. Plain
+    comparisons and selects, so Pallas kernels apply it as XLA does."""
+    m = float(jnp.finfo(dtype).max)
+    y = jnp.where((y > m) & (y != jnp.inf), jnp.float32(m), y)
+    return jnp.where((y < -m) & (y != -jnp.inf), jnp.float32(-m), y)
 
 
 def inverse_hadamard(y, seed: Union[int, jax.Array] = 0) -> jax.Array:

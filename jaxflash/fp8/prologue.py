@@ -196,5 +196,5 @@ def hadamard_transpose(g, signs, platform: str):
         hs = Q.signed_hadamard_matrix(signs).astype(g.dtype)
         y = jnp.einsum("...e,de->...d", g, hs, preferred_element_type=jnp.float32)
         return (y * jnp.float32(1.0 / math.sqrt(D))).astype(g.dtype)
-    had = lambda x: Q.hadamard_signed(x, signs)
+    had = lambda x: Q.hadamard_signed(x, signs, saturate=False)
     return jax.linear_transpose(had, jax.ShapeDtypeStruct(g.shape, g.dtype))(g)[0]

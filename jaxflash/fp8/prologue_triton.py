@@ -72,8 +72,9 @@ def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype, gemm: b
     if gemm:
         x = x_ref[pl.ds(r0, rows), :]
         c = jnp.float32(1.0 / math.sqrt(D))
-        return [(jnp.dot(x, s_ref[:, cj], preferred_element_type=jnp.float32) * c)
-                .astype(in_dtype).astype(jnp.float32) for cj in cols]
+        return [Q.saturate_finite(jnp.dot(x, s_ref[:, cj], preferred_element_type=jnp.float32)
+                                  * c, in_dtype).astype(in_dtype).astype(jnp.float32)
+                for cj in cols]
     ts = [x_ref[pl.ds(r0, rows), c].astype(jnp.float32) for c in cols]
     if s_ref is None:
         return ts
@@ -85,7 +86,8 @@ def _transformed(x_ref, s_ref, r0: int, rows: int, width: int, in_dtype, gemm: b
                 ts[j], ts[j + hs] = ts[j] + ts[j + hs], ts[j] - ts[j + hs]
         hs *= 2
     c = jnp.float32(1.0 / math.sqrt(D))
-    return [(t * c).astype(in_dtype).astype(jnp.float32) for t in ts]   # x's dtype, as hadamard()
+    # x's dtype, saturated, as hadamard_signed()
+    return [Q.saturate_finite(t * c, in_dtype).astype(in_dtype).astype(jnp.float32) for t in ts]
 
 
 def _kernel(*refs, hadamard: bool, in_dtype, out_dtype, width: int, rows: int, gemm: bool,

@@ -24,6 +24,7 @@ def _draw(shape, dtype, seed=0, special=True):
         x[0, 40, 1, 0] = np.nan                          # a NaN block
         x[B - 1, L - 1, H - 1, 1] = np.inf               # an Inf block
         x[0, 33, 0, 2] = 3e38                            # Hadamard overflow to Inf (float32 in)
+        x[0, 50, 0, :] = 6e4 * np.sign(x[0, 50, 0, :])   # float16: sums past 65504 saturate
     return jnp.asarray(x).astype(dtype)
 
 
@@ -89,6 +90,29 @@ def test_bit_exact_to_quantize_rules(impl, shape, block, hadamard):
                 got = T.quantize_blocks(x, signs, dtype=jnp.dtype(fp8), block=block,
                                         width=min(32, shape[-1]), interpret=True)
             _same(got, want)
+
+
+def test_float16_hadamard_saturates_instead_of_overflowing():
+    """Finite float16 rows whose transform passes 65504 (|x| near float16's top): the sums
+    saturate, so the blocks stay finite (an overflow to inf made every code of the block NaN),
+    the same in every implementation; precision="fp8" on such inputs gives no NaN."""
+    import jaxflash
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 128, 2, 64)).astype(np.float32)
+    x[0, :40, 0] = 4e4 + 400 * x[0, :40, 0]
+    x = jnp.asarray(x, jnp.float16)
+    signs = Q.hadamard_signs(1, 64)
+    y = Q.hadamard_signed(x, signs)
+    assert bool(jnp.all(jnp.isfinite(y))) and float(jnp.max(jnp.abs(y))) == 65504.0
+    want = _expected(x, jnp.float8_e4m3fn, 128, signs)
+    assert bool(jnp.all(jnp.isfinite(want[1])))
+    _same(P._xla(x, jnp.float8_e4m3fn, 128, signs), want)
+    _same(T.quantize_blocks(x, signs, dtype=jnp.dtype(jnp.float8_e4m3fn), block=128, width=32,
+                            interpret=True), want)
+    out = jaxflash.flash_attention(x, x, x, precision="fp8", emulate=True)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    # the linear map stays linear (its transpose is the gradient's)
+    assert not bool(jnp.all(jnp.isfinite(Q.hadamard_signed(x, signs, saturate=False))))
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
