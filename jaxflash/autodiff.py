@@ -140,8 +140,11 @@ def fp8_attention(backend, q8, k8, v8, arrays, statics, plan):
     return _attention(backend, q8, k8, v8, arrays, statics, plan)
 
 
-def _quantize_all(q, k, v, statics, platform, signs):
+def _quantize_all(q, k, v, arrays, statics, platform, signs):
     spec = statics.fp8
+    q = prologue.zero_past_length(q, arrays.q_seqlen)
+    k = prologue.zero_past_length(k, arrays.kv_seqlen)
+    v = prologue.zero_past_length(v, arrays.kv_seqlen)
     g = spec.granularity
     q8, qs = prologue.quantize_operand(q, spec.q_dtype, g[0], spec.q_block, signs,
                                        platform=platform)
@@ -158,7 +161,7 @@ def _fp8_quantized(backend, q, k, v, arrays, statics, plan, signs):
 
 
 def _fp8_quantized_fwd(backend, q, k, v, arrays, statics, plan, signs):
-    q8, k8, v8, (qs, ks, vs) = _quantize_all(q, k, v, statics, plan.platform, signs)
+    q8, k8, v8, (qs, ks, vs) = _quantize_all(q, k, v, arrays, statics, plan.platform, signs)
     arr8 = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
     out, lse = _forward(backend, q8, k8, v8, arr8, statics, plan)
     zero = lambda x: jax.numpy.zeros((), x.dtype)

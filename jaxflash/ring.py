@@ -422,11 +422,22 @@ def _ring(cfg, q, k, v, extras, scales):
     return _ring_fwd(cfg, q, k, v, extras, scales)[0]
 
 
-def _quantized(cfg, q, k, v, scales):
-    """(q, k, v, scales) the ring computes on: precision="fp8" quantizes this device's blocks."""
+def _quantized(cfg, q, k, v, extras, scales):
+    """(q, k, v, scales) the ring computes on: precision="fp8" quantizes this device's blocks
+    (the rows past the sequence lengths zeroed first, as `jaxflash.flash_attention` does)."""
     if not cfg.quantize:
         return q, k, v, scales
     sp = cfg.statics.fp8
+    q_len, kv_len = extras[0], extras[1]
+    if q_len is not None or kv_len is not None:
+        L = q.shape[1]
+        C = L // 2 if cfg.zigzag else L
+        me = lax.axis_index(cfg.axis)
+        pos = jnp.concatenate([c * C + jnp.arange(C, dtype=jnp.int32)
+                               for c in cfg.chunks(me)]).astype(jnp.int32)
+        q = prologue.zero_past_length(q, q_len, pos)
+        k = prologue.zero_past_length(k, kv_len, pos)
+        v = prologue.zero_past_length(v, kv_len, pos)
     qz = lambda x, dt, block: prologue.quantize_operand(x, dt, "block", block,
                                                          platform=cfg.platform)
     q8, qs = qz(q, sp.q_dtype, sp.q_block)
@@ -436,7 +447,7 @@ def _quantized(cfg, q, k, v, scales):
 
 
 def _ring_fwd(cfg, q, k, v, extras, scales):
-    q8, k8, v8, sc = _quantized(cfg, q, k, v, scales)
+    q8, k8, v8, sc = _quantized(cfg, q, k, v, extras, scales)
     out, lse = _forward(cfg, q8, k8, v8, extras, sc)
     zero = lambda x: jnp.zeros((), x.dtype)
     return (out, lse), (q8, k8, v8, extras, sc, out, lse, (zero(q), zero(k), zero(v)))

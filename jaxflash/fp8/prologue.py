@@ -153,6 +153,19 @@ def describe(problem, spec, in_dtype) -> str:
                                                  if kernels else "")
 
 
+def zero_past_length(x, lengths, positions=None):
+    """``x [B, L, heads, D]`` with the rows at or past each batch element's length (``lengths
+    [B]``, None: all kept) set to 0; `positions` ``[L]`` are the rows' global positions
+    (default ``arange(L)``). precision="fp8" quantizes the masked padding this way first:
+    its values never enter the result, so they must not set a block's amax either (a NaN or
+    a huge value there would poison the valid rows sharing its scale)."""
+    if lengths is None:
+        return x
+    pos = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None else positions
+    keep = pos[None, :] < lengths.astype(jnp.int32)[:, None]
+    return jnp.where(keep[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+
 def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
                      platform: str = "cpu", impl=None):
     """A canonical operand ``x [B, L, heads, D]`` (float) -> ``(x8, scale [B, heads, nb])``:

@@ -120,3 +120,35 @@ def test_ring_carries_the_scales():
     assert _rel(oq, orf) < 0.08
     for what, a, b in zip(("dq", "dk", "dv"), gq, gr):
         assert _rel(a, b) < 0.12, what
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_padding_past_the_lengths_sets_no_scale(layout):
+    """precision="fp8" with sequence lengths: NaN, Inf or huge junk in the masked rows (past
+    the query / key lengths) never reaches the valid rows, which share its scale blocks: the
+    result equals the call on zeroed padding, for one call and for the ring."""
+    mesh = _mesh((2,), ("seq",))
+    B, T, N, D = 2, 256, 2, 64
+    q, k, v = (_x((B, T, N, D), s) for s in (11, 12, 13))
+    lens = jnp.asarray([200, 77], jnp.int32)
+    pad = (np.arange(T)[None, :] >= np.asarray(lens)[:, None])[:, :, None, None]
+    clean = [np.where(pad, 0.0, x).astype(np.float32) for x in (q, k, v)]
+    fw, bk = ((lambda x: to_zigzag(x, 2)), (lambda x: from_zigzag(x, 2))) \
+        if layout == "zigzag" else ((lambda x: x), (lambda x: x))
+    kw = dict(precision="fp8", query_seq_lengths=lens, key_value_seq_lengths=lens,
+              scale_block=64)
+
+    @jax.jit
+    def run(q, k, v):
+        one = jaxflash.flash_attention(q, k, v, **kw)
+        ring = bk(jaxflash.ring_attention(fw(q), fw(k), fw(v), mesh=mesh, seq_axis="seq",
+                                          layout=layout, **kw))
+        return one, ring
+
+    want_one, want_ring = run(*clean)
+    for junk in (np.nan, np.inf, 1e30):
+        dirty = [np.where(pad, junk, x).astype(np.float32) for x in clean]
+        got_one, got_ring = run(*dirty)
+        for got, want in ((got_one, want_one), (got_ring, want_ring)):
+            assert bool(jnp.all(jnp.isfinite(got))), junk
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
