@@ -505,7 +505,7 @@ def _problem(q, k, v, arrays, statics) -> Problem:
 def _with_fp8_notes(p: dispatch.Plan, req, in_dtype) -> dispatch.Plan:
     if req is None:
         return p
-    notes = prec.describe(req.spec, req.hadamard_seed)
+    notes = prec.describe(req.spec, req.hadamard_seed, p.problem.head_dim)
     if req.spec.source == "quantized":
         notes += (prologue.describe(p.problem, req.spec, in_dtype),)
     if p.backend == "cute":

@@ -107,10 +107,23 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
         implementation = "xla"
     lens = (_shape(query)[-3], _shape(key)[-3], _shape(value)[-3])
     if fp8_in:
+        # the transform and the quantization of precision="fp8" are the caller's own here
+        if hadamard:
+            raise ValueError(f"hadamard=True with FP8 inputs ({shapes}): FP8 tensors are used "
+                             f"as given; apply jaxflash.quantize.hadamard to query and key "
+                             f"before quantizing them (it cancels in QK^T)")
+        for n, given_v, default, why in (
+                ("hadamard_seed", hadamard_seed, None, "FP8 inputs get no transform here"),
+                ("scale_granularity", scale_granularity, "block",
+                 "FP8 inputs' scale layout comes from their scales' shapes")):
+            if given_v is not default and given_v != default:
+                raise ValueError(f"{n}={given_v!r} with FP8 inputs ({shapes}): it is for "
+                                 f"precision='fp8' on float inputs ({why})")
         grans = []
         for n, x, s in zip(("q_scale", "k_scale", "v_scale"), (query, key, value), scales):
             sd = _dtype(s)
-            if not jnp.issubdtype(sd, jnp.floating) or Q.is_fp8(sd):
+            if (not (jnp.issubdtype(sd, jnp.floating) or jnp.issubdtype(sd, jnp.integer))
+                    or Q.is_fp8(sd)):
                 raise ValueError(f"{n} must be a float32 (or float16 / bfloat16) array; got "
                                  f"dtype {sd}")
             try:
@@ -155,7 +168,7 @@ def canonical_scales(req: Fp8Request, q_scale, k_scale, v_scale, batch_shape, N,
             layout.canonical_scale(v_scale, g[2], batch_shape, K))
 
 
-def describe(spec: Fp8Spec, seed) -> tuple[str, ...]:
+def describe(spec: Fp8Spec, seed, head_dim=None) -> tuple[str, ...]:
     """`explain`'s sentences about an FP8 call."""
     def one(name, dt, g, block):
         where = {"tensor": "per-tensor", "head": "per-(batch, head)",
@@ -166,6 +179,9 @@ def describe(spec: Fp8Spec, seed) -> tuple[str, ...]:
            "precision='fp8': float inputs quantized here (amax scales, jaxflash.quantize rules)")
     had = (f"random-sign Hadamard on Q and K (seed {seed}; cancels in QK^T)" if spec.hadamard
            else "no Hadamard transform")
+    if (not spec.hadamard and spec.source == "quantized" and head_dim is not None
+            and head_dim not in Q.HADAMARD_DIMS):
+        had += f" (head dim {head_dim}: the transform takes {Q.HADAMARD_DIMS})"
     grads = ("gradients straight-through to the float inputs" if spec.source == "quantized" else
              "gradients: FP8 cotangents for the FP8 operands (chain rule through "
              "dequantization), float32 for the scales")

@@ -36,7 +36,10 @@ def _explain(*a, **kw):
     ((qb, kb, kb), dict(q_scale=qs), r"q_scale given with non-FP8 inputs"),
     ((S8((B, T, N, D), jnp.float8_e4m3fnuz), k8, v8), SC,
      r"all FP8 \(float8_e4m3fn / float8_e5m2\).*float8_e4m3fnuz"),
-    ((q8, k8, v8), dict(SC, v_scale=S8((B, K), jnp.int32)), r"v_scale must be a float32"),
+    ((q8, k8, v8), dict(SC, v_scale=S8((B, K), jnp.bool_)), r"v_scale must be a float32"),
+    ((q8, k8, v8), dict(SC, hadamard=True), r"hadamard=True with FP8 inputs"),
+    ((q8, k8, v8), dict(SC, precision="fp8", hadamard_seed=3), r"hadamard_seed=3 with FP8"),
+    ((q8, k8, v8), dict(SC, scale_granularity="tensor"), r"scale_granularity='tensor' with FP8"),
     ((q8, k8, v8), dict(SC, out_dtype=jnp.int8), r"out_dtype must be"),
     ((q8, k8, v8), dict(SC, scale_block=0), r"scale_block must be a positive int"),
     ((qb, kb, kb), dict(out_dtype=jnp.float32), r"out_dtype is for FP8 calls"),
@@ -65,7 +68,8 @@ def test_hadamard_by_default_where_the_head_dim_takes_it():
     Flax layers cannot pass hadamard=False), and says so; where it does, it is on."""
     import jaxflash
     x96, x64 = (S8((B, T, N, d), jnp.bfloat16) for d in (96, 64))
-    assert "no Hadamard transform" in str(jaxflash.explain(x96, x96, x96, precision="fp8"))
+    assert ("no Hadamard transform (head dim 96: the transform takes"
+            in str(jaxflash.explain(x96, x96, x96, precision="fp8")))
     assert "random-sign Hadamard" in str(jaxflash.explain(x64, x64, x64, precision="fp8"))
 
 
@@ -132,9 +136,15 @@ def test_fp8_inputs_run_with_each_layout_and_out_dtype():
         o1 = jaxflash.flash_attention(a8, b8, c8, q_scale=a_s, k_scale=b_s, v_scale=c_s)
         o2 = jaxflash.flash_attention(a8, b8, c8, q_scale=a_s, k_scale=b_s, v_scale=c_s,
                                       out_dtype=jnp.float32)
-        return o1, o2, jaxflash.flash_attention(q, k, v)
+        # precision="fp8" and hadamard=False say what FP8 inputs are; an integer scale is a
+        # number like any other
+        o3 = jaxflash.flash_attention(a8, b8, b8, q_scale=a_s, k_scale=b_s, v_scale=1,
+                                      precision="fp8", hadamard=False)
+        o4 = jaxflash.flash_attention(a8, b8, b8, q_scale=a_s, k_scale=b_s, v_scale=1.0)
+        return o1, o2, jaxflash.flash_attention(q, k, v), o3, o4
 
-    o1, o2, ref = run(q, k, v)
+    o1, o2, ref, o3, o4 = run(q, k, v)
+    np.testing.assert_array_equal(np.asarray(o3, np.float32), np.asarray(o4, np.float32))
     assert o1.dtype == jnp.bfloat16 and o2.dtype == jnp.float32
     rel = np.linalg.norm(np.asarray(o2) - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
     assert rel < 0.08
