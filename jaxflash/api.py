@@ -249,6 +249,14 @@ def _check_block_mask(block_mask, mods, B, N, T, S, shapes):
     if Bm not in (1, B) or Hm not in (1, N):
         raise ValueError(f"block_mask was built for (B, H) = ({Bm}, {Hm}); this call needs "
                          f"B in (1, {B}) and H in (1, {N}) (batch dims flattened; {shapes})")
+    reads = _mods.spec.mask_reads(mods)
+    for dim, built, n in (("b", Bm, B), ("h", Hm, N)):
+        if built == 1 and n > 1 and dim in reads:
+            what = "batch" if dim == "b" else "head"
+            raise ValueError(f"block_mask was built for one {what} ({'B' if dim == 'b' else 'H'}"
+                             f" = 1), but the mask_mod reads {dim!r}: its tiles differ per "
+                             f"{what}; build it with {'B' if dim == 'b' else 'H'} = {n} "
+                             f"({shapes})")
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,

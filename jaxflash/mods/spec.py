@@ -103,7 +103,9 @@ class ModSpec:
 
 def _flat(fn, tree, nargs):
     def f(*args):
-        return fn(*args[:nargs], *jax.tree_util.tree_unflatten(tree, list(args[nargs:])))
+        # jnp.asarray: a mod may return a Python number (a constant logit, True)
+        return jnp.asarray(fn(*args[:nargs],
+                              *jax.tree_util.tree_unflatten(tree, list(args[nargs:]))))
     f.__name__ = getattr(fn, "__name__", "mod")
     return f
 
@@ -127,6 +129,9 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
     for x in leaves:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             x = np.asarray(x)
+        if np.dtype(x.dtype).kind not in "biuf" and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"aux leaves must be numeric or boolean arrays; got {x.dtype} "
+                             f"({x!r:.60})")
         # a symbolic dim (jax.export shape polymorphism) stays symbolic: only the XLA
         # reference serves such calls, and its name keys them
         avals.append((tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in x.shape),
@@ -207,6 +212,17 @@ def score_deriv_jaxpr(spec: ModSpec):
     """Like `score_jaxpr` with two float32 outputs: the modded score and its derivative with
     respect to ``score`` (what the backward's dS is multiplied by)."""
     return _cached_jaxpr(spec, "score_mod", True)
+
+
+def mask_reads(spec: ModSpec) -> frozenset:
+    """Which of the batch and head indices (``"b"``, ``"h"``) the mask_mod reads: a block
+    mask built for one batch element or head serves the others only where it reads neither."""
+    closed = mask_jaxpr(spec)
+    if closed is None:
+        return frozenset()
+    jaxpr = closed.jaxpr
+    used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    return frozenset(n for n, v in zip(("b", "h"), jaxpr.invars[:2]) if id(v) in used)
 
 
 def mask_jaxpr(spec: ModSpec):

@@ -133,3 +133,38 @@ def test_mistakes_are_value_errors():
         jaxflash.flash_attention(q9, q9, q9, mask_mod=mods.causal(), block_mask=bm)
     with pytest.raises(ValueError, match="power of two"):
         mods.create_block_mask(mods.causal(), 1, 1, 8, 8, block=(24, 16))
+
+
+def test_a_block_mask_for_one_batch_or_head_must_not_be_shared_by_a_mask_that_reads_it():
+    """A block mask built with B = 1 (H = 1) broadcasts over the call's batch (heads) only
+    when the mask_mod reads neither index: otherwise its tiles are another element's, and the
+    call would skip or run unmasked the wrong tiles."""
+    rng = fresh_rng()
+    B, T, N = 2, 64, 2
+    q = randn((B, T, N, 16), "float32", rng)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32))
+    by_head = lambda b, h, i, j: (h == 0) | (j <= i)
+    for mm, aux, dims, match in ((mods.document(0), (ids,), (1, 1), "reads 'b'"),
+                                 (by_head, (), (1, 1), "reads 'h'")):
+        bm = mods.create_block_mask(mm, *dims, T, T, block=(16, 16), aux=aux)
+        with pytest.raises(ValueError, match=match):
+            jaxflash.flash_attention(q, q, q, mask_mod=mm, aux=aux, block_mask=bm)
+    # built per batch element / head, or for a mask reading neither: accepted
+    bm = mods.create_block_mask(mods.document(0), B, 1, T, T, block=(16, 16), aux=(ids,))
+    jaxflash.flash_attention(q, q, q, mask_mod=mods.document(0), aux=(ids,), block_mask=bm)
+    bm = mods.create_block_mask(mods.causal(), 1, 1, T, T, block=(16, 16))
+    jaxflash.flash_attention(q, q, q, mask_mod=mods.causal(), block_mask=bm)
+
+
+def test_python_numbers_from_mods_and_non_numeric_aux():
+    """A mod may return a Python number (a constant logit, True); an aux leaf that is no
+    numeric or boolean array is a ValueError naming it."""
+    rng = fresh_rng()
+    q = randn((1, 20, 2, 16), "float32", rng)
+    mean = jnp.broadcast_to(jnp.mean(q, axis=1, keepdims=True), q.shape)
+    for impl in ("xla", "pallas"):
+        out = jaxflash.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j: 0.0,
+                                       mask_mod=lambda b, h, i, j: True, implementation=impl)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(mean), atol=1e-6)
+    with pytest.raises(ValueError, match="aux leaves must be numeric"):
+        jaxflash.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j, a: s, aux=("abc",))
