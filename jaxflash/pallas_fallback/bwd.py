@@ -204,17 +204,25 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
         p = _probs(s, lse)
         dp = tiles.dot_nt(do, v)
         ds = p * (dp - delta[:, None])
+        if spec.has_alibi:
+            # Per row: A = sum ds' dist, R = sum ds, M = sum p dist' (' after the score_mod's
+            # derivative). The exact row sum R is 0; delta from the rounded output leaves it
+            # at delta's error, which dist (up to T) would collect over every row: the slope
+            # gradient takes dS re-centered, ds - p R, i.e. A - R M (stored below).
+            dist = jnp.abs(qt.idx[:, None] - k_idx[None, :]).astype(jnp.float32)
+            if spec.has_score_mod:
+                dist = dist * kb.dmod
+            dal = (dal[0] + jnp.sum(ds * dist, axis=1), dal[1] + jnp.sum(ds, axis=1),
+                   dal[2] + jnp.sum(p * dist, axis=1))
         if spec.has_score_mod:  # dS of the logit before the score_mod
             ds = ds * kb.dmod
-        if spec.has_alibi:
-            dist = jnp.abs(qt.idx[:, None] - k_idx[None, :]).astype(jnp.float32)
-            dal = dal - jnp.sum(ds * dist, axis=1)
         if spec.softcap is not None:
             ds = ds * tiles.softcap_grad(qk, spec)
         dq = dq + tiles.dot_nn(ds.astype(k.dtype), k)
         return dq, dal
 
-    carry = (jnp.zeros((bq, spec.Hp), jnp.float32), jnp.zeros((bq,), jnp.float32))
+    zrow = jnp.zeros((bq,), jnp.float32)
+    carry = (jnp.zeros((bq, spec.Hp), jnp.float32), (zrow, zrow, zrow))
     if spec.sparse:
         tm, tn = spec.sparse
         dq, dal = tiles.run_sparse(r, "bm_", *tiles.sparse_bh(spec, b, n),
@@ -227,7 +235,7 @@ def _dq_kernel(*refs, spec: Spec, cfg: PassConfig, names):
                                   any_full=spec.S >= bk)
     tiles.store(r["dq"], dq * spec.scale, tiles.tile_mask(qt.rows, qt.hq))
     if spec.has_alibi:
-        tiles.store(r["dalibi"], dal, qt.rows)
+        tiles.store(r["dalibi"], -(dal[0] - dal[1] * dal[2]), qt.rows)
 
 
 def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,
