@@ -144,14 +144,41 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         h.update(name.encode())
         if fn is not None:
-            h.update(_jaxpr_digest(fn, tree, avals, name).encode())
+            h.update(_jaxpr_digest(fn, _python_constants(fn), tree, avals, name).encode())
     spec = ModSpec(score_mod, mask_mod, tree, avals, h.hexdigest())
     return spec, tuple(leaves)
 
 
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _python_constants(fn, depth: int = 0) -> tuple:
+    """The Python scalars a mod reads that may change between calls without the function
+    object changing: the module globals its code names and its closure cells (recursively
+    through the functions it closes over, as `chain` / `and_masks` compose). Part of the
+    trace cache's key, so an eager call sees a changed constant (and compiles anew) instead
+    of reusing the mod's old trace."""
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 8:
+        return ()
+    glb = getattr(fn, "__globals__", {})
+    out = [(n, glb[n]) for n in code.co_names if n in glb and isinstance(glb[n], _SCALARS)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            val = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(val, _SCALARS):
+            out.append(val)
+        elif callable(val):
+            out.append(_python_constants(val, depth + 1))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=512)
-def _jaxpr_digest(fn, tree, avals, name) -> str:
-    # Cached per function object: a call in a training loop traces its mods once.
+def _jaxpr_digest(fn, constants, tree, avals, name) -> str:
+    # Cached per function object and the Python constants it reads (`_python_constants`): a
+    # call in a training loop traces its mods once.
     closed = _trace(fn, tree, avals, name)
     h = hashlib.sha256(str(closed.jaxpr).encode())
     for c in closed.consts:

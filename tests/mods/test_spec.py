@@ -168,3 +168,32 @@ def test_python_numbers_from_mods_and_non_numeric_aux():
         np.testing.assert_allclose(np.asarray(out), np.asarray(mean), atol=1e-6)
     with pytest.raises(ValueError, match="aux leaves must be numeric"):
         jaxflash.flash_attention(q, q, q, score_mod=lambda s, b, h, i, j, a: s, aux=("abc",))
+
+
+TEMPERATURE = 1.0   # a module constant a mod reads (test_a_changed_constant_is_new_code)
+
+
+def _tempered(score, b, h, q_idx, kv_idx):
+    return score * TEMPERATURE
+
+
+def test_a_changed_constant_is_new_code():
+    """A Python constant a mod reads (a module global, a closure's number, through composed
+    mods too) is part of its code: changing it between eager calls gives the new result under
+    a new key, never the old trace."""
+    global TEMPERATURE
+    from jaxflash.mods.spec import make_spec
+    q = randn((1, 24, 2, 16), "float32", fresh_rng())
+    try:
+        TEMPERATURE = 1.0
+        a = jaxflash.flash_attention(q, q, q, score_mod=mods.chain(_tempered, mods.softcap(5.0)))
+        k1 = make_spec(mods.chain(_tempered, mods.softcap(5.0)), None, ())[0].key
+        TEMPERATURE = 0.0
+        b = jaxflash.flash_attention(q, q, q, score_mod=mods.chain(_tempered, mods.softcap(5.0)))
+        k2 = make_spec(mods.chain(_tempered, mods.softcap(5.0)), None, ())[0].key
+    finally:
+        TEMPERATURE = 1.0
+    assert k1 != k2
+    mean = jnp.broadcast_to(jnp.mean(q, axis=1, keepdims=True), q.shape)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(mean), atol=1e-6)   # score * 0
+    assert not np.allclose(np.asarray(a), np.asarray(b))
