@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 from typing import Any, Callable, Optional
 
 import jax
@@ -149,30 +150,81 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
     return spec, tuple(leaves)
 
 
-_SCALARS = (bool, int, float, complex, str, type(None))
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
+# Modules whose functions a mod calls as library code: their internals are not the mod's.
+_LIBRARIES = ("jax", "jaxlib", "numpy", "builtins", "math", "operator", "functools")
+_SMALL_ARRAY = 1 << 16   # elements of a NumPy array read whole into the key
+_MISSING = object()
 
 
-def _python_constants(fn, depth: int = 0) -> tuple:
-    """The Python scalars a mod reads that may change between calls without the function
-    object changing: the module globals its code names and its closure cells (recursively
-    through the functions it closes over, as `chain` / `and_masks` compose). Part of the
-    trace cache's key, so an eager call sees a changed constant (and compiles anew) instead
-    of reusing the mod's old trace."""
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 8:
-        return ()
-    glb = getattr(fn, "__globals__", {})
-    out = [(n, glb[n]) for n in code.co_names if n in glb and isinstance(glb[n], _SCALARS)]
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            val = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(val, _SCALARS):
-            out.append(val)
-        elif callable(val):
-            out.append(_python_constants(val, depth + 1))
-    return tuple(out)
+def _python_constants(fn) -> tuple:
+    """The Python values a mod reads that may change between calls while the function object
+    stays: scalars, NumPy scalars and small NumPy arrays (by content), JAX arrays (by
+    identity), reached through the globals its code names (module attributes too), its
+    closure cells, helper functions it calls, `functools.partial` arguments, bound methods'
+    instances, and the tuples / lists / dicts of mods that `chain` / `and_masks` close over.
+    Part of the trace cache's key, so an eager call after such a value changes traces (and
+    compiles) anew instead of reusing the mod's old trace."""
+    return _reads(fn, 0, set())
+
+
+def _reads(obj, depth: int, seen: set):
+    if isinstance(obj, _SCALARS):
+        return obj.item() if isinstance(obj, np.generic) else obj
+    if depth > 8 or id(obj) in seen:
+        return None
+    seen.add(id(obj))
+    if isinstance(obj, np.ndarray):
+        if obj.size <= _SMALL_ARRAY:
+            return ("np", obj.shape, str(obj.dtype), hashlib.sha256(obj.tobytes()).hexdigest())
+        return ("np", id(obj))
+    if isinstance(obj, jax.Array):
+        return ("jax", id(obj))
+    if isinstance(obj, (tuple, list)):
+        return tuple(_reads(x, depth + 1, seen) for x in obj[:64])
+    if isinstance(obj, dict):
+        return tuple((repr(k), _reads(v, depth + 1, seen)) for k, v in list(obj.items())[:64])
+    if isinstance(obj, functools.partial):
+        return (_reads(obj.func, depth + 1, seen), _reads(obj.args, depth + 1, seen),
+                _reads(obj.keywords, depth + 1, seen))
+    if inspect.ismethod(obj):
+        return (_reads(obj.__func__, depth + 1, seen),
+                _reads(getattr(obj.__self__, "__dict__", None), depth + 1, seen))
+    if inspect.isfunction(obj):
+        if (getattr(obj, "__module__", None) or "").split(".")[0] in _LIBRARIES:
+            return None
+        code, glb = obj.__code__, obj.__globals__
+        out = []
+        for n in code.co_names:
+            if n not in glb:
+                continue
+            v = glb[n]
+            if inspect.ismodule(v) or not (callable(v) or isinstance(v, _SCALARS + (
+                    np.ndarray, jax.Array, tuple, list, dict))):
+                # a module's or an object's attributes the code may read (co_names holds
+                # attribute names too)
+                out.extend((n, a, _reads(getattr(v, a), depth + 1, seen))
+                           for a in code.co_names
+                           if isinstance(getattr(v, a, _MISSING), _SCALARS + (np.ndarray,))
+                           or inspect.isfunction(getattr(v, a, None)))
+            elif not isinstance(v, type):
+                out.append((n, _reads(v, depth + 1, seen)))
+        for cell in obj.__closure__ or ():
+            try:
+                out.append(_reads(cell.cell_contents, depth + 1, seen))
+            except ValueError:  # an empty cell
+                out.append(None)
+        # functions nested in the code (a lambda defined inside the mod) read the same
+        # globals: their names are in their own code objects' co_names
+        for c in code.co_consts:
+            if inspect.iscode(c):
+                out.extend((n, _reads(glb[n], depth + 1, seen)) for n in c.co_names
+                           if n in glb and not inspect.ismodule(glb[n]))
+        return tuple(out)
+    if callable(obj) and hasattr(obj, "__dict__"):   # a callable object
+        return (type(obj).__qualname__, _reads(type(obj).__call__, depth + 1, seen),
+                _reads(obj.__dict__, depth + 1, seen))
+    return None
 
 
 @functools.lru_cache(maxsize=512)

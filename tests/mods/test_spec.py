@@ -197,3 +197,33 @@ def test_a_changed_constant_is_new_code():
     mean = jnp.broadcast_to(jnp.mean(q, axis=1, keepdims=True), q.shape)
     np.testing.assert_allclose(np.asarray(b), np.asarray(mean), atol=1e-6)   # score * 0
     assert not np.allclose(np.asarray(a), np.asarray(b))
+
+
+class _Temper:
+    def __init__(self, c):
+        self.c = c
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score * self.c
+
+
+def test_changed_values_reached_through_methods_arrays_and_masks():
+    """The values a mod reads through a callable object, a NumPy array changed in place and
+    a composed mask's closure are part of its key as well."""
+    from jaxflash.mods.spec import make_spec
+    key = lambda sm=None, mm=None: make_spec(sm, mm, ())[0].key
+    t = _Temper(1.0)
+    k1 = key(sm=t)
+    t.c = 0.5
+    assert key(sm=t) != k1
+    table = np.zeros(4, np.float32)
+    sm = lambda s, b, h, i, j: s + table[0]
+    k1 = key(sm=sm)
+    table[0] = 1.0
+    assert key(sm=sm) != k1
+    limit = [4]
+    lim = lambda b, h, i, j: j < limit[0]
+    mm = mods.and_masks(mods.causal(), lim)
+    k1 = key(mm=mm)
+    limit[0] = 6
+    assert key(mm=mm) != k1
