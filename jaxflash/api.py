@@ -74,6 +74,9 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
     T, N, H = qs[-3:]
     S, K, Hk = ks[-3:]
     Sv, Kv, Hv = vs[-3:]
+    if not all(isinstance(d, int) for d in (N, H, K, Hv)):
+        raise NotImplementedError(f"symbolic head counts or head dims (jax.export): only the "
+                                  f"batch and sequence dims may be symbolic; got {shapes}")
     # Zero-sized batch dims, T = 0 and S = 0 are valid (see flash_attention: "Empty and
     # degenerate shapes"); head counts and head dims are not (no grouping, no default scale).
     if min(N, H, K, Hv) <= 0:

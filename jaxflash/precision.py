@@ -107,6 +107,10 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
         implementation = "xla"
     lens = (_shape(query)[-3], _shape(key)[-3], _shape(value)[-3])
     if fp8_in:
+        if not all(isinstance(n, int) for n in lens):
+            raise NotImplementedError(f"FP8 inputs with symbolic sequence lengths (jax.export; "
+                                      f"{shapes}): their scales' layout is told from the "
+                                      f"lengths; precision='fp8' on float inputs exports")
         # the transform and the quantization of precision="fp8" are the caller's own here
         if hadamard:
             raise ValueError(f"hadamard=True with FP8 inputs ({shapes}): FP8 tensors are used "

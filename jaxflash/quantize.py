@@ -228,11 +228,12 @@ def _check_dim(D: int):
 def hadamard(x, seed: Union[int, jax.Array] = 0) -> jax.Array:
     """``(x * signs) @ H / sqrt(D)`` over the last axis, computed in float32 and returned in
     x's dtype (float32 for FP8 input). Orthogonal: ``hadamard(q) @ hadamard(k).T == q @ k.T``
-    for the same `seed`."""
+    for the same `seed`. Linear (a float16 entry past 65504 rounds to inf, as any float16
+    product does; precision="fp8" saturates its own transform instead, `hadamard_signed`)."""
     x = jnp.asarray(x)
     D = x.shape[-1]
     _check_dim(D)
-    return hadamard_signed(x, hadamard_signs(seed, D))
+    return hadamard_signed(x, hadamard_signs(seed, D), saturate=False)
 
 
 def signed_hadamard_matrix(signs) -> jax.Array:

@@ -170,8 +170,11 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                                                   q_scale, k_scale, v_scale, batch_axis,
                                                   head_axis, seq_axis, shapes)
         if req.spec.source == "quantized" and req.spec.hadamard:
-            q = quantize.hadamard(q, req.hadamard_seed)
-            k = quantize.hadamard(k, req.hadamard_seed)
+            # the prologue's transform: saturating, as flash_attention's (autodiff takes its
+            # gradient, 0 only at saturated entries)
+            signs = quantize.hadamard_signs(req.hadamard_seed, q.shape[-1])
+            q = quantize.hadamard_signed(q, signs)
+            k = quantize.hadamard_signed(k, signs)
     nh = lambda n: n // (mesh_shape[head_axis] if head_axis else 1)
     nb = B // (mesh_shape[batch_axis] if batch_axis else 1)
     # The backend is chosen once, for the first step's (largest) block problem; every other

@@ -43,7 +43,8 @@ from jaxflash.api import _prepare, flash_attention
 
 logger = logging.getLogger("jaxflash.flax")
 
-_FAST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_FAST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                jnp.dtype(jnp.float64))   # float64: x64 only, the XLA reference
 
 # The record of fallbacks, read through jaxflash.flax_layers.last_fallback_reason (None = the last
 # call took the fast path) and fallback_counts (reason -> number of traced calls).

@@ -65,6 +65,14 @@ assert gr.dtype == jnp.float64 and float(jnp.abs(gr - g1).max()) < 1e-12
 sh = NamedSharding(mesh, P("sp"))
 gs = jax.jit(jax.grad(one))(jax.device_put(q2, sh))
 assert float(jnp.abs(gs - g1).max()) < 1e-12
+# the Flax attention_fn takes its fast path (flash_attention) in float64 too
+from jaxflash.flax_layers import attention_fn
+qa = jnp.asarray(rng.standard_normal((2, 7, 2, 8)))
+fa = attention_fn(qa, qa, qa)
+kk = jnp.einsum("btnd,bsnd->bnts", qa, qa) / np.sqrt(8)
+pa = jnp.exp(kk - kk.max(-1, keepdims=True)); pa = pa / pa.sum(-1, keepdims=True)
+assert fa.dtype == jnp.float64
+assert float(jnp.abs(fa - jnp.einsum("bnts,bsnd->btnd", pa, qa)).max()) < 1e-13
 print("ok")
 '''
 

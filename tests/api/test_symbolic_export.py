@@ -72,6 +72,15 @@ def test_kernels_refuse_symbolic_shapes_by_name():
     assert "'xla' runs" in text
     for name in ("cute", "cudnn", "pallas"):
         assert f"'{name}' refused: symbolic batch, q_len, kv_len (jax.export" in text, text
+    n, = export.symbolic_shape("n")
+    with pytest.raises(NotImplementedError, match="symbolic head counts or head dims"):
+        export.export(jax.jit(lambda q: jaxflash.flash_attention(q, q, q)), platforms=["cpu"])(
+            jax.ShapeDtypeStruct((2, 8, n, 16), jnp.float32))
+    f8 = jax.ShapeDtypeStruct((b, t, N, 32), jnp.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="FP8 inputs with symbolic sequence lengths"):
+        export.export(jax.jit(lambda q: jaxflash.flash_attention(q, q, q, q_scale=1.0,
+                                                                 k_scale=1.0, v_scale=1.0)),
+                      platforms=["cpu"])(f8)
     with pytest.raises(NotImplementedError, match="symbolic batch"):
         export.export(jax.jit(lambda q: jaxflash.flash_attention(q, q, q,
                                                                  implementation="pallas")),

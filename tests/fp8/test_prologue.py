@@ -111,8 +111,10 @@ def test_float16_hadamard_saturates_instead_of_overflowing():
                             interpret=True), want)
     out = jaxflash.flash_attention(x, x, x, precision="fp8", emulate=True)
     assert bool(jnp.all(jnp.isfinite(out)))
-    # the linear map stays linear (its transpose is the gradient's)
+    # the linear map stays linear (its transpose is the gradient's), and so does the public
+    # quantize.hadamard
     assert not bool(jnp.all(jnp.isfinite(Q.hadamard_signed(x, signs, saturate=False))))
+    jax.linear_transpose(lambda z: Q.hadamard(z, 1), jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
