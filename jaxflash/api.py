@@ -26,13 +26,18 @@ def _shape(x):
     return tuple(np.shape(x))
 
 
+def _is_traced(x) -> bool:
+    return isinstance(x, _Tracer)
+
+
 def _static_scalar(x, name):
-    """A 0-d array (NumPy or a concrete JAX array) as a Python float: the scale and softcap are
-    compiled into the kernels, so a traced value is refused with the reason."""
-    if isinstance(x, (np.ndarray, np.generic, jax.Array)) and np.ndim(x) == 0 and \
+    """A one-element array (NumPy or a concrete JAX array) as a Python float: the softcap (and
+    a concrete scale) is compiled into the kernels, so a traced value is refused with the
+    reason (`flash_attention` folds a traced scale into the query)."""
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)) and np.size(x) == 1 and \
             not isinstance(x, (bool, np.bool_)):
         try:
-            return float(x)
+            return float(x.reshape(()))
         except jax.errors.ConcretizationTypeError:
             raise ValueError(f"{name} must be a concrete number (it is compiled into the "
                              f"kernel); got a traced value {x!r}: pass it as a Python float, "
@@ -119,8 +124,8 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
                 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in w)):
             raise ValueError(f"local_window_size must be an int or a (left, right) pair of ints; "
                              f"got {local_window_size!r}")
-        if w[0] < 0 or w[1] < 0:
-            raise ValueError(f"local_window_size must be non-negative; got {local_window_size!r}")
+        # as jax.nn: a negative bound moves the window off the diagonal ((-1, 3): keys i + 1
+        # to i + 3); only the reference serves those (`dispatch.reference_only`)
         window = (int(w[0]), int(w[1]))
 
     def dense(x, name, want_bool):
@@ -133,7 +138,7 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         if want_bool and x.dtype != jnp.bool_:
             raise ValueError(f"{name} must be boolean (True = attend); got dtype {x.dtype}")
         if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating dtype; got {x.dtype}")
+            x = x.astype(jnp.float32)   # as jax.nn adds an integer (or bool) bias: its values
         if x.ndim > len(full):
             raise ValueError(f"{name} shape {x.shape} has more dims than [B..., N, T, S] = {full}")
         # dim by dim: symbolic dims (jax.export) are equal only to themselves
@@ -347,6 +352,20 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     others=_fp4_others(locals()))
     if req is not None:
         implementation = req.implementation
+    if scale is not None and _is_traced(scale):
+        # A traced scale (a learned temperature under jit) is no kernel constant: it scales
+        # the query instead, s (q . k) = (s q) . k, and autodiff gives its gradient through
+        # the product (FP8 inputs: it scales q's dequantization scales, exactly).
+        s = jnp.asarray(scale)
+        if s.size != 1 or not jnp.issubdtype(s.dtype, jnp.floating):
+            raise ValueError(f"scale must be one floating number; got {s.shape} {s.dtype}")
+        s = s.reshape(())
+        if req is not None and req.spec.source == "fp8":
+            q_scale = jnp.asarray(q_scale, jnp.float32) * s.astype(jnp.float32)
+        else:
+            qx = jnp.asarray(query)
+            query = (qx.astype(accum_dtype(qx.dtype)) * s).astype(qx.dtype)
+        scale = 1.0
     q, k, v, arrays, statics, batch_shape = _prepare(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

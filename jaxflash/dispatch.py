@@ -105,12 +105,25 @@ class Plan:
         return "\n".join(lines)
 
 
+def reference_only(problem: Problem):
+    """Why only the reference (`implementation="xla"`) can serve `problem`, or None: what
+    every kernel backend refuses alike, said once."""
+    if problem.symbolic:
+        return (f"symbolic {', '.join(dict.fromkeys(problem.symbolic))} (jax.export shape "
+                f"polymorphism): its kernels are picked and compiled per shape")
+    w = problem.statics.window
+    if w is not None and min(w) < 0:
+        return (f"window {tuple(w)} with a negative bound (its keys all after or all before "
+                f"the query): the kernels' tile bounds take windows that hold the diagonal")
+    return None
+
+
 def _try(name: str, problem: Problem):
     """(detail, None) if backend `name` serves `problem`, else (None, why)."""
     backend = _BACKENDS[name]
-    if problem.symbolic and not backend.symbolic_shapes:
-        return None, (f"symbolic {', '.join(dict.fromkeys(problem.symbolic))} (jax.export shape "
-                      f"polymorphism): its kernels are picked and compiled per shape")
+    why = None if backend.reference else reference_only(problem)
+    if why:
+        return None, why
     try:
         return backend.plan(problem), None
     except NotImplementedError as e:

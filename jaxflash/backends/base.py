@@ -19,9 +19,9 @@ class Backend(abc.ABC):
     # Whether `backward` is plain JAX that autodiff can differentiate again (grad of grad);
     # a kernel's backward is not, and `jaxflash.autodiff` says so when asked.
     differentiable_backward: bool = False
-    # Whether the backend serves symbolic batch / sequence dims (`jax.export` shape
-    # polymorphism); kernels are picked and compiled per shape and do not.
-    symbolic_shapes: bool = False
+    # Whether the backend is the reference, which serves every valid call: what only it serves
+    # (`jaxflash.dispatch.reference_only`) is refused for the others before they plan.
+    reference: bool = False
 
     @abc.abstractmethod
     def plan(self, problem: Problem):

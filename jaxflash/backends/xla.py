@@ -19,7 +19,7 @@ LARGE_SCORES_BYTES = 2**32
 class XlaBackend(Backend):
     name = "xla"
     differentiable_backward = True
-    symbolic_shapes = True
+    reference = True
     shards_mods = True
 
     def plan(self, problem):

@@ -34,11 +34,9 @@ def _bad_calls():
         ("scale", dict(query=q, key=k, value=v, scale=float("nan")), "scale"),
         ("softcap neg", dict(query=q, key=k, value=v, softcap=-1.0), "softcap"),
         ("softcap zero", dict(query=q, key=k, value=v, softcap=0.0), "softcap"),
-        ("window neg", dict(query=q, key=k, value=v, local_window_size=(-1, 2)), "non-negative"),
         ("window type", dict(query=q, key=k, value=v, local_window_size=(1, 2, 3)), "pair"),
         ("bias shape", dict(query=q, key=k, value=v, bias=jnp.zeros((2, 4, 5, 6))), "broadcast"),
         ("bias rank", dict(query=q, key=k, value=v, bias=jnp.zeros((1, 2, 4, 5, 7))), "more dims"),
-        ("bias dtype", dict(query=q, key=k, value=v, bias=i32(2, 4, 5, 7)), "floating"),
         ("mask dtype", dict(query=q, key=k, value=v, mask=jnp.ones((2, 4, 5, 7))), "boolean"),
         ("mask shape", dict(query=q, key=k, value=v, mask=jnp.ones((3, 1, 5, 7), bool)),
          "broadcast"),
@@ -279,7 +277,8 @@ def test_explain_validates_like_the_call():
 def test_inputs_jax_nn_accepts():
     """What jax.nn.dot_product_attention takes, jaxflash takes: NumPy float64 (float32 without
     x64), a scale given as a 0-d array, a 4-D bias / mask with 3-D (batchless) inputs. A traced
-    scale is refused with the reason (it is compiled into the kernels)."""
+    softcap is refused with the reason (it is compiled into the kernels); a traced scale is
+    folded into the query (test_what_jax_nn_accepts_runs_as_it_does)."""
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((7, 2, 8)) for _ in range(3))   # float64, [T, N, H]
     bias = rng.standard_normal((1, 2, 7, 7)).astype(np.float32)
@@ -291,7 +290,7 @@ def test_inputs_jax_nn_accepts():
     assert got.dtype == jnp.float32
     assert_close(got, want, 1e-5, "drop-in")
     with pytest.raises(ValueError, match="concrete"):
-        jax.jit(lambda s: jaxflash.flash_attention(q, k, v, scale=s))(0.3)
+        jax.jit(lambda s: jaxflash.flash_attention(q, k, v, softcap=s))(3.0)
 
 
 def test_second_order_gradients():
@@ -326,3 +325,35 @@ def test_transformations_xla():
     exp = jax.export.export(jax.jit(f))(q, k, v)
     back = jax.export.deserialize(exp.serialize())
     assert_close(back.call(q, k, v), ref, 1e-5, "export")
+
+
+def test_what_jax_nn_accepts_runs_as_it_does():
+    """Windows with a negative bound (keys only after / before the query: the reference
+    serves them, explain says why the kernels do not), an integer or boolean bias, a scale
+    traced under jit (a learned temperature: it scales the query, and gets its gradient), a
+    one-element scale array: results and gradients as jax.nn.dot_product_attention's."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 9, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 11, 2, 8)), jnp.float32)
+    visible = lambda o: np.asarray(o).any(-1)[..., None]   # jax.nn averages empty rows
+    for w in ((-1, 3), (3, -2), -1, (5, -1)):
+        for causal in (False, True):
+            o = jaxflash.flash_attention(q, k, k, local_window_size=w, is_causal=causal)
+            r = jax.nn.dot_product_attention(q, k, k, local_window_size=w, is_causal=causal)
+            np.testing.assert_allclose(np.where(visible(o), o, 0), np.where(visible(o), r, 0),
+                                       atol=1e-6)
+    with jaxflash.target_platform("cuda"):
+        s = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+        assert "negative bound" in str(jaxflash.explain(s, s, s, local_window_size=(-1, 3)))
+    bias = jnp.asarray(rng.integers(-2, 3, (2, 2, 9, 11)), jnp.int32)
+    for b in (bias, bias > 0):
+        np.testing.assert_allclose(jaxflash.flash_attention(q, k, k, bias=b),
+                                   jax.nn.dot_product_attention(q, k, k, bias=b), atol=1e-6)
+    np.testing.assert_allclose(jaxflash.flash_attention(q, k, k, scale=np.array([0.7])),
+                               jax.nn.dot_product_attention(q, k, k, scale=0.7), atol=1e-6)
+    loss = lambda f: (lambda q, s: jnp.sum(jnp.sin(f(q, k, k, scale=s, is_causal=True))))
+    ours = jax.jit(jax.value_and_grad(loss(jaxflash.flash_attention), argnums=(0, 1)))
+    ref = jax.jit(jax.value_and_grad(loss(jax.nn.dot_product_attention), argnums=(0, 1)))
+    for a, b in zip(jax.tree.leaves(ours(q, jnp.float32(0.7))),
+                    jax.tree.leaves(ref(q, jnp.float32(0.7)))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
