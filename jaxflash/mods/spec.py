@@ -300,6 +300,12 @@ def mask_reads(spec: ModSpec) -> frozenset:
     if closed is None:
         return frozenset()
     jaxpr = closed.jaxpr
+    try:  # dead code dropped first (jax's own pass; private, so with a fallback)
+        from jax._src.interpreters.partial_eval import dce_jaxpr
+        used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[1]
+        return frozenset(n for n, u in zip(("b", "h"), used[:2]) if u)
+    except (ImportError, AttributeError, TypeError):
+        pass
     used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
     return frozenset(n for n, v in zip(("b", "h"), jaxpr.invars[:2]) if id(v) in used)
 
