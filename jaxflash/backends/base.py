@@ -16,8 +16,9 @@ class Backend(abc.ABC):
     # Whether forward / backward honour ``arrays.mod_offsets`` (a shard's global batch / head
     # offsets, which mods see); calls with mods are partitioned only over backends that do.
     shards_mods: bool = False
-    # Whether `backward` is plain JAX that autodiff can differentiate again (grad of grad);
-    # a kernel's backward is not, and `jaxflash.autodiff` says so when asked.
+    # Whether the passes are plain JAX: `jaxflash.autodiff` then differentiates `forward`
+    # itself (any order, forward mode too; ring attention still calls `backward`). A kernel's
+    # passes are not, and a second derivative through them raises with the reason.
     differentiable_backward: bool = False
     # Whether the backend is the reference, which serves every valid call: what only it serves
     # (`jaxflash.dispatch.reference_only`) is refused for the others before they plan.
