@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import NamedTuple, Optional
 
@@ -47,6 +48,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxflash._types import AttentionArrays, Problem
+
+logger = logging.getLogger("jaxflash")
 
 try:  # jit-traced values; anything else (eager arrays, vmap tracers) runs unpartitioned.
     from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
@@ -300,6 +303,9 @@ def _make_plan(mesh, q_sharding, k_sharding, problem: Problem) -> _Plan:
           and (not rest or (size(kv) == problem.num_kv_heads
                             and problem.group_size % size(rest) == 0)))
     if not ok:
+        logger.info("head sharding %s dropped for %d query / %d kv heads: each device needs "
+                    "whole kv heads or a split group of one; heads run whole (gathered)",
+                    heads, problem.num_heads, problem.num_kv_heads)
         heads, kv = (), ()
     return _Plan(batch, heads, kv)
 

@@ -41,10 +41,13 @@ class CuteBackend(Backend):
                 detail = dataclasses.replace(detail, bwd_reason=(
                     f"{detail.bwd_reason}; the Pallas backward cannot serve it either ({e}): "
                     f"forward only, differentiating it raises"), bwd_refused=True)
+        from jaxflash.mods import aux_grad
+        if aux_grad.plan_note(problem):
+            detail = dataclasses.replace(detail, extra=(aux_grad.plan_note(problem),))
         return detail
 
     def notes(self, detail):
-        return (detail.note,)
+        return (detail.note,) + detail.extra
 
     def forward(self, q, k, v, arrays, statics, plan):
         from jaxflash.kernels import call

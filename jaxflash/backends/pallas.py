@@ -22,10 +22,9 @@ class PallasBackend(Backend):
         # What `explain` says about a call with mods (the plan is otherwise empty).
         notes = ["mods: score_mod / mask_mod evaluated in the kernels from their jaxprs "
                  f"(key {problem.mods.key[:12]})"]
-        if problem.mods.has_score and any(d.startswith(("float", "bfloat"))
-                                          for _, d in problem.mods.aux_avals):
-            notes.append("aux gradients: XLA, blockwise over query rows (one more Q K^T and "
-                         "dO V^T, the score_mod's VJP over every pair)")
+        from jaxflash.mods import aux_grad
+        if aux_grad.plan_note(problem):
+            notes.append(aux_grad.plan_note(problem))
         if problem.block_sparse is not None:
             notes.append(f"block mask {problem.block_sparse}: empty tiles skipped, full ones "
                          f"run without the mask_mod")

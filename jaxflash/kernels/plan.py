@@ -46,6 +46,7 @@ class CutePlan:
     bwd_reason: str = ""
     fp8: bool = False
     bwd_refused: bool = False   # no backward at all (``bwd_reason`` says why)
+    extra: tuple = ()           # further `explain` sentences (how aux gradients are taken)
 
     @property
     def note(self) -> str:

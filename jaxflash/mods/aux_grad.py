@@ -20,6 +20,17 @@ from jaxflash.mods import dense
 _CHUNK_ELEMS = 1 << 24   # float32 elements of one chunk's score tile
 
 
+def plan_note(problem):
+    """`explain`'s sentence on how a kernel backend gets the aux gradients of `problem`'s
+    mods (None when no aux leaf can have one)."""
+    mods = problem.mods
+    if mods is None or not mods.has_score or not any(
+            d.startswith(("float", "bfloat")) for _, d in mods.aux_avals):
+        return None
+    return ("aux gradients: XLA, blockwise over query rows (one more Q K^T and dO V^T, the "
+            "score_mod's VJP over every pair)")
+
+
 def needed(statics, arrays) -> bool:
     """Whether any aux leaf can have a gradient (a score_mod and a floating leaf)."""
     mods = statics.mods

@@ -136,7 +136,7 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
         # a symbolic dim (jax.export shape polymorphism) stays symbolic: only the XLA
         # reference serves such calls, and its name keys them
         avals.append((tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in x.shape),
-                      str(jnp.dtype(x.dtype))))
+                      str(jax.dtypes.canonicalize_dtype(x.dtype))))   # as jnp.asarray makes it
     leaves = [jnp.asarray(x) for x in leaves]
     avals = tuple(avals)
     h = hashlib.sha256()
@@ -194,37 +194,47 @@ def _reads(obj, depth: int, seen: set):
         if (getattr(obj, "__module__", None) or "").split(".")[0] in _LIBRARIES:
             return None
         code, glb = obj.__code__, obj.__globals__
+        names = _names(code)
         out = []
-        for n in code.co_names:
+        for n in names:
             if n not in glb:
                 continue
             v = glb[n]
-            if inspect.ismodule(v) or not (callable(v) or isinstance(v, _SCALARS + (
-                    np.ndarray, jax.Array, tuple, list, dict))):
-                # a module's or an object's attributes the code may read (co_names holds
-                # attribute names too)
-                out.extend((n, a, _reads(getattr(v, a), depth + 1, seen))
-                           for a in code.co_names
+            if inspect.ismodule(v) or isinstance(v, type) or not (callable(v) or isinstance(
+                    v, _SCALARS + (np.ndarray, jax.Array, tuple, list, dict))):
+                # a module's, a class's or an object's attributes the code may read (the
+                # code's names hold attribute names too)
+                out.extend((n, a, _reads(getattr(v, a), depth + 1, seen)) for a in names
                            if isinstance(getattr(v, a, _MISSING), _SCALARS + (np.ndarray,))
                            or inspect.isfunction(getattr(v, a, None)))
-            elif not isinstance(v, type):
+            else:
                 out.append((n, _reads(v, depth + 1, seen)))
         for cell in obj.__closure__ or ():
             try:
                 out.append(_reads(cell.cell_contents, depth + 1, seen))
             except ValueError:  # an empty cell
                 out.append(None)
-        # functions nested in the code (a lambda defined inside the mod) read the same
-        # globals: their names are in their own code objects' co_names
-        for c in code.co_consts:
-            if inspect.iscode(c):
-                out.extend((n, _reads(glb[n], depth + 1, seen)) for n in c.co_names
-                           if n in glb and not inspect.ismodule(glb[n]))
         return tuple(out)
-    if callable(obj) and hasattr(obj, "__dict__"):   # a callable object
-        return (type(obj).__qualname__, _reads(type(obj).__call__, depth + 1, seen),
-                _reads(obj.__dict__, depth + 1, seen))
+    if isinstance(obj, type):   # a class a closure holds: its own scalar attributes
+        return tuple((a, _reads(v, depth + 1, seen)) for a, v in vars(obj).items()
+                     if isinstance(v, _SCALARS + (np.ndarray,)))
+    if callable(obj) and hasattr(obj, "__dict__"):   # a callable object: its and its class's
+        cls = type(obj)
+        return (cls.__qualname__, _reads(cls.__call__, depth + 1, seen),
+                _reads(obj.__dict__, depth + 1, seen),
+                tuple((a, _reads(v, depth + 1, seen)) for a, v in vars(cls).items()
+                      if isinstance(v, _SCALARS + (np.ndarray,))))
     return None
+
+
+def _names(code) -> tuple:
+    """The global and attribute names a code object reads, its nested functions' (a lambda
+    defined inside the mod) included."""
+    out = list(code.co_names)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            out.extend(_names(c))
+    return tuple(dict.fromkeys(out))
 
 
 @functools.lru_cache(maxsize=512)

@@ -76,6 +76,11 @@ def test_explain_names_who_cannot_serve_mods():
         text = str(plan)
         assert plan.backend == "cute" and "FlashBwdSm90" in text, text
         assert "score_mod" in plan.problem.features() and "mask_mod" in plan.problem.features()
+        assert "aux gradients" not in text   # no aux leaf to differentiate
+        # a learnable aux: explain says how its gradient is taken
+        slopes = jax.ShapeDtypeStruct((_Q.shape[2],), jnp.float32)
+        text = str(jaxflash.explain(_Q, _K, _K, score_mod=mods.alibi(0), aux=(slopes,)))
+        assert "'cute' runs" in text and "aux gradients: XLA, blockwise" in text, text
         cudnn = str(jaxflash.explain(_Q, _K, _K, mask_mod=mods.chunked(4), implementation="cudnn"))
         assert "'cudnn' refused: score_mod / mask_mod" in cudnn, cudnn
         # a cumulative sum has no kernel translation: Pallas runs, and cute's refusal is named
@@ -220,6 +225,12 @@ def test_changed_values_reached_through_methods_arrays_and_masks():
     sm = lambda s, b, h, i, j: s + table[0]
     k1 = key(sm=sm)
     table[0] = 1.0
+    assert key(sm=sm) != k1
+    class Cfg:
+        c = 1.0
+    sm = lambda s, b, h, i, j: (lambda x: x * Cfg.c)(s)   # a class attribute, one lambda deep
+    k1 = key(sm=sm)
+    Cfg.c = 2.0
     assert key(sm=sm) != k1
     limit = [4]
     lim = lambda b, h, i, j: j < limit[0]
