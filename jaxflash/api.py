@@ -138,7 +138,7 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         if want_bool and x.dtype != jnp.bool_:
             raise ValueError(f"{name} must be boolean (True = attend); got dtype {x.dtype}")
         if not want_bool and not jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(jnp.float32)   # as jax.nn adds an integer (or bool) bias: its values
+            x = x.astype(jnp.float32)   # an integer or boolean bias adds its values, as in jax.nn
         if x.ndim > len(full):
             raise ValueError(f"{name} shape {x.shape} has more dims than [B..., N, T, S] = {full}")
         # dim by dim: symbolic dims (jax.export) are equal only to themselves
