@@ -26,10 +26,6 @@ def _shape(x):
     return tuple(np.shape(x))
 
 
-def _is_traced(x) -> bool:
-    return isinstance(x, _Tracer)
-
-
 def _static_scalar(x, name):
     """A one-element array (NumPy or a concrete JAX array) as a Python float: the softcap (and
     a concrete scale) is compiled into the kernels, so a traced value is refused with the
@@ -352,7 +348,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     others=_fp4_others(locals()))
     if req is not None:
         implementation = req.implementation
-    if scale is not None and _is_traced(scale):
+    if isinstance(scale, _Tracer):
         # A traced scale (a learned temperature under jit) is no kernel constant: it scales
         # the query instead, s (q . k) = (s q) . k, and autodiff gives its gradient through
         # the product (FP8 inputs: it scales q's dequantization scales, exactly).

@@ -111,6 +111,9 @@ def reference_only(problem: Problem):
     if problem.symbolic:
         return (f"symbolic {', '.join(dict.fromkeys(problem.symbolic))} (jax.export shape "
                 f"polymorphism): its kernels are picked and compiled per shape")
+    if problem.dtype == "float64":
+        return ("float64 inputs: the kernels compute in float32 at most (the XLA reference "
+                "computes in float64)")
     w = problem.statics.window
     if w is not None and min(w) < 0:
         return (f"window {tuple(w)} with a negative bound (its keys all after or all before "

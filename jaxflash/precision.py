@@ -116,12 +116,13 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
             raise ValueError(f"hadamard=True with FP8 inputs ({shapes}): FP8 tensors are used "
                              f"as given; apply jaxflash.quantize.hadamard to query and key "
                              f"before quantizing them (it cancels in QK^T)")
-        for n, given_v, default, why in (
-                ("hadamard_seed", hadamard_seed, None, "FP8 inputs get no transform here"),
-                ("scale_granularity", scale_granularity, "block",
+        for n, given, why in (
+                ("hadamard_seed", hadamard_seed is not None, "FP8 inputs get no transform here"),
+                ("scale_granularity", scale_granularity != "block",
                  "FP8 inputs' scale layout comes from their scales' shapes")):
-            if given_v is not default and given_v != default:
-                raise ValueError(f"{n}={given_v!r} with FP8 inputs ({shapes}): it is for "
+            if given:
+                value = hadamard_seed if n == "hadamard_seed" else scale_granularity
+                raise ValueError(f"{n}={value!r} with FP8 inputs ({shapes}): it is for "
                                  f"precision='fp8' on float inputs ({why})")
         grans = []
         for n, x, s in zip(("q_scale", "k_scale", "v_scale"), (query, key, value), scales):

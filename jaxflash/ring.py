@@ -436,8 +436,7 @@ def _quantized(cfg, q, k, v, extras, scales):
         L = q.shape[1]
         C = L // 2 if cfg.zigzag else L
         me = lax.axis_index(cfg.axis)
-        pos = jnp.concatenate([c * C + jnp.arange(C, dtype=jnp.int32)
-                               for c in cfg.chunks(me)]).astype(jnp.int32)
+        pos = jnp.concatenate([c * C + jnp.arange(C, dtype=jnp.int32) for c in cfg.chunks(me)])
         q = prologue.zero_past_length(q, q_len, pos)
         k = prologue.zero_past_length(k, kv_len, pos)
         v = prologue.zero_past_length(v, kv_len, pos)

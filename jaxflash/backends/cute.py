@@ -42,8 +42,9 @@ class CuteBackend(Backend):
                     f"{detail.bwd_reason}; the Pallas backward cannot serve it either ({e}): "
                     f"forward only, differentiating it raises"), bwd_refused=True)
         from jaxflash.mods import aux_grad
-        if aux_grad.plan_note(problem):
-            detail = dataclasses.replace(detail, extra=(aux_grad.plan_note(problem),))
+        note = aux_grad.plan_note(problem)
+        if note:
+            detail = dataclasses.replace(detail, extra=(note,))
         return detail
 
     def notes(self, detail):

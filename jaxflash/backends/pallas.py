@@ -23,8 +23,7 @@ class PallasBackend(Backend):
         notes = ["mods: score_mod / mask_mod evaluated in the kernels from their jaxprs "
                  f"(key {problem.mods.key[:12]})"]
         from jaxflash.mods import aux_grad
-        if aux_grad.plan_note(problem):
-            notes.append(aux_grad.plan_note(problem))
+        notes += [n for n in (aux_grad.plan_note(problem),) if n]
         if problem.block_sparse is not None:
             notes.append(f"block mask {problem.block_sparse}: empty tiles skipped, full ones "
                          f"run without the mask_mod")
