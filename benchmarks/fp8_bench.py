@@ -40,9 +40,7 @@ QUICK = [(d, s, c) for d in (128, 256) for s in (4096, 16384) for c in (False, T
 # contract's 128-key tiles; V^T from the XLA side in every one, as picked): at hd 64 the
 # 128-row tiles beside the 192-row pick (three consumer warpgroups), the persistent tile loop
 # (the bf16 kernel's gain at S = 1k), wider key tiles (FlashAttention-3's FP8 choice at hd 128
-# is 224), the conditional O rescale (FlashAttention-4's, bitwise the same result), and the
-# consumer warpgroups' softmax at once instead of by turns (`npp`: FP8 halves the GEMMs, not
-# the exponentials).
+# is 224), and the conditional O rescale (FlashAttention-4's, bitwise the same result).
 BWD_POINTS = [(128, s, c) for s in (1024, 4096, 16384) for c in (False, True)]
 # hd 256 (`FlashBwdSm90Fp8Wide`): beside our bf16 forward + backward only (no cuDNN FP8 backward)
 BWD_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
@@ -51,11 +49,10 @@ BWD_POINTS += [(64, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_POINTS = [(d, s, c) for d in (64, 128) for s in (1024, 4096, 16384) for c in (False, True)]
 TILE_POINTS += [(256, s, c) for s in (4096, 16384) for c in (False, True)]
 TILE_VARIANTS = {
-    64: {"pick": {}, "m128": dict(tile_m=128), "m128_npp": dict(tile_m=128, pingpong=False),
-         "persistent": dict(persistent=True), "lazy": dict(lazy_rescale=True)},
-    128: {"pick": {}, "npp": dict(pingpong=False), "t160": dict(tile_n=160),
-          "t192": dict(tile_n=192), "persistent": dict(persistent=True),
-          "lazy": dict(lazy_rescale=True)},
+    64: {"pick": {}, "m128": dict(tile_m=128), "persistent": dict(persistent=True),
+         "lazy": dict(lazy_rescale=True)},
+    128: {"pick": {}, "t160": dict(tile_n=160), "t192": dict(tile_n=192),
+          "persistent": dict(persistent=True), "lazy": dict(lazy_rescale=True)},
     256: {"pick": {}, "lazy": dict(lazy_rescale=True)},
 }
 
@@ -168,23 +165,6 @@ def build(out: str, bwd_only: bool = False, dims=None) -> int:
         for change in TILE_VARIANTS[d].values():
             launch, _ = tile_launch(d, s_, c, **change)
             launches.setdefault(launch.name, launch)
-    # the gated variants beside each launch that would take them: the backward's descales
-    # loaded a step ahead, the forward's warpgroups not taking turns
-    from jaxflash.kernels.policy.choose import with_scale_prefetch, without_pingpong
-    from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig
-    from jaxflash.kernels.variants.bwd_fp8_launch import bwd_fp8_launch
-    from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
-    from jaxflash.kernels.variants.fwd_fp8_launch import fwd_fp8_launch
-    for launch in list(launches.values()):
-        one = None
-        if isinstance(launch.config, Fp8BwdConfig):
-            ahead = with_scale_prefetch(launch.config)
-            one = ahead and bwd_fp8_launch(ahead)
-        elif isinstance(launch.config, Fp8FwdConfig):
-            off = without_pingpong(launch.config)
-            one = off and fwd_fp8_launch(off)
-        if one is not None:
-            launches.setdefault(one.name, one)
     counts = aot.build(list(launches.values()), out, progress=True)
     print(f"{counts['built']} built, {counts['kept']} up to date in {out}")
     return 0
@@ -219,16 +199,6 @@ def run(points, out_dir: str) -> int:
             "ours_fp8_e2e": jax.jit(lambda q, k, v, *_: jaxflash.flash_attention(
                 q, k, v, is_causal=c, precision="fp8", implementation="cute")),
         }
-        # the consumer warpgroups' softmax at once (gated: `choose.FP8_FWD_NO_PINGPONG`); the
-        # same launch as the pick where the pick never takes turns (hd 256, 192-row tiles)
-        fns["ours_fp8_npp"] = _traced_under(
-            lambda q, k, v, q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
-                q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs, is_causal=c,
-                implementation="cute"), {NO_PINGPONG: True})
-        fns["ours_fp8_e2e_npp"] = _traced_under(
-            lambda q, k, v, *_: jaxflash.flash_attention(
-                q, k, v, is_causal=c, precision="fp8", implementation="cute"),
-            {NO_PINGPONG: True})
         if fa is not None:
             cudnn = cudnn_fp8_attention(D, c)
             fns["cudnn_fp8"] = jax.jit(lambda q, k, v, q8, k8, v8, *_: cudnn(q8, k8, v8)[0])
@@ -367,9 +337,6 @@ def run_bwd(points, out_dir: str) -> int:
         variants = {"ours_fp8_xla_helpers": (ours_fp8, xla),
                     "ours_fp8_e2e_xla_helpers": (ours("fp8"), xla),
                     "ours_fp8_e2e_butterflies": (ours("fp8"), {PROLOGUE_IMPL: "triton"})}
-        if d <= 128:  # the descales loaded a step ahead (gated: `choose.FP8_BWD_SCALE_PREFETCH`)
-            variants["ours_fp8_scale_prefetch"] = (ours_fp8, {SCALE_PREFETCH: True})
-            variants["ours_fp8_e2e_scale_prefetch"] = (ours("fp8"), {SCALE_PREFETCH: True})
         for name, (fn, settings) in variants.items():
             fns[name] = _traced_under(fn, settings)
         if fa is not None and d == 128:  # (cuDNN's FP8 backward: D 128 only)
@@ -425,8 +392,6 @@ def cudnn_fp8_fwdbwd(D: int, causal: bool):
 
 # Module constants the benches set while a variant traces (`_traced_under`).
 KM_IMPL = "jaxflash.kernels.variants.keys_major.IMPL"
-SCALE_PREFETCH = "jaxflash.kernels.policy.choose.FP8_BWD_SCALE_PREFETCH"
-NO_PINGPONG = "jaxflash.kernels.policy.choose.FP8_FWD_NO_PINGPONG"
 ROWS_IMPL = "jaxflash.fp8.prologue.ROWS_IMPL"
 PROLOGUE_IMPL = "jaxflash.fp8.prologue.IMPL"
 
@@ -457,9 +422,8 @@ def _traced_under(fn, settings: dict):
 
 
 def _write_bwd(out_dir, env, rows) -> str:
-    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_scale_prefetch", "ours_fp8_e2e",
-            "ours_fp8_e2e_xla_helpers", "ours_fp8_e2e_scale_prefetch", "ours_fp8_e2e_butterflies",
-            "ours_bf16", "cudnn_fp8"]
+    cols = ["ours_fp8", "ours_fp8_xla_helpers", "ours_fp8_e2e", "ours_fp8_e2e_xla_helpers",
+            "ours_fp8_e2e_butterflies", "ours_bf16", "cudnn_fp8"]
     lines = ["| D | S | causal | " + " | ".join(cols) + " | FP8/bf16 | FP8/cuDNN FP8 |",
              "|---|---|---|" + "---|" * (len(cols) + 2)]
     f = lambda x: "" if x is None else f"{x:.0f}"
@@ -515,14 +479,13 @@ def _table(rows, summary):
     f = lambda x: "" if x is None else f"{x:.0f}"
     g = lambda x: "" if x is None else f"{x:.2f}"
     lines = ["| D | S | causal | ours FP8 | ours bf16 | cuDNN FP8 | ours precision=fp8 from bf16 "
-             "| FP8/cuDNN FP8 | FP8/bf16 | e2e/bf16 | FP8, no pingpong | e2e, no pingpong |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| FP8/cuDNN FP8 | FP8/bf16 | e2e/bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b, c, e = r["ours_fp8"], r["ours_bf16"], r.get("cudnn_fp8"), r.get("ours_fp8_e2e")
         lines.append(f"| {r['D']} | {r['S']} | {int(r['causal'])} | {f(a)} | {f(b)} | {f(c)} | "
                      f"{f(e)} | {g(a / c if a and c else None)} | {g(a / b if a and b else None)} | "
-                     f"{g(e / b if e and b else None)} | {f(r.get('ours_fp8_npp'))} | "
-                     f"{f(r.get('ours_fp8_e2e_npp'))} |")
+                     f"{g(e / b if e and b else None)} |")
     lines.append("")
     lines.append("TFLOP/s. " + ", ".join(f"{k}: {g(v) if isinstance(v, float) else v}"
                                          for k, v in summary.items()))

@@ -35,9 +35,9 @@ LONG = "transcribed-h200-2026-11-30.json"     # 128k-token sequence, forward+bac
 PALLAS = "pallas-h200-2026-11-30.json"        # Pallas fallback beside JAX's Pallas-Triton op
 RING = ("ring-pallas-h200x2-2026-11-30.json", "ring-cute-h200x2-2026-11-30.json")
 LM = "lm-compare-cute-h200-2026-12-02-s6.json"  # training-loss check, example LM
-FP8_BENCH = "fp8-fwd-bench-h200-2026-12-04d.json"  # FP8 forward beside bf16 and cuDNN FP8
+FP8_BENCH = "fp8-fwd-bench-h200-2026-12-05.json"  # FP8 forward beside bf16 and cuDNN FP8
 FP8_FWDBWD = ("fp8-fwdbwd-bench-d64-h200-2026-12-04f.json",  # FP8 forward + backward, one
-              "fp8-fwdbwd-bench-h200-2026-12-04f.json",      # device call per head dim
+              "fp8-fwdbwd-bench-h200-2026-12-05.json",       # device call per head dim
               "fp8-fwdbwd-bench-d256-h200-2026-12-04f.json")
 FP8_DIAG = "fp8-fwd-diag-h200-2026-12-04.json"    # FP8 variants, and without V's transpose
 FP8_E2E = "fp8-prologue-bench-h200-2026-12-04c.json"  # precision="fp8" with each prologue
@@ -441,8 +441,8 @@ def section_fp8_e2e() -> list[str]:
         f"K as a tensor-core product; \"FP8 kernel\" is the same block-scale kernel on inputs "
         f"quantized beforehand. Dense, TFLOP/s; {env['device']}, {env['date_utc'][:10]} "
         f"(`{FP8_E2E}`; the prologue's tilings swept at 4k in the same run, the fastest exact "
-        f"ones taken for the end-to-end part and by the library; the forward table above ran "
-        f"the tilings before that sweep):", "",
+        f"ones taken for the end-to-end part and by the library, which the forward table above "
+        f"ran with):", "",
         *table(["D", "S", "ours bf16", "FP8 kernel", "e2e, XLA prologue",
                 "e2e, butterflies", "e2e, tensor-core Hadamard", "e2e / bf16",
                 "FP8 kernel / bf16"], body), "",

@@ -19,9 +19,8 @@
 #             (tests/kernels/test_fp8_gpu.py), then ours FP8 / ours bf16 / cuDNN FP8 over the
 #             grid (benchmarks.fp8_bench; FP8_QUICK=1: D 128/256 x S 4k/16k; FP8_TILES=1 adds
 #             the FP8 variants' comparison, +2.5 min; needs `fp8_bench build` in prepare)  (~4 min)
-#   fp8bwd    the Hopper FP8 backward kernel against its emulated contract and float64, the
-#             pick and the gated descales loaded a step ahead (tests/kernels/test_fp8_bwd_gpu.py;
-#             FP8BWD_K selects cases, e.g. d256), then FP8
+#   fp8bwd    the Hopper FP8 backward kernel against its emulated contract and float64
+#             (tests/kernels/test_fp8_bwd_gpu.py; FP8BWD_K selects cases, e.g. d256), then FP8
 #             fwd+bwd vs our bf16 vs cuDNN FP8 at D 128, vs our bf16 at D 64 / 256
 #             (benchmarks.fp8_bench run --bwd; FP8BWD_DIMS=128 for one head dim: all of them
 #             take more than one call; needs `fp8_bench build --bwd` in prepare); FP8BWD_SAN=1
@@ -131,16 +130,16 @@ extremes)
     --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
     2>&1 | grep -v -i warn | tail -25 ;;
 fp8)
-  timeout ${FP8_TEST_TIMEOUT:-200} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
+  timeout ${FP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
     2>&1 | tee $OUT/gpu-fp8-tests-$D.log | grep -v -i warn | tail -25
   timeout ${FP8_BENCH_TIMEOUT:-150} python3 -m benchmarks.fp8_bench run ${FP8_QUICK:+--quick} --out $OUT \
     2>&1 | grep -v -i warn | tail -45
   # FP8_TILES=1: the FP8 variants compared (key tiles, persistent loop, 192 rows at hd 64,
-  # conditional rescale, the warpgroups' softmax at once)
+  # conditional rescale)
   [ "${FP8_TILES:-0}" = 1 ] && timeout ${FP8_TILES_TIMEOUT:-240} python3 -m benchmarks.fp8_bench run --tiles --out $OUT \
     2>&1 | grep -v -i warn | tail -14 ;;
 fp8bwd)
-  # (each hd <= 128 case twice: the pick and the gated scale prefetch; 4 workers share the GPU)
+  # (4 workers share the GPU)
   XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   timeout ${FP8BWD_TEST_TIMEOUT:-240} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA -s \
     tests/kernels/test_fp8_bwd_gpu.py ${FP8BWD_K:+-k "$FP8BWD_K"} 2>&1 \

@@ -23,7 +23,7 @@ from jaxflash.kernels.variants.bwd_fp8 import Fp8BwdConfig  # noqa: E402
 
 # The register-heaviest variants (softcap's tanh values and both lengths) and the rest of the
 # features with E4M3 dO, at hd 128 / 64 and at hd 256 (the head-dim split): four compiles of a
-# few seconds each; and the descales loaded a step ahead (gated) with the heaviest masks.
+# few seconds each.
 MATRIX = [
     Fp8BwdConfig(head_dim=128, is_causal=True, has_softcap=True, has_q_seqlen=True,
                  has_kv_seqlen=True),
@@ -31,10 +31,6 @@ MATRIX = [
     Fp8BwdConfig(head_dim=256, is_causal=True, has_softcap=True, has_q_seqlen=True,
                  has_kv_seqlen=True),
     Fp8BwdConfig(head_dim=256, has_window=True, has_segments=True, do_dtype="float8_e4m3fn"),
-    Fp8BwdConfig(head_dim=128, is_causal=True, has_softcap=True, has_q_seqlen=True,
-                 has_kv_seqlen=True, scale_prefetch=True),
-    Fp8BwdConfig(head_dim=64, has_window=True, has_softcap=True, has_kv_seqlen=True,
-                 has_segments=True, scale_prefetch=True),
 ]
 
 
@@ -188,30 +184,6 @@ def test_explain_names_the_backward_that_runs(monkeypatch):
         # what it does not serve falls back, naming the reason
         text = str(jaxflash.explain(x, x, x, precision="fp8", deterministic=True))
         assert "emulated FP8 backward" in text and "deterministic FP8 backward" in text, text
-
-
-def test_scale_prefetch_is_gated(monkeypatch):
-    """The descales loaded a step ahead are never picked by default, and picked (behind the
-    switch) only in the 128-key kernel; without the switch the call keeps a checked backward,
-    named."""
-    import jax
-    import jax.numpy as jnp
-
-    import jaxflash
-    from jaxflash.kernels.policy import choose
-    x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
-    y = jax.ShapeDtypeStruct((2, 256, 4, 256), jnp.bfloat16)
-    monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
-    with jaxflash.target_platform("cuda"):
-        assert "_spf_" not in str(jaxflash.explain(x, x, x, precision="fp8"))
-        monkeypatch.setattr(choose, "FP8_BWD_SCALE_PREFETCH", True)
-        text = str(jaxflash.explain(x, x, x, precision="fp8"))
-        assert "a step ahead (scale_prefetch)" in text and "emulated FP8 backward" in text, text
-        monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
-        text = str(jaxflash.explain(x, x, x, precision="fp8"))
-        assert "FlashBwdSm90Fp8 (bwd8_sm90_e4m3_doe5m2_h128_t64x128s2_spf_dense)" in text, text
-        text = str(jaxflash.explain(y, y, y, precision="fp8"))
-        assert "FlashBwdSm90Fp8Wide" in text and "_spf_" not in text, text
 
 
 def _kernel_in_numpy(inputs, scale, causal, T, S, G, tn=128):

@@ -95,24 +95,17 @@ def _grads64(q, k, v, do, scale, causal, window, softcap, q_len, kv_len, seg):
     return dq, fold(dk), fold(dv)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["pick", "scale-prefetch"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fp8_backward_against_emulation_and_float64(case, prefetch, monkeypatch):
-    """Each case through the kernel dispatch picks and, at hd <= 128, with the gated descales
-    loaded a step ahead (`choose.FP8_BWD_SCALE_PREFETCH`)."""
+def test_fp8_backward_against_emulation_and_float64(case, monkeypatch):
     import jax
     import jax.numpy as jnp
 
     import jaxflash
-    from jaxflash.kernels.policy import choose
 
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    name, B, T, S, N, K, D, kw = case
-    if prefetch and D > 128:
-        pytest.skip("the descales loaded a step ahead: 128-key kernel only")
     monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
-    monkeypatch.setattr(choose, "FP8_BWD_SCALE_PREFETCH", prefetch)
+    name, B, T, S, N, K, D, kw = case
     kw = dict(kw)
     rng = np.random.default_rng(abs(hash(name)) % 2**31)
     bf = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -133,7 +126,6 @@ def test_fp8_backward_against_emulation_and_float64(case, prefetch, monkeypatch)
         kw["dout_dtype"] = jnp.float8_e4m3fn
     expl = str(jaxflash.explain(q, k, v, precision="fp8", implementation="cute", **kw))
     assert ("FlashBwdSm90Fp8Wide" if D > 128 else "FlashBwdSm90Fp8 ") in expl, expl
-    assert ("_spf_" in expl) == prefetch, expl
 
     def grads(impl):
         def loss(a, b, c):

@@ -54,13 +54,6 @@ MATRIX = [
                  v_transposed=True),
     # hd 64's pick with per-tensor / per-head q scales (gated until its GPU check)
     Fp8FwdConfig(head_dim=64, tile_m=192, is_causal=True, v_transposed=True),
-    # both consumer warpgroups' softmax at once (gated: `choose.FP8_FWD_NO_PINGPONG`), in the
-    # plain, block-scale and persistent picks it would replace
-    Fp8FwdConfig(head_dim=128, v_transposed=True, pingpong=False),
-    Fp8FwdConfig(head_dim=64, is_causal=True, mask_select=True, q_blocks=True, k_blocks=True,
-                 v_blocks=True, v_transposed=True, pingpong=False),
-    Fp8FwdConfig(head_dim=128, is_causal=True, mask_select=True, persistent=True,
-                 has_window=True, has_softcap=True, v_transposed=True, pingpong=False),
 ]
 
 
@@ -247,32 +240,3 @@ def test_pre_transposed_v_is_dispatched(monkeypatch):
     pb = dataclasses.replace(p64, statics=AttentionStatics(scale=0.1, fp8=blocks))
     assert not fp8_forward_config(dataclasses.replace(pb, q_len=4096, kv_len=4096)).lazy_rescale
     assert fp8_forward_config(pb).tile_m == 128
-
-
-def test_no_pingpong_is_gated(monkeypatch):
-    """The warpgroups' softmax at once is never picked by default; behind the switch it is
-    picked at 128-row tiles up to hd 128 only, and without the opt-in the call falls back,
-    naming the reason."""
-    import jax
-    import jax.numpy as jnp
-
-    import jaxflash
-    from jaxflash.kernels.policy import choose
-    from jaxflash.kernels.variants.fwd_fp8 import Fp8FwdConfig
-    x = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
-    y = jax.ShapeDtypeStruct((2, 256, 4, 256), jnp.bfloat16)
-    monkeypatch.delenv("JAXFLASH_CUTE_UNVERIFIED", raising=False)
-    with pytest.raises(ValueError, match="pingpong"):
-        Fp8FwdConfig(head_dim=256, pingpong=False)
-    with pytest.raises(ValueError, match="pingpong"):
-        Fp8FwdConfig(head_dim=64, tile_m=192, pingpong=False)
-    with jaxflash.target_platform("cuda"):
-        assert "_npp" not in str(jaxflash.explain(x, x, x, precision="fp8"))
-        monkeypatch.setattr(choose, "FP8_FWD_NO_PINGPONG", True)
-        text = str(jaxflash.explain(x, x, x, precision="fp8"))
-        assert "softmax at once (pingpong off)" in text, text
-        monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
-        text = str(jaxflash.explain(x, x, x, precision="fp8"))
-        assert "_vt_npp" in text, text
-        text = str(jaxflash.explain(y, y, y, precision="fp8"))
-        assert "FlashFwdSm90Fp8" in text and "_npp" not in text, text

@@ -103,25 +103,18 @@ def _rel(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-@pytest.mark.parametrize("pingpong", [True, False], ids=["pick", "no-pingpong"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fp8_forward_against_emulation_and_float64(case, pingpong, monkeypatch):
-    """Each case through the kernel dispatch picks and, where the pick takes turns (128-row
-    tiles up to hd 128), with the gated softmax at once (`choose.FP8_FWD_NO_PINGPONG`)."""
+def test_fp8_forward_against_emulation_and_float64(case, monkeypatch):
     import jax
     import jax.numpy as jnp
 
     import jaxflash
     from jaxflash import quantize as Q
-    from jaxflash.kernels.policy import choose
 
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setenv("JAXFLASH_CUTE_UNVERIFIED", "1")
     name, B, T, S, N, K, D, kw, gran = case
-    if not pingpong and (D == 256 or (D == 64 and gran != "block")):
-        pytest.skip("the pick never takes turns here (hd 256, 192-row tiles)")
-    monkeypatch.setattr(choose, "FP8_FWD_NO_PINGPONG", not pingpong)
     kw = dict(kw)
     lengths = kw.pop("lengths", False)
     q, k, v = _inputs(B, T, S, N, K, D, seed=hash(name) % 2**31)
@@ -148,7 +141,6 @@ def test_fp8_forward_against_emulation_and_float64(case, pingpong, monkeypatch):
     expl = jaxflash.explain(q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs,
                             implementation="cute", **kw)
     assert "FlashFwdSm90Fp8" in str(expl) or "fwd8_sm90" in str(expl), expl
-    assert ("_npp" in str(expl)) == (not pingpong), expl
     o_k, lse_k = run("cute")
     o_e, lse_e = run("xla")
     qd = np.asarray(Q.dequantize(q8, qs, granularity=gran), np.float64)

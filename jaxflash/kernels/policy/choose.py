@@ -170,41 +170,7 @@ def fp8_forward_config(problem) -> Fp8FwdConfig:
         tuned = dataclasses.replace(cfg, **change)
         if tuned.check()[0] and (not verified.pending(tuned) or verified.allowed()):
             cfg = tuned
-    if FP8_FWD_NO_PINGPONG:
-        cfg = without_pingpong(cfg) or cfg
     return cfg
-
-
-# The FP8 forward with both consumer warpgroups' softmax at once (`Fp8FwdConfig.pingpong`
-# off, 128-row tiles up to hd 128): compiled clean, not yet run on a GPU; off until its GPU
-# check and timing (tests/kernels/test_fp8_gpu.py and benchmarks/fp8_bench.py run --tiles
-# carry it).
-FP8_FWD_NO_PINGPONG = False
-
-
-def without_pingpong(cfg: Fp8FwdConfig):
-    """`cfg` with the consumer warpgroups not taking turns, or None where they never do (hd 256,
-    192-row tiles)."""
-    try:
-        return dataclasses.replace(cfg, pingpong=False)
-    except ValueError:
-        return None
-
-
-# The FP8 backward's descales loaded a step ahead (`Fp8BwdConfig.scale_prefetch`, 128-key
-# kernel): compiled clean (no spills, no serialized wgmma), not yet run on a GPU; off until its
-# GPU check and timing (tests/kernels/test_fp8_bwd_gpu.py and benchmarks/fp8_bench.py run
-# --bwd carry it).
-FP8_BWD_SCALE_PREFETCH = False
-
-
-def with_scale_prefetch(cfg: Fp8BwdConfig):
-    """`cfg` with the descales loaded a step ahead, or None where the kernel refuses it (the
-    head-dim split)."""
-    try:
-        return dataclasses.replace(cfg, scale_prefetch=True)
-    except ValueError:
-        return None
 
 
 def fp8_backward_config(problem) -> Fp8BwdConfig:
@@ -227,8 +193,6 @@ def fp8_backward_config(problem) -> Fp8BwdConfig:
     if problem.statics.deterministic:
         raise ValueError("deterministic FP8 backward: not implemented (dQ adds are unordered)")
     cfg = Fp8BwdConfig(do_dtype=spec.do_dtype, **_common_fields(problem, alibi=False))
-    if FP8_BWD_SCALE_PREFETCH:
-        cfg = with_scale_prefetch(cfg) or cfg
     for name, block, length, tile in (("q", spec.q_block, problem.q_len, cfg.tile_m),
                                       ("k", spec.k_block, problem.kv_len, cfg.tile_n),
                                       ("v", spec.v_block, problem.kv_len, cfg.tile_n)):

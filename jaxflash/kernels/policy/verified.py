@@ -44,14 +44,6 @@ RULES: dict[str, tuple] = {
     "Sm100FwdFp4Config": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100BwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
     "Sm100Fp8FwdConfig": ((BLACKWELL_PENDING, lambda c: True),),
-    # The FP8 backward's descales loaded a step ahead: compiled only. Cleared by
-    # tests/kernels/test_fp8_bwd_gpu.py's scale-prefetch cases on the H200.
-    "Fp8BwdConfig": (("the descales loaded a step ahead (scale_prefetch)",
-                      lambda c: c.scale_prefetch),),
-    # The FP8 forward's consumer warpgroups not taking turns: compiled only. Cleared by
-    # tests/kernels/test_fp8_gpu.py's no-pingpong cases on the H200.
-    "Fp8FwdConfig": (("both warpgroups' softmax at once (pingpong off)",
-                      lambda c: not c.pingpong),),
 }
 
 

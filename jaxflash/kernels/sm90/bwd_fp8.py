@@ -453,26 +453,14 @@ class FlashBwdSm90Fp8(FlashBwdSm90):
             pipe_kv.consumer_wait(kv_state)  # K, V, K^T stay until the end: never released
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  self.num_stages)
-            if const_expr(self.cfg.scale_prefetch):
-                qd_next = mQD[batch, kv_head * group, m_min]
-                dod_next = mdOD[batch, kv_head * group, m_min]
             for step in cutlass.range(num_steps, unroll=1):
                 gi = step // num_m
                 m_block = m_min + step - gi * num_m
                 head = kv_head * group + gi
                 stage = state.index
                 buf = step % 2
-                if const_expr(self.cfg.scale_prefetch):
-                    qd = qd_next
-                    dod = dod_next
-                    # the next step's descales (the last step reloads its own: no branch)
-                    nxt = cutlass.min(step + 1, num_steps - 1)
-                    gn = nxt // num_m
-                    qd_next = mQD[batch, kv_head * group + gn, m_min + nxt - gn * num_m]
-                    dod_next = mdOD[batch, kv_head * group + gn, m_min + nxt - gn * num_m]
-                else:
-                    qd = mQD[batch, head, m_block]
-                    dod = mdOD[batch, head, m_block]
+                qd = mQD[batch, head, m_block]
+                dod = mdOD[batch, head, m_block]
                 amax = self.step_start(
                     (mma_s, mma_dp), (tSrK, tSrQ, tPrV, tPrdO), pipe_q, pipe_do, state,
                     acc_S, acc_dP, acc_dV, unit_v, coords, key_segs, seg, blocks, batch,

@@ -92,7 +92,7 @@ class FlashFwdSm90Fp8(FlashFwdSm90):
         # as the bf16 kernel at 192 rows: a fresh S fragment per block, masks by select
         self.fresh_s = self.num_mma_wg >= 3
         self.mask_by_select = self.num_mma_wg == 3 or config.mask_select
-        self.pingpong = config.pingpong and self.num_mma_wg == 2 and self.hd <= 128
+        self.pingpong = self.num_mma_wg == 2 and self.hd <= 128
         self.persistent = config.persistent
         self.tile_pipe = False
         self.separate_o = config.separate_o

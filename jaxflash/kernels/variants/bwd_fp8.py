@@ -61,16 +61,12 @@ class Fp8BwdConfig(BwdConfig):
     applied in the kernel, dQ's softmax scale by the caller).
     tile_m: 64 queries per step (the dS scale block's rows); tile_n 128 keys, 2 stages, or at
     hd 256 (``split == "headdim"``) tile_n 64 and the stages that fit (1).
-    scale_prefetch: (128-key kernel) each step loads the next step's q and dO descales from
-      global memory, so the load is in flight for a whole step; without it the step loads its
-      own right before the S^T GEMM, whose result waits for them.
     Other fields: `BwdConfig` (ALiBi, mods, q_multicast, deterministic, early_dv refused).
     """
 
     dtype: str = "float8_e4m3fn"
     do_dtype: str = "float8_e5m2"
     dq_flat: bool = True
-    scale_prefetch: bool = False
 
     def check(self) -> tuple[bool, str]:
         if self.dtype != "float8_e4m3fn":
@@ -95,8 +91,6 @@ class Fp8BwdConfig(BwdConfig):
             return False, f"FP8 backward: {', '.join(extra)} not implemented"
         if not self.dq_flat:
             return False, "FP8 backward: dq_flat only (one bulk reduce of the dQ tile)"
-        if self.scale_prefetch and wide:
-            return False, "FP8 backward: scale_prefetch in the 128-key kernel only"
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B"
         return True, ""
@@ -124,8 +118,7 @@ class Fp8BwdConfig(BwdConfig):
                  if on]
         do = {"float8_e5m2": "e5m2", "float8_e4m3fn": "e4m3"}[self.do_dtype]
         return (f"bwd8_sm90_e4m3_do{do}_h{self.head_dim}_t{self.tile_m}x{self.tile_n}"
-                f"s{self.num_stages}{'_spf' if self.scale_prefetch else ''}_"
-                f"{'-'.join(feats) or 'dense'}")
+                f"s{self.num_stages}_{'-'.join(feats) or 'dense'}")
 
 
 def can_implement(config: Fp8BwdConfig | None = None, **problem) -> tuple[bool, str]:

@@ -46,11 +46,6 @@ class Fp8FwdConfig(FwdConfig):
     tile_m: 128, or 192 at head dim 64 (three consumer warpgroups at 160 registers, as the bf16
     kernel's hd 64 picks). persistent: one CTA per SM loops over tiles (O in its own buffer, so only where it fits:
     up to hd 128): the producer warpgroup walks the same tile sequence.
-    pingpong: (128-row tiles up to hd 128) the two consumer warpgroups take turns issuing their
-    GEMMs, as in the bf16 kernel; off, both run their softmax at once. FP8 halves the GEMMs'
-    time but not the softmax's (64 exponentials a thread a block on the MUFU pipe, which both
-    warpgroups share either way), so taking turns can leave the tensor cores waiting on one
-    warpgroup's softmax; hd 256 and 192-row tiles never take turns.
     v_transposed: V arrives as V^T [B, K, Hv, Sp] (keys contiguous, in the order P is packed
     in: `fp8_v_layout`; Sp = S rounded up to 16), written by the XLA step before the launch
     (fused into `precision="fp8"`'s quantization), and TMA loads it as the PV GEMM reads it:
@@ -65,7 +60,6 @@ class Fp8FwdConfig(FwdConfig):
     k_blocks: bool = False
     v_blocks: bool = False
     v_transposed: bool = False
-    pingpong: bool = True
 
     def __post_init__(self):
         tm, tn = _FP8_TILES.get(self.head_dim, (128, 128))
@@ -109,9 +103,6 @@ class Fp8FwdConfig(FwdConfig):
         if self.tile_m == 192 and self.mask_select:
             return False, ("mask_select is always on at tile_m 192 (drop the flag: the key "
                            "would name a second copy of one binary)")
-        if not self.pingpong and not (self.tile_m == 128 and self.head_dim <= 128):
-            return False, ("pingpong is only on at 128-row tiles up to head dim 128 (drop the "
-                           "flag: the key would name a second copy of one binary)")
         if self.smem_bytes() > SMEM_LIMIT_BYTES:
             return False, (f"shared memory {self.smem_bytes()} B exceeds {SMEM_LIMIT_BYTES} B "
                            f"(tile {self.tile_m}x{self.tile_n}, head dim {self.head_dim})")
@@ -144,8 +135,7 @@ class Fp8FwdConfig(FwdConfig):
         blocks = "".join(n for n, on in (("q", self.q_blocks), ("k", self.k_blocks),
                                             ("v", self.v_blocks)) if on)
         base = base.replace(f"fwd_sm90_{self.dtype}_", f"fwd8_sm90_{short}_o{out}_", 1)
-        return (base + (f"_sb{blocks}" if blocks else "") + ("_vt" if self.v_transposed else "")
-                + ("" if self.pingpong else "_npp"))
+        return base + (f"_sb{blocks}" if blocks else "") + ("_vt" if self.v_transposed else "")
 
 
 def can_implement(config: Fp8FwdConfig | None = None, **problem) -> tuple[bool, str]:
