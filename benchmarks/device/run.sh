@@ -130,7 +130,7 @@ extremes)
     --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
     2>&1 | grep -v -i warn | tail -25 ;;
 fp8)
-  timeout ${FP8_TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
+  timeout ${FP8_TEST_TIMEOUT:-200} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
     2>&1 | tee $OUT/gpu-fp8-tests-$D.log | grep -v -i warn | tail -25
   timeout ${FP8_BENCH_TIMEOUT:-150} python3 -m benchmarks.fp8_bench run ${FP8_QUICK:+--quick} --out $OUT \
     2>&1 | grep -v -i warn | tail -45
