@@ -130,7 +130,7 @@ extremes)
     --heads 8 --kv-heads 1 --causal 1 --reps 1 --impl cute --out $OUT/long-context-1m-h200-$D.json \
     2>&1 | grep -v -i warn | tail -25 ;;
 fp8)
-  timeout ${FP8_TEST_TIMEOUT:-200} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
+  PYTHONPATH=$PWD/.device/pylib:${PYTHONPATH:-} timeout ${FP8_TEST_TIMEOUT:-200} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA tests/kernels/test_fp8_gpu.py -s \
     2>&1 | tee $OUT/gpu-fp8-tests-$D.log | grep -v -i warn | tail -25
   timeout ${FP8_BENCH_TIMEOUT:-150} python3 -m benchmarks.fp8_bench run ${FP8_QUICK:+--quick} --out $OUT \
     2>&1 | grep -v -i warn | tail -45
@@ -140,7 +140,7 @@ fp8)
     2>&1 | grep -v -i warn | tail -14 ;;
 fp8bwd)
   # (4 workers share the GPU)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  PYTHONPATH=$PWD/.device/pylib:${PYTHONPATH:-} XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
   timeout ${FP8BWD_TEST_TIMEOUT:-240} python3 -m pytest -q -n 4 -p no:cacheprovider -m gpu -rA -s \
     tests/kernels/test_fp8_bwd_gpu.py ${FP8BWD_K:+-k "$FP8BWD_K"} 2>&1 \
     | tee $OUT/gpu-fp8-bwd-tests-$D.log | grep -E "rel-L2|PASSED|FAILED|ERROR|passed|failed|Error" | tail -30
