@@ -29,6 +29,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# What the translators of a mod's jaxpr into kernel code (CuTe, Pallas) do with nested
+# jaxprs: these call primitives are inlined where they stand (primitive -> the parameter that
+# holds the body). Loops (`scan`, `while`) and branches (`cond`) also carry bodies but are not
+# calls: replaying a body once would compute something else, so they are refused by name.
+INLINE_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+                "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+                "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+                "remat": "jaxpr", "checkpoint": "jaxpr"}
+# Sharding annotations JAX adds to a mod traced inside `shard_map` or under explicit sharding
+# (its derivative's `reshard`, `pvary`): the identity on the scalars a mod computes with.
+SHARDING_IDENTITY = ("reshard", "pvary", "pbroadcast", "sharding_constraint", "mesh_cast")
+
 _I32 = jax.ShapeDtypeStruct((), jnp.int32)
 _F32 = jax.ShapeDtypeStruct((), jnp.float32)
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import mods as _mods
+from jaxflash.mods.spec import INLINE_CALLS, SHARDING_IDENTITY
 
 try:  # jax >= 0.4.36 names the literal class here
     from jax.extend.core import Literal as _Literal
@@ -46,7 +47,6 @@ class _Aux:
         self.ref = ref
 
 
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _SHAPE_OPS = ("squeeze", "reshape", "broadcast_in_dim", "expand_dims")
 # What a mod may use inside the kernels: element-wise arithmetic that Triton lowers (the
 # CuTe kernels' set, `jaxflash.kernels.variants.mod_program.SUPPORTED`, in JAX's names), aux
@@ -57,7 +57,8 @@ _ALLOWED = frozenset((
     "tanh", "logistic", "sqrt", "rsqrt", "not", "square", "integer_pow",
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "and", "or", "xor",
     "eq", "ne", "lt", "le", "gt", "ge", "select_n", "clamp", "convert_element_type",
-    "dynamic_slice", "copy", "copy_p", "stop_gradient") + _SHAPE_OPS)
+    "dynamic_slice", "copy", "copy_p", "stop_gradient") + _SHAPE_OPS
+    + SHARDING_IDENTITY)
 
 
 def _value(x):
@@ -69,11 +70,9 @@ def _value(x):
 
 
 def _inner(eqn):
-    for name in _CALL_PARAMS:
-        j = eqn.params.get(name)
-        if j is not None:
-            return j
-    return None
+    """The body of a call primitive (`jaxflash.mods.spec.INLINE_CALLS`), else None."""
+    param = INLINE_CALLS.get(eqn.primitive.name)
+    return None if param is None else eqn.params.get(param)
 
 
 def _eval(jaxpr, consts, args):
@@ -107,6 +106,8 @@ def _eqn(eqn, ins):
                   for c in (closed.consts if closed is not None else ())]
         n = len(body.invars)
         return _eval(body, consts, ins[len(ins) - n:])
+    if prim.name in SHARDING_IDENTITY:
+        return list(ins)
     if prim.name == "dynamic_slice" and isinstance(ins[0], _Aux):
         return [_gather(eqn, ins)]
     if not tiled:  # only aux / constants / literals: an ordinary computation

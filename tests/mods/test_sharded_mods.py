@@ -72,3 +72,41 @@ def test_cute_mods_partition_under_batch_x_heads_sharding(kind):
             text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
             assert "CustomSPMDPartitioning" in text
             assert not re.search(r"CuteDSLRT\w*\([^\n]*tensor<2x1024x8x128xbf16>", text)
+
+
+def test_pallas_mods_inside_shard_map():
+    """Inside `shard_map` JAX annotates a mod's derivative with `reshard`: the Pallas kernels
+    take it as the identity, forward and gradients (aux included) equal the unsharded call's.
+    (Pallas calls need `check_vma=False` there: their outputs carry no varying-axes type.)"""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py forces 8 host devices)")
+    B, T, N, H = 2, 40, 2, 16
+    rng = fresh_rng()
+    q, k, v, w = (randn((B, T, N, H), "float32", rng) for _ in range(4))
+    slopes = jnp.asarray([0.3, 0.7], jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    # a mod of this test's own (the mods' jaxprs are cached by code: traced first inside
+    # shard_map, as here, they carry its annotations)
+    bias = lambda s, b, h, qi, ki, sl: s - 0.5 * sl[h] * jnp.abs(qi - ki).astype(s.dtype)
+
+    def loss(q, k, v, slopes):
+        out = jaxflash.flash_attention(q, k, v, implementation="pallas", score_mod=bias,
+                                       mask_mod=mods.causal(), aux=(slopes,))
+        return jnp.sum(out * w), out
+
+    def sharded(q, k, v, slopes):
+        def body(q, k, v, slopes, w):
+            out = jaxflash.flash_attention(q, k, v, implementation="pallas",
+                                           score_mod=bias, mask_mod=mods.causal(),
+                                           aux=(slopes,))
+            return jax.lax.psum(jnp.sum(out * w), "data"), out
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3 + (P(), P("data")),
+                          out_specs=(P(), P("data")), check_vma=False)
+        return f(q, k, v, slopes, w)
+
+    part = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, slopes)
+    whole = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, slopes)
+    assert_close(part[0][1], whole[0][1], 1e-6, "out")
+    for name, a, b in zip(["dq", "dk", "dv", "dslopes"], part[1], whole[1]):
+        assert_close(a, b, 1e-5, name)

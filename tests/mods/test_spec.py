@@ -105,6 +105,14 @@ def test_pallas_refuses_what_it_cannot_translate():
     assert plan.backend is None and "boolean aux" in str(plan)
     assert jaxflash.explain(_Q, _K, _K, mask_mod=flags, aux=(jnp.ones((24,), bool),)).backend \
         == "xla"
+    # a loop is not a call: its body replayed once would compute something else, so a mod with
+    # `fori_loop` / `scan` is refused by name in both kernel translators
+    loop = lambda s, b, h, qi, ki: jax.lax.fori_loop(0, 3, lambda i, x: 0.9 * x + 0.01, s)
+    plan = jaxflash.explain(_Q, _K, _K, score_mod=loop, implementation="pallas")
+    assert plan.backend is None and "['scan']" in str(plan), str(plan)
+    with jaxflash.target_platform("cuda"):
+        text = str(jaxflash.explain(_Q, _K, _K, score_mod=loop))
+        assert "'xla' runs" in text and "'scan'" in text, text
     # whole-array work on aux (no per-element operand) is refused too, by the operation's name,
     # and so is an array the mod closes over (a kernel takes arrays only as operands)
     for mod, why in ((lambda s, b, h, qi, ki, t: s + jnp.sort(t)[h], "['sort']"),

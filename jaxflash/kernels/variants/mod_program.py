@@ -38,6 +38,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from jaxflash.mods.spec import INLINE_CALLS, SHARDING_IDENTITY
+
 DTYPES = {"float32": "f32", "int32": "i32", "bool": "bool"}
 # Element-wise primitives a kernel emits, by arity class.
 UNARY = ("neg", "abs", "sign", "floor", "ceil", "round", "exp", "exp2", "log", "log1p",
@@ -51,10 +53,9 @@ OTHER = ("select_n", "clamp", "convert_element_type", "ds")
 SUPPORTED = UNARY + BINARY + COMPARE + OTHER
 # Primitives whose inner jaxpr is inlined, and shape-only primitives that are the identity on
 # the scalars (size-1 arrays) a mod computes with.
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-           "remat": "jaxpr", "checkpoint": "jaxpr"}
-_IDENTITY = ("squeeze", "reshape", "broadcast_in_dim", "copy", "copy_p", "optimization_barrier")
+_INLINE = INLINE_CALLS
+_IDENTITY = ("squeeze", "reshape", "broadcast_in_dim", "copy", "copy_p",
+             "optimization_barrier") + SHARDING_IDENTITY
 
 SCORE_INPUTS = ("s", "b", "h", "q", "k")
 MASK_INPUTS = ("b", "h", "q", "k")
@@ -240,7 +241,8 @@ def _walk(jaxpr, consts, env, b: _Builder):
                 raise NotImplementedError(
                     f"{prim} of a whole aux array: aux arrays can only be indexed with scalar "
                     "indices in a mod")
-            env[eqn.outvars[0]] = src
+            for o, a in zip(eqn.outvars, args):   # (pvary takes several operands)
+                env[o] = a
             continue
         if prim == "dynamic_slice":
             arr, idx = args[0], args[1:]
