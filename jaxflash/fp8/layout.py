@@ -21,8 +21,8 @@ def canonical_scale(scale, granularity: str, batch_shape: tuple, heads: int):
     a T-sized array)."""
     s = jnp.asarray(scale, jnp.float32)
     B = 1
-    for d in batch_shape:
-        B *= int(d)
+    for d in batch_shape:   # (a symbolic dim under jax.export stays symbolic)
+        B = B * d
     if granularity == "tensor":
         return jnp.broadcast_to(s.reshape(1, 1, 1), (B, heads, 1))
     if granularity == "head":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,8 @@ def supports(shape, block: int) -> bool:
     """Whether the kernel takes an operand of `shape` ``[B, L, heads, D]`` with `block`-row
     scale blocks: Triton tiles have power-of-two sides, the rows must tile L exactly, and the
     launch grid and int32 indexing have limits."""
+    if not all(isinstance(d, numbers.Integral) for d in shape):
+        return False  # a symbolic dim (jax.export): the XLA form serves any shape
     B, L, H, D = shape
     pow2 = lambda n: n >= 1 and n & (n - 1) == 0
     # The grid (B, blocks, heads) maps to CUDA's (x, y, z): y and z stop at 65535. Pallas'

@@ -64,6 +64,28 @@ def test_symbolic_batch_and_length(name):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+def test_fp8_with_a_symbolic_batch():
+    """FP8 operands with head scales, and precision="fp8" at a length whose scale blocks tile
+    it (the Triton prologue's shape checks must not decide on a symbolic batch), export with a
+    symbolic batch and give the jitted results."""
+    b, = export.symbolic_shape("b")
+    rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((B, 128, N, H)), jnp.float32)
+    from jaxflash import quantize as Q
+    x8, xs = Q.quantize(x, granularity="head")
+    fp8 = lambda x8, xs: jaxflash.flash_attention(x8, x8, x8, q_scale=xs, k_scale=xs,
+                                                  v_scale=xs, is_causal=True)
+    rec = lambda x: jaxflash.flash_attention(x, x, x, precision="fp8", is_causal=True)
+    for fn, args, specs in (
+            (fp8, (x8, xs), (jax.ShapeDtypeStruct((b, 128, N, H), x8.dtype),
+                             jax.ShapeDtypeStruct((b, N), xs.dtype))),
+            (rec, (x.astype(jnp.bfloat16),), (jax.ShapeDtypeStruct((b, 128, N, H),
+                                                                   jnp.bfloat16),))):
+        exp = export.export(jax.jit(fn), platforms=["cpu"])(*specs)
+        got, want = export.deserialize(exp.serialize()).call(*args), jax.jit(fn)(*args)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_kernels_refuse_symbolic_shapes_by_name():
     b, t = export.symbolic_shape("b, t")
     s = jax.ShapeDtypeStruct((b, t, N, 64), jnp.bfloat16)
