@@ -183,8 +183,10 @@ def forward(q8, k8, v8, arrays, statics):
         acc = acc * corr[..., None] + jnp.einsum("bkgts,bksd->bkgtd", _p8(p), v_t, precision=_HP)
         return (m_new, l, acc), None
 
-    init = (jnp.full(shp, -jnp.inf, jnp.float32), jnp.zeros(shp, jnp.float32),
-            jnp.zeros(shp + (Hv,), jnp.float32))
+    # carries made `like` q: inside shard_map they then vary over q's mesh axes, as the
+    # step's results do (scan requires the carry's type to stay the same)
+    like = lambda shape, fill: lax.full_like(qc, fill, jnp.float32, shape)
+    init = (like(shp, -jnp.inf), like(shp, 0.0), like(shp + (Hv,), 0.0))
     (m, l, acc), _ = lax.scan(step, init, xs)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
@@ -249,9 +251,9 @@ def backward(q8, k8, v8, arrays, statics, out, lse, dout):
             dbias_t = d
         return (dq, dalibi), (dk_t, dv_t, dbias_t)
 
-    dal0 = None if arrays.alibi_slopes is None else jnp.zeros((K, G), jnp.float32)
-    (dq, dalibi), (dks, dvs, dbs) = lax.scan(
-        step, (jnp.zeros((B, K, G, T, H), jnp.float32), dal0), xs)
+    like = lambda shape: lax.full_like(qc, 0.0, jnp.float32, shape)   # (as the forward's)
+    dal0 = None if arrays.alibi_slopes is None else like((K, G))
+    (dq, dalibi), (dks, dvs, dbs) = lax.scan(step, (like((B, K, G, T, H)), dal0), xs)
     dk = jnp.transpose(_untile(dks, 2, S), (0, 2, 1, 3))
     dv = jnp.transpose(_untile(dvs, 2, S), (0, 2, 1, 3))
     dbias = None

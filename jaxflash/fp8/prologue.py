@@ -210,4 +210,5 @@ def hadamard_transpose(g, signs, platform: str):
         y = jnp.einsum("...e,de->...d", g, hs, preferred_element_type=jnp.float32)
         return (y * jnp.float32(1.0 / math.sqrt(D))).astype(g.dtype)
     had = lambda x: Q.hadamard_signed(x, signs, saturate=False)
-    return jax.linear_transpose(had, jax.ShapeDtypeStruct(g.shape, g.dtype))(g)[0]
+    # (g itself as the primal's type: inside shard_map it carries g's varying mesh axes)
+    return jax.linear_transpose(had, g)(g)[0]

@@ -152,3 +152,27 @@ def test_padding_past_the_lengths_sets_no_scale(layout):
         for got, want in ((got_one, want_one), (got_ring, want_ring)):
             assert bool(jnp.all(jnp.isfinite(got))), junk
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_fp8_inside_shard_map():
+    """Inside a caller's `shard_map` (its default type checks on): FP8 operands and
+    precision="fp8", forward and gradients, equal the unsharded call (the emulated passes'
+    scan carries and the Hadamard transform's transpose keep the operands' varying axes)."""
+    mesh = _mesh((2, 2), ("b", "h"))
+    rng = np.random.default_rng()
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 128, 4, 32)), jnp.bfloat16) for _ in range(3))
+    (q8, qs), (k8, ks), (v8, vs) = (Q.quantize(x, granularity="head") for x in (q, k, v))
+    sp, hs = P("b", None, "h"), P("b", "h")
+    loss = lambda q, k, v: jnp.sum(jnp.sin(jaxflash.flash_attention(
+        q, k, v, precision="fp8", is_causal=True).astype(jnp.float32)))
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    part = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(sp,) * 3, out_specs=(sp,) * 3))
+    for a, b in zip(part(q, k, v), jax.jit(grad)(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=0, atol=2e-2)
+    fp8 = lambda q8, k8, v8, qs, ks, vs: jaxflash.flash_attention(
+        q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs)
+    part = jax.jit(jax.shard_map(fp8, mesh=mesh, in_specs=(sp,) * 3 + (hs,) * 3,
+                                 out_specs=sp))
+    np.testing.assert_array_equal(np.asarray(part(q8, k8, v8, qs, ks, vs), np.float32),
+                                  np.asarray(jax.jit(fp8)(q8, k8, v8, qs, ks, vs), np.float32))
