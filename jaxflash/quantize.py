@@ -139,7 +139,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, *, granularity: str = "block", block_si
     x32 = x.astype(jnp.float32)
     if scale is None:
         xb, axes = _blocked(x32, granularity, block_size)
-        amax = jnp.max(jnp.abs(xb), axis=axes)
+        amax = jnp.max(jnp.abs(xb), axis=axes, initial=0.0)   # an empty block is a zero one
         # XLA's max may drop NaNs: a NaN must reach the scale (the block dequantizes to NaN).
         amax = jnp.where(jnp.any(jnp.isnan(xb), axis=axes), jnp.nan, amax)
         fmax = jnp.float32(FP8_MAX[d])

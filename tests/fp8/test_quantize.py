@@ -115,3 +115,12 @@ def test_matches_ml_dtypes_rounding():
     want = np.clip(x * np.float32(448.0 / np.abs(x).max()), -448, 448).astype(
         ml_dtypes.float8_e4m3fn)
     assert np.array_equal(np.asarray(x8).view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "block"])
+def test_empty_operands_quantize(granularity):
+    """An empty operand (no rows, or no batch) quantizes as a zero one: scale 1, no codes."""
+    for shape in ((2, 0, 4, 64), (0, 8, 4, 64)):
+        x8, s = Q.quantize(jnp.zeros(shape, jnp.bfloat16), granularity=granularity)
+        assert x8.shape == shape and x8.dtype == jnp.float8_e4m3fn
+        assert s.shape == Q.scale_shape(shape, granularity, 128) and bool(jnp.all(s == 1))
