@@ -99,12 +99,14 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
                  qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
                  implementation: Optional[str] = None, scale: Optional[float] = None,
                  softcap: Optional[float] = None, local_window_size=None,
-                 attention_precision: Optional[str] = None, **unknown):
+                 attention_precision: Optional[str] = None, score_mod=None, mask_mod=None,
+                 aux=None, **unknown):
     """Flax-compatible attention on jaxflash. See the module docstring for what each keyword does.
 
     Extra (jaxflash) keywords: ``implementation``, ``scale``, ``softcap``, ``local_window_size``,
     ``attention_precision`` (None or "fp8": `jaxflash.flash_attention`'s ``precision``, named
-    apart from Flax's ``precision``, the einsums' `jax.lax.Precision`); bind them with `make_attention_fn` to hand the result to a Flax module. A keyword this
+    apart from Flax's ``precision``, the einsums' `jax.lax.Precision`), ``score_mod`` /
+    ``mask_mod`` / ``aux`` (custom attention, `jaxflash.mods`; not on the weights path); bind them with `make_attention_fn` to hand the result to a Flax module. A keyword this
     function does not know (a future Flax's) is accepted when it asks for nothing (None / False);
     with any other value it raises NotImplementedError rather than being silently ignored.
     """
@@ -122,6 +124,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     if attention_precision not in (None, "fp8"):
         raise ValueError(f"attention_precision must be None or 'fp8'; got {attention_precision!r}")
     extra = dict(scale=scale, softcap=softcap, local_window_size=local_window_size)
+    mods = {k: f for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod), ("aux", aux))
+            if f is not None}
 
     det = _static_bool(deterministic)
     want_dropout = dropout_rate > 0.0 and det is not True
@@ -139,7 +143,11 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
         _record(None)
         return flash_attention(q, k, v, bias, mask, is_causal=is_causal,
                                implementation=implementation, precision=attention_precision,
-                               **extra)
+                               **extra, **mods)
+    if mods:
+        raise NotImplementedError(
+            f"score_mod / mask_mod on Flax's attention-weights path ({', '.join(reasons)}): "
+            f"the mods run in jaxflash's flash path only")
     if attention_precision is not None:
         reasons.append(f"(attention_precision={attention_precision!r} not applied: the weights "
                        f"path is float)")
@@ -157,12 +165,14 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
 def make_attention_fn(implementation: Optional[str] = None, *, is_causal: bool = False,
                       **options):
     """`attention_fn` with jaxflash options bound (``implementation``, ``scale``, ``softcap``,
-    ``local_window_size``, ``attention_precision``, ``is_causal``), e.g.
+    ``local_window_size``, ``attention_precision``, ``score_mod`` / ``mask_mod`` / ``aux``,
+    ``is_causal``), e.g.
     ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(implementation="pallas"))``.
     ``is_causal=True`` masks causally whatever the layer passes (Flax's layers pass their own
     ``is_causal``, False by default). Keeps an inspectable signature (Linen filters keywords
     by it)."""
-    allowed = {"scale", "softcap", "local_window_size", "attention_precision"}
+    allowed = {"scale", "softcap", "local_window_size", "attention_precision", "score_mod",
+               "mask_mod", "aux"}
     bad = set(options) - allowed
     if bad:
         raise ValueError(f"make_attention_fn: unknown options {sorted(bad)}; allowed: "

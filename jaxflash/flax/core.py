@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,9 @@ class AttentionOptions:
     positions (GPT-NeoX half-split layout) with wavelength base ``rope_theta``; ``scale``: None
     means 1/sqrt(head_dim); ``implementation``: None (best available), "cute", "pallas", "xla";
     ``attention_precision``: None or "fp8" (`jaxflash.flash_attention`'s ``precision``: named
-    apart from Flax's ``precision``, the einsums' `jax.lax.Precision`).
+    apart from Flax's ``precision``, the einsums' `jax.lax.Precision`); ``score_mod`` /
+    ``mask_mod``: custom attention (`jaxflash.mods`; the arrays they read come with each call
+    as ``aux``).
     """
 
     is_causal: bool = False
@@ -35,11 +37,13 @@ class AttentionOptions:
     rope_theta: float = 10000.0
     implementation: Optional[str] = None
     attention_precision: Optional[str] = None
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
 
     @classmethod
     def make(cls, *, is_causal=False, local_window_size=None, softcap=None, scale=None,
              rope=False, rope_theta=10000.0, implementation=None,
-             attention_precision=None) -> "AttentionOptions":
+             attention_precision=None, score_mod=None, mask_mod=None) -> "AttentionOptions":
         w = local_window_size
         if w is not None:
             if isinstance(w, numbers.Integral) and not isinstance(w, bool):
@@ -55,13 +59,23 @@ class AttentionOptions:
         if attention_precision not in (None, "fp8"):
             raise ValueError(f"attention_precision must be None or 'fp8'; got "
                              f"{attention_precision!r}")
+        for name, f in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+            if f is not None and not callable(f):
+                raise ValueError(f"{name} must be a function; got {f!r}")
         if rope and not rope_theta > 0:
             raise ValueError(f"rope_theta must be positive; got {rope_theta!r}")
         return cls(is_causal=bool(is_causal), local_window_size=w,
                    softcap=None if softcap is None else float(softcap),
                    scale=None if scale is None else float(scale), rope=bool(rope),
                    rope_theta=float(rope_theta), implementation=implementation,
-                   attention_precision=attention_precision)
+                   attention_precision=attention_precision, score_mod=score_mod,
+                   mask_mod=mask_mod)
+
+    @property
+    def mods(self) -> dict:
+        """The flash_attention keywords of the layer's mods (empty without them)."""
+        return {k: f for k, f in (("score_mod", self.score_mod), ("mask_mod", self.mask_mod))
+                if f is not None}
 
 
 def check_heads(num_heads: int, num_kv_heads: Optional[int], qkv_features: int):
@@ -114,17 +128,21 @@ def _as_bool_mask(mask):
 
 
 def attend(q, k, v, opts: AttentionOptions, *, mask=None, q_segment_ids=None,
-           kv_segment_ids=None):
+           kv_segment_ids=None, aux=None):
     """Training / full-sequence attention on projected heads (q [B..., T, N, H])."""
+    if aux is not None and not opts.mods:
+        raise ValueError("aux given to a layer without score_mod / mask_mod")
     return flash_attention(
         q, k, v, mask=_as_bool_mask(mask), scale=opts.scale, is_causal=opts.is_causal,
         local_window_size=opts.local_window_size, softcap=opts.softcap,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        implementation=opts.implementation, precision=opts.attention_precision)
+        implementation=opts.implementation, precision=opts.attention_precision,
+        **opts.mods, **({} if aux is None else {"aux": aux}))
 
 
 def attend_sequence(q, k, v, opts: AttentionOptions, *, self_attn: bool, mask=None,
-                    positions=None, kv_positions=None, segment_ids=None, kv_segment_ids=None):
+                    positions=None, kv_positions=None, segment_ids=None, kv_segment_ids=None,
+                    aux=None):
     """What both layers (NNX, Linen) do outside decoding: rotary embeddings when enabled (self-
     attention keys default to the query positions), segment-id defaults, then `attend`."""
     batch = q.shape[:-3]
@@ -143,7 +161,7 @@ def attend_sequence(q, k, v, opts: AttentionOptions, *, self_attn: bool, mask=No
     if (segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("kv_segment_ids needs segment_ids")
     return attend(q, k, v, opts, mask=mask, q_segment_ids=segment_ids,
-                  kv_segment_ids=kv_segment_ids)
+                  kv_segment_ids=kv_segment_ids, aux=aux)
 
 
 def update_cache(cached_key, cached_value, index, k, v):
@@ -174,6 +192,10 @@ def attend_cached(q, cached_key, cached_value, index, opts: AttentionOptions, *,
     p sees keys j <= p, so step-by-step (or chunked) decoding equals the full causal forward;
     without it, it sees every written key. The window is applied on absolute positions.
     """
+    if opts.mods:
+        # a mod sees a call's own query indices, 0.. t-1 here, not the cache positions
+        raise NotImplementedError("score_mod / mask_mod in incremental decoding: the mods see "
+                                  "the call's query indices, not the cached positions")
     nb = q.ndim - 3
     t, L = q.shape[-3], cached_key.shape[-3]
     index = jnp.asarray(index, jnp.int32)

@@ -33,6 +33,8 @@ class FlashMultiHeadAttention(nn.Module):
     decode: bool = False
     implementation: Optional[str] = None
     attention_precision: Optional[str] = None  # None or "fp8" (flash_attention's precision)
+    score_mod: Optional[Callable] = None        # custom attention (jaxflash.mods); the arrays
+    mask_mod: Optional[Callable] = None         # they read come with each call as ``aux``
     dtype: Any = None
     param_dtype: Any = jnp.float32
     use_bias: bool = True
@@ -42,7 +44,7 @@ class FlashMultiHeadAttention(nn.Module):
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, segment_ids=None,
-                 kv_segment_ids=None, positions=None, kv_positions=None):
+                 kv_segment_ids=None, positions=None, kv_positions=None, aux=None):
         if inputs_k is None:
             if inputs_v is not None:
                 raise ValueError("inputs_k cannot be None when inputs_v is given")
@@ -57,7 +59,8 @@ class FlashMultiHeadAttention(nn.Module):
         opts = core.AttentionOptions.make(
             is_causal=self.is_causal, local_window_size=self.local_window_size,
             softcap=self.softcap, scale=self.scale, rope=self.rope, rope_theta=self.rope_theta,
-            implementation=self.implementation, attention_precision=self.attention_precision)
+            implementation=self.implementation, attention_precision=self.attention_precision,
+            score_mod=self.score_mod, mask_mod=self.mask_mod)
 
         def dense(heads, name):
             return nn.DenseGeneral(features=(heads, head_dim), axis=-1, dtype=self.dtype,
@@ -99,7 +102,8 @@ class FlashMultiHeadAttention(nn.Module):
                 self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
             x = core.attend_sequence(q, k, v, opts, self_attn=self_attn, mask=mask,
                                      positions=positions, kv_positions=kv_positions,
-                                     segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+                                     segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                     aux=aux)
         return nn.DenseGeneral(features=out_features, axis=(-2, -1), dtype=self.dtype,
                                param_dtype=self.param_dtype, use_bias=self.use_bias,
                                kernel_init=self.out_kernel_init or self.kernel_init,

@@ -35,6 +35,8 @@ class FlashMultiHeadAttention(nnx.Module):
       implementation: None (best available), "cute", "pallas", "xla".
       attention_precision: None or "fp8" (FP8 attention: `jaxflash.flash_attention`'s
         ``precision``).
+      score_mod, mask_mod: custom attention (`jaxflash.mods`); the arrays they read (learnable
+        ones too, e.g. an ``nnx.Param``'s value) come with each call as ``aux``. Not in decode.
       dtype, param_dtype, use_bias, kernel_init, out_kernel_init, bias_init, out_bias_init,
       kernel_metadata, out_kernel_metadata, bias_metadata: as for ``nnx.MultiHeadAttention``
       (wrap an init with ``nnx.with_partitioning`` to shard parameters; meshes with Auto axes:
@@ -52,7 +54,7 @@ class FlashMultiHeadAttention(nnx.Module):
                  scale: Optional[float] = None, rope: bool = False, rope_theta: float = 10000.0,
                  normalize_qk: bool = False, decode: bool = False,
                  implementation: Optional[str] = None, attention_precision: Optional[str] = None,
-                 dtype=None, param_dtype=jnp.float32,
+                 score_mod=None, mask_mod=None, dtype=None, param_dtype=jnp.float32,
                  use_bias: bool = True, kernel_init=default_kernel_init, out_kernel_init=None,
                  bias_init=initializers.zeros_init(), out_bias_init=None,
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
@@ -69,7 +71,7 @@ class FlashMultiHeadAttention(nnx.Module):
         self.opts = core.AttentionOptions.make(
             is_causal=is_causal, local_window_size=local_window_size, softcap=softcap,
             scale=scale, rope=rope, rope_theta=rope_theta, implementation=implementation,
-            attention_precision=attention_precision)
+            attention_precision=attention_precision, score_mod=score_mod, mask_mod=mask_mod)
         if rope and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim; got {self.head_dim}")
         self.normalize_qk = normalize_qk
@@ -123,7 +125,7 @@ class FlashMultiHeadAttention(nnx.Module):
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, segment_ids=None,
                  kv_segment_ids=None, positions=None, kv_positions=None,
-                 decode: Optional[bool] = None):
+                 decode: Optional[bool] = None, aux=None):
         """inputs ``[batch..., length, features]`` -> ``[batch..., length, out_features]``.
 
         mask: ``[batch..., heads or 1, q_len, kv_len]`` (True/nonzero = attend).
@@ -132,6 +134,7 @@ class FlashMultiHeadAttention(nnx.Module):
           (default 0, 1, ...; in decode, the cache index onward).
         decode: feed the next ``t >= 1`` tokens, attending to everything cached so far (call
           `init_cache` first). Self-attention only.
+        aux: the arrays the layer's score_mod / mask_mod read (`jaxflash.flash_attention`).
         """
         if inputs_k is None:
             if inputs_v is not None:
@@ -172,5 +175,6 @@ class FlashMultiHeadAttention(nnx.Module):
 
         x = core.attend_sequence(q, k, v, self.opts, self_attn=inputs_k is inputs_q, mask=mask,
                                  positions=positions, kv_positions=kv_positions,
-                                 segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+                                 segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                 aux=aux)
         return self.out(x)

@@ -477,3 +477,51 @@ def test_layers_on_pallas_backend():
     y = nnx.jit(lambda m, x: m(x, mask=mask))(mha, x)
     mha.attention_fn = nnx.dot_product_attention
     assert_close(y, nnx.jit(lambda m, x: m(x, mask=mask))(mha, x), FWD, "attention_fn on pallas")
+
+
+def test_layers_take_mods_with_aux_at_call():
+    """score_mod / mask_mod on both layers, their arrays (here learnable ALiBi slopes) passed
+    at each call as aux: the same output and gradients (slopes included) as the layer's own
+    projections around flash_attention with the built-in ALiBi; decoding refuses mods."""
+    from jaxflash import mods
+    B, T, F, N = 2, 9, 32, 4
+    x, w = _inputs((B, T, F)), _inputs((B, T, F))
+    slopes = jnp.asarray(np.random.default_rng().uniform(0.1, 1.0, N), jnp.float32)
+    layer = fl.FlashMultiHeadAttention(N, F, score_mod=mods.alibi(), mask_mod=mods.causal(),
+                                       rngs=nnx.Rngs(0))
+
+    def by_hand(m, x, s):
+        o = jaxflash.flash_attention(m.query(x), m.key(x), m.value(x), is_causal=True,
+                                     alibi_slopes=s)
+        return m.out(o)
+
+    loss = lambda f: nnx.jit(nnx.value_and_grad(
+        lambda m, s: jnp.sum(f(m, x, s) * w), argnums=(0, 1)))(layer, slopes)
+    (l_mod, (gm_mod, gs_mod)), (l_ref, (gm_ref, gs_ref)) = (
+        loss(lambda m, x, s: m(x, aux=(s,))), loss(by_hand))
+    assert_close(l_mod, l_ref, FWD, "loss")
+    assert_close(gs_mod, gs_ref, GRAD, "dslopes")
+    assert float(jnp.max(jnp.abs(gs_mod))) > 0
+    _tree_close(nnx.state(gm_mod, nnx.Param), nnx.state(gm_ref, nnx.Param), GRAD, "params")
+
+    lin = fl.LinenFlashMultiHeadAttention(num_heads=N, score_mod=mods.alibi(),
+                                          mask_mod=mods.causal())
+    params = lin.init(fresh_key(), x, aux=(slopes,))
+    plain = fl.LinenFlashMultiHeadAttention(num_heads=N, is_causal=True)
+    y0 = lin.apply(params, x, aux=(jnp.zeros_like(slopes),))   # slopes 0: causal alone
+    assert_close(y0, plain.apply(params, x), FWD, "linen, zero slopes")
+    g = jax.grad(lambda s: jnp.sum(lin.apply(params, x, aux=(s,)) * w))(slopes)
+    assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.max(jnp.abs(g))) > 0
+
+    fn = fl.make_attention_fn(score_mod=mods.alibi(), mask_mod=mods.causal(), aux=(slopes,))
+    q = _inputs((B, T, N, 8))
+    assert_close(fn(q, q, q), jaxflash.flash_attention(q, q, q, is_causal=True,
+                                                       alibi_slopes=slopes), FWD, "attention_fn")
+    with pytest.raises(NotImplementedError, match="weights path"):
+        fn(q, q, q, dropout_rate=0.1, dropout_rng=fresh_key())
+
+    layer.init_cache((B, T, F))
+    with pytest.raises(NotImplementedError, match="incremental decoding"):
+        layer(x[:, :1], aux=(slopes,), decode=True)
+    with pytest.raises(ValueError, match="aux given"):
+        fl.FlashMultiHeadAttention(N, F, rngs=nnx.Rngs(0))(x, aux=(slopes,))
