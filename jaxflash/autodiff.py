@@ -45,6 +45,7 @@ def _bwd(backend, statics, plan, res, cts):
         dq, scales["q_scale"] = layout.fp8_cotangents(q, arrays.q_scale, spec.q_block, dq)
         dk, scales["k_scale"] = layout.fp8_cotangents(k, arrays.k_scale, spec.k_block, dk)
         dv, scales["v_scale"] = layout.fp8_cotangents(v, arrays.v_scale, spec.v_block, dv)
+        scales = {n: _typed_like(g, getattr(arrays, n)) for n, g in scales.items()}
     darrays = AttentionArrays(
         bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
         alibi_slopes=(None if arrays.alibi_slopes is None
@@ -55,6 +56,18 @@ def _bwd(backend, statics, plan, res, cts):
 
 
 _attention.defvjp(_fwd, _bwd)
+
+
+def _typed_like(ct, x):
+    """`ct` resharded to `x`'s sharding where `x` lives on a mesh with Explicit axes: there a
+    custom_vjp's cotangent must have its primal's type, and a small operand's cotangent (a
+    scale's, summed over the batch) comes out sharded like the large ones it is made of.
+    Unchanged elsewhere (Auto axes: the partitioner places it)."""
+    sh = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sh, "mesh", None)
+    if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return ct
+    return jax.sharding.reshard(ct, jax.sharding.NamedSharding(mesh, sh.spec))
 
 
 # A kernel's forward and backward are not differentiable themselves. A first derivative

@@ -176,3 +176,26 @@ def test_fp8_inside_shard_map():
                                  out_specs=sp))
     np.testing.assert_array_equal(np.asarray(part(q8, k8, v8, qs, ks, vs), np.float32),
                                   np.asarray(jax.jit(fp8)(q8, k8, v8, qs, ks, vs), np.float32))
+
+
+@pytest.mark.parametrize("gran", ["tensor", "head"])
+def test_scale_gradients_on_an_explicit_mesh(gran):
+    """On a mesh with Explicit axes (jax.make_mesh's default in newer JAX) the scales'
+    gradients of batch-sharded FP8 operands come back with the scales' own (replicated)
+    type, equal to the unsharded call's."""
+    from jax.sharding import AxisType
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices)")
+    mesh = Mesh(np.array(jax.devices()[:4]), ("b",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng()
+    ops = [Q.quantize(jnp.asarray(rng.standard_normal((4, 128, 2, 32)), jnp.float32),
+                      granularity=gran) for _ in range(3)]
+    loss = lambda qs, ks, vs, q8, k8, v8: jnp.sum(jaxflash.flash_attention(
+        q8, k8, v8, q_scale=qs, k_scale=ks, v_scale=vs).astype(jnp.float32) ** 2)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    x8 = [jax.device_put(x, NamedSharding(mesh, P("b"))) for x, _ in ops]
+    sc = [jax.device_put(s, NamedSharding(mesh, P())) for _, s in ops]
+    got, want = grad(*sc, *x8), grad(*(s for _, s in ops), *(x for x, _ in ops))
+    for g, w in zip(got, want):
+        assert g.sharding.spec == P() or all(a is None for a in g.sharding.spec)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4)
