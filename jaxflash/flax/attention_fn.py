@@ -106,9 +106,10 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     Extra (jaxflash) keywords: ``implementation``, ``scale``, ``softcap``, ``local_window_size``,
     ``attention_precision`` (None or "fp8": `jaxflash.flash_attention`'s ``precision``, named
     apart from Flax's ``precision``, the einsums' `jax.lax.Precision`), ``score_mod`` /
-    ``mask_mod`` / ``aux`` (custom attention, `jaxflash.mods`; not on the weights path); bind them with `make_attention_fn` to hand the result to a Flax module. A keyword this
-    function does not know (a future Flax's) is accepted when it asks for nothing (None / False);
-    with any other value it raises NotImplementedError rather than being silently ignored.
+    ``mask_mod`` / ``aux`` (custom attention, `jaxflash.mods`; not on the weights path); bind
+    them with `make_attention_fn` to hand the result to a Flax module. A keyword this function
+    does not know (a future Flax's) is accepted when it asks for nothing (None / False); with
+    any other value it raises NotImplementedError rather than being silently ignored.
     """
     del force_fp32_for_softmax  # softmax statistics are float32 on every path
     asked = {k: v for k, v in unknown.items() if v is not None and v is not False}

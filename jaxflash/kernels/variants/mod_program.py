@@ -53,7 +53,7 @@ OTHER = ("select_n", "clamp", "convert_element_type", "ds")
 SUPPORTED = UNARY + BINARY + COMPARE + OTHER
 # Primitives whose inner jaxpr is inlined, and shape-only primitives that are the identity on
 # the scalars (size-1 arrays) a mod computes with.
-_INLINE = INLINE_CALLS
+_INLINE = INLINE_CALLS        # (shared with the Pallas kernels' translator)
 _IDENTITY = ("squeeze", "reshape", "broadcast_in_dim", "copy", "copy_p",
              "optimization_barrier") + SHARDING_IDENTITY
 
