@@ -45,24 +45,25 @@ def _bwd(backend, statics, plan, res, cts):
         dq, scales["q_scale"] = layout.fp8_cotangents(q, arrays.q_scale, spec.q_block, dq)
         dk, scales["k_scale"] = layout.fp8_cotangents(k, arrays.k_scale, spec.k_block, dk)
         dv, scales["v_scale"] = layout.fp8_cotangents(v, arrays.v_scale, spec.v_block, dv)
-        scales = {n: _typed_like(g, getattr(arrays, n)) for n, g in scales.items()}
     darrays = AttentionArrays(
-        bias=None if arrays.bias is None else dbias.astype(arrays.bias.dtype),
+        bias=None if arrays.bias is None else _as_primal(dbias, arrays.bias),
         alibi_slopes=(None if arrays.alibi_slopes is None
-                      else dalibi.astype(arrays.alibi_slopes.dtype)),
-        mod_aux=tuple(None if g is None else g.astype(x.dtype)
-                      for g, x in zip(daux, arrays.mod_aux)), **scales)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), darrays
+                      else _as_primal(dalibi, arrays.alibi_slopes)),
+        mod_aux=tuple(None if g is None else _as_primal(g, x)
+                      for g, x in zip(daux, arrays.mod_aux)),
+        **{n: _as_primal(g, getattr(arrays, n)) for n, g in scales.items()})
+    return _as_primal(dq, q), _as_primal(dk, k), _as_primal(dv, v), darrays
 
 
 _attention.defvjp(_fwd, _bwd)
 
 
-def _typed_like(ct, x):
-    """`ct` resharded to `x`'s sharding where `x` lives on a mesh with Explicit axes: there a
-    custom_vjp's cotangent must have its primal's type, and a small operand's cotangent (a
-    scale's, summed over the batch) comes out sharded like the large ones it is made of.
-    Unchanged elsewhere (Auto axes: the partitioner places it)."""
+def _as_primal(ct, x):
+    """`ct` with the type a custom_vjp's cotangent for primal `x` must have: x's dtype and, on
+    a mesh with Explicit axes, x's sharding (a small operand's cotangent, a scale's or an aux
+    table's summed over the batch, comes out sharded like the large ones it is made of). Auto
+    axes: the partitioner places it, no reshard."""
+    ct = ct.astype(x.dtype)
     sh = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sh, "mesh", None)
     if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
