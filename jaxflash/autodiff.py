@@ -63,7 +63,13 @@ def _as_primal(ct, x):
     a mesh with Explicit axes, x's sharding (a small operand's cotangent, a scale's or an aux
     table's summed over the batch, comes out sharded like the large ones it is made of). Auto
     axes: the partitioner places it, no reshard."""
-    ct = ct.astype(x.dtype)
+    return _sharded_like(ct.astype(x.dtype), x)
+
+
+def _sharded_like(ct, x):
+    """`ct` resharded to x's sharding where x's type has Explicit axes, and varying over the
+    manual axes x varies over inside a caller's shard_map (else unchanged)."""
+    ct = sharding.vary(ct, sharding.varying_axes(x))
     sh = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sh, "mesh", None)
     if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
@@ -134,11 +140,22 @@ def attention(backend, q, k, v, arrays, statics, plan):
     under `jax.checkpoint` instead: the same gradients and residuals (the inputs; the T x S
     scores are recomputed), every transformation works, forward mode (`jvp`, `jacfwd`,
     Hessians) included, which a `custom_vjp` refuses, and XLA's own SPMD partitioner shards
-    it (plain einsums and element-wise ops over batch and heads)."""
+    it (plain einsums and element-wise ops over batch and heads). On Explicit mesh axes it
+    runs per shard under `shard_map` (`jaxflash.sharding`), which JAX differentiates too."""
     if backend.differentiable_backward:
-        return jax.checkpoint(lambda q, k, v, arrays: backend.forward(q, k, v, arrays, statics,
-                                                                      plan))(q, k, v, arrays)
-    return _attention(backend, q, k, v, arrays, statics, plan)
+        def run(q, k, v, arrays):
+            if sharding.explicit_mesh(q, k, v, arrays) is not None:
+                # operands sharded in their types: per shard under shard_map (differentiable)
+                return sharding.forward(backend, q, k, v, arrays, statics, plan)
+            return backend.forward(q, k, v, arrays, statics, plan)
+        return jax.checkpoint(run)(q, k, v, arrays)
+    return _attention(backend, *_vary_alike(q, k, v, arrays), statics, plan)
+
+
+def _vary_alike(*operands):
+    """Inside a caller's shard_map (varying-axes checks on): every operand typed as varying
+    over the axes any of them does, before a custom_vjp (see `jaxflash.sharding`)."""
+    return sharding.vary(operands, sharding.varying_axes(*operands))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +168,7 @@ def fp8_attention(backend, q8, k8, v8, arrays, statics, plan):
     """FP8 operands given by the caller (scales in `arrays`): differentiable ``(out, lse)``.
     The gradients are the chain rule through dequantization (`jaxflash.fp8.layout`): an FP8
     cotangent for each FP8 operand and a float32 one for each scale."""
-    return _attention(backend, q8, k8, v8, arrays, statics, plan)
+    return _attention(backend, *_vary_alike(q8, k8, v8, arrays), statics, plan)
 
 
 def _quantize_all(q, k, v, arrays, statics, platform, signs):
@@ -191,7 +208,10 @@ def _fp8_quantized_bwd(backend, statics, plan, res, cts):
         bias=None if arr8.bias is None else dbias.astype(arr8.bias.dtype),
         alibi_slopes=None if arr8.alibi_slopes is None else dalibi.astype(jax.numpy.float32))
     qd, kd, vd = (d.dtype for d in dtypes)
-    dq, dk, dv = dq.astype(qd), dk.astype(kd), dv.astype(vd)
+    # q8 / k8 / v8 are typed like the float inputs they quantize: their sharding is the
+    # inputs' (on Explicit axes a split the kernels ran whole comes back whole).
+    dq, dk, dv = (_sharded_like(g.astype(d), x) for g, x, d in ((dq, q8, qd), (dk, k8, kd),
+                                                                (dv, v8, vd)))
     dsigns = None
     if signs is not None:
         # Straight through the quantization, then the Hadamard transform's transpose (what
@@ -211,4 +231,5 @@ def fp8_quantized_attention(backend, q, k, v, arrays, statics, plan, signs=None)
     first, ``quantize.hadamard_signed``), run in FP8, differentiable ``(out, lse)`` with
     straight-through gradients (the FP8 backward's, with respect to the dequantized operands,
     returned in the inputs' dtypes, through the Hadamard transform's transpose)."""
+    q, k, v, arrays = _vary_alike(q, k, v, arrays)
     return _fp8_quantized(backend, q, k, v, arrays, statics, plan, signs)

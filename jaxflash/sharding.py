@@ -47,6 +47,7 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxflash import _vma
 from jaxflash._types import AttentionArrays, Problem
 
 logger = logging.getLogger("jaxflash")
@@ -85,18 +86,87 @@ _register_batching()
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
-        return backend.forward(q, k, v, arrays, statics, plan)
-    op = _op("fwd", _Layout.of(q, k, v, arrays, statics))
-    return op(backend, q, k, v, arrays, statics, plan)
+    mesh = explicit_mesh(q, k, v, arrays)
+    if mesh is not None:
+        return _explicit("fwd", mesh, backend, statics, plan, (q, k, v, arrays))
+    axes = varying_axes(q, k, v, arrays)
+    if axes or not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
+        res = backend.forward(q, k, v, arrays, statics, plan)
+    else:
+        op = _op("fwd", _Layout.of(q, k, v, arrays, statics))
+        res = op(backend, q, k, v, arrays, statics, plan)
+    return vary(res, axes)
 
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
-    if not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
-        return backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
-    op = _op("bwd", _Layout.of(q, k, v, arrays, statics))
-    return op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+    mesh = explicit_mesh(q, k, v, arrays)
+    if mesh is not None:
+        return _explicit("bwd", mesh, backend, statics, plan,
+                         (q, k, v, arrays, out, lse, dout))
+    axes = varying_axes(q, k, v, arrays, out, lse, dout)
+    if axes or not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
+        res = backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
+    else:
+        op = _op("bwd", _Layout.of(q, k, v, arrays, statics))
+        res = op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
+    return vary(res, axes)
+
+
+# Inside a caller's `shard_map` with JAX's varying-axes checks on (its default) the operands
+# are per-device arrays already: no partitioning op is added (its lowering would re-trace the
+# body with the checks on). Each kernel call types its own results (`jaxflash._vma`); the
+# results are cast once more here for backends that compute some in XLA from fewer operands.
+varying_axes, vary = _vma.varying_axes, _vma.vary
+
+
+def explicit_mesh(*operands):
+    """The mesh when an operand's type names a mesh axis of type Explicit (sharding in types,
+    `jax.make_mesh`'s default), else None. Such operands are typed shards, not global arrays
+    the partitioner may split: a kernel traced on them (a Pallas call's refs, a reshape of a
+    split head dim) fails, so `_explicit` runs the backend under `shard_map` instead."""
+    for x in jax.tree.leaves(operands):
+        sh = getattr(jax.typeof(x), "sharding", None)
+        mesh = getattr(sh, "mesh", None)
+        if mesh is None or getattr(mesh, "empty", True):
+            continue
+        explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                    if t == jax.sharding.AxisType.Explicit}
+        if any(set(_axes(e)) & explicit for e in sh.spec):
+            return mesh
+    return None
+
+
+def _explicit(kind, mesh, backend, statics, call_plan, args):
+    """A pass on operands sharded in their types: the same plan as `_partition`'s (read from the
+    types), operands resharded to it, and each shard running `_local` under `shard_map`. A call
+    that cannot be split (the plan shards nothing, or its mods cannot take offsets) runs whole
+    on operands resharded to replicated, and its result is split as q's heads are."""
+    q, k, v, arrays = args[:4]
+    layout = _Layout.of(q, k, v, arrays, statics)
+    plan = _Plan((), (), ())
+    if _mods_ok(backend, statics, arrays):
+        plan = _make_plan(mesh, jax.typeof(q).sharding, jax.typeof(k).sharding,
+                          call_plan.problem)
+    arg_sh, res_sh = _shardings(kind, mesh, plan, layout)
+    args = jax.tree.map(jax.sharding.reshard, args, arg_sh)
+    spec = lambda tree: jax.tree.map(lambda s: s.spec, tree)
+    # Even a call the plan runs whole goes through shard_map: inside it the operands are plain
+    # per-device arrays, which every backend's tracing takes (Pallas's interpreter, for one,
+    # refuses values typed on an Explicit mesh). check_vma off: kernel calls (Pallas, FFI)
+    # give outputs without varying-axes types; the specs say how each result is split, and
+    # `_local` adds the psums it needs.
+    run = jax.shard_map(_local(kind, backend, statics, call_plan, plan, layout), mesh=mesh,
+                        in_specs=spec(arg_sh), out_specs=spec(res_sh), check_vma=False)
+    results = run(*args)
+    if kind == "fwd" and not plan.q_heads:
+        # A split the plan could not keep ran whole: the result is split as q is again.
+        qs = tuple(jax.typeof(q).sharding.spec) + (None,) * 4
+        ns = lambda *d: NamedSharding(mesh, P(*d))
+        out, lse = results
+        results = (jax.sharding.reshard(out, ns(plan.spec("b")[0], None, qs[2], None)),
+                   jax.sharding.reshard(lse, ns(plan.spec("b")[0], qs[2], None)))
+    return results
 
 
 def _mods_ok(backend, statics, arrays) -> bool:
@@ -359,6 +429,12 @@ def _partition(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape
     layout = _Layout.of(*arg_shapes[:3], arg_shapes[3], statics)
     plan = _make_plan(mesh, arg_shapes[0].sharding, arg_shapes[1].sharding, call_plan.problem)
     arg_sh, res_sh = _shardings(kind, mesh, plan, layout)
+    return mesh, _local(kind, backend, statics, call_plan, plan, layout), res_sh, arg_sh
+
+
+def _local(kind, backend, statics, call_plan, plan: _Plan, layout: _Layout):
+    """What one shard runs (inside `custom_partitioning`'s lowering or `shard_map`): the backend
+    on its local slice, the mods told the shard's global offsets, and the backward's psums."""
 
     def offsets(q, arrays):
         """The mods see global batch rows and heads: this shard's first ones."""
@@ -395,4 +471,4 @@ def _partition(kind, backend, statics, call_plan, mesh, arg_shapes, result_shape
             daux = tuple(g if g is None or not axes else jax.lax.psum(g, axes)
                          for g in grads[5])
             return dq, dk, dv, dbias, dalibi, daux
-    return mesh, lower, res_sh, arg_sh
+    return lower

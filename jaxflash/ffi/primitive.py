@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import batching, mlir
 
+from jaxflash import _vma
 from jaxflash.ffi import cache, runtime
 from jaxflash.ffi.variant import Launch
 
@@ -69,7 +70,8 @@ def call(launch: Launch, *inputs, out_shapes: Sequence, scalars: Sequence = (),
         if names:
             args.append(jnp.stack([jnp.asarray(v, dt).reshape(()) for v in vals]))
     out_avals = tuple((s.shape, s.dtype.name) for s in out_shapes)
-    return tuple(cute_call_p.bind(*args, launch=launch, out_avals=out_avals))
+    bind = functools.partial(cute_call_p.bind, launch=launch, out_avals=out_avals)
+    return tuple(_vma.kernel_call(bind, *args))  # typed inside a caller's shard_map
 
 
 def _dim(d):

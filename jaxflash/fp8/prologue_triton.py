@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxflash import _vma
 from jaxflash import quantize as Q
 
 _SQ = getattr(pl, "squeezed", None)   # a squeezed block dim (None in older Pallas)
@@ -178,7 +179,7 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-    return pl.pallas_call(
+    return _vma.kernel_call(pl.pallas_call(
         kernel,
         grid=(B, nb, H),           # heads fastest: neighbouring programs read neighbouring rows
         in_specs=in_specs,
@@ -189,4 +190,4 @@ def quantize_blocks(x, signs, *, dtype, block: int, num_warps: int = 4, width=No
         interpret=interpret,
         name="fp8_prologue",
         **params,
-    )(*args)
+    ), *args)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxflash import _vma
 from jaxflash.pallas_fallback import mods_tile, tiles
 from jaxflash.pallas_fallback.config import PassConfig
 from jaxflash.pallas_fallback.tiles import Spec
@@ -171,10 +172,10 @@ def dkdv(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret
                  pl.BlockSpec((None, bk, None, spec.Hvp), lambda j, b, h: (b, j, h, 0))]
     kernel = functools.partial(_dkdv_kernel, spec=spec, cfg=cfg,
                                names=tuple(names + ["dk", "dv"]))
-    return pl.pallas_call(
+    return _vma.kernel_call(pl.pallas_call(
         kernel, grid=(pl.cdiv(S, bk), B, K), in_specs=specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
-        name="jaxflash_bwd_dkdv")(*args)
+        name="jaxflash_bwd_dkdv"), *args)
 
 
 def _dense_index_k(j, b, h, *, bdim, ndim):
@@ -282,10 +283,10 @@ def dq(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpret,
         out_shape.append(jax.ShapeDtypeStruct((B, N, T), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i)))
     kernel = functools.partial(_dq_kernel, spec=spec, cfg=cfg, names=tuple(names + out_names))
-    outs = pl.pallas_call(
+    outs = _vma.kernel_call(pl.pallas_call(
         kernel, grid=(pl.cdiv(T, bq), B, N), in_specs=specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
-        name="jaxflash_bwd_dq")(*args)
+        name="jaxflash_bwd_dq"), *args)
     return outs[0], (outs[1] if spec.has_alibi else None)
 
 
@@ -397,8 +398,8 @@ def dbias(q, k, v, do, lse, delta, ops, spec: Spec, cfg: PassConfig, *, interpre
     names, args, specs = names + extra[0], args + extra[1], specs + extra[2]
     kernel = functools.partial(_dbias_kernel, spec=spec, cfg=cfg,
                                names=tuple(names + ["dbias"]), RB=RB, RN=RN)
-    return pl.pallas_call(
+    return _vma.kernel_call(pl.pallas_call(
         kernel, grid=(pl.cdiv(T, bq), Bb, Nb), in_specs=specs,
         out_specs=pl.BlockSpec((None, None, bq, S), lambda i, bb, nb: (bb, nb, i, 0)),
         out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype), interpret=interpret,
-        compiler_params=compiler_params, name="jaxflash_bwd_dbias")(*args)
+        compiler_params=compiler_params, name="jaxflash_bwd_dbias"), *args)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxflash import _vma
 from jaxflash.pallas_fallback import mods_tile, tiles
 from jaxflash.pallas_fallback.config import PassConfig
 from jaxflash.pallas_fallback.tiles import Spec
@@ -106,10 +107,10 @@ def forward(q, k, v, ops: dict, spec: Spec, cfg: PassConfig, *, interpret: bool,
     out_specs = [pl.BlockSpec((None, bq, None, spec.Hvp), lambda i, b, n: (b, i, n, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, i))]
     kernel = functools.partial(_kernel, spec=spec, cfg=cfg, names=tuple(names + ["o", "lse"]))
-    out, lse = pl.pallas_call(
+    out, lse = _vma.kernel_call(pl.pallas_call(
         kernel, grid=(pl.cdiv(T, bq), B, N), in_specs=specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, compiler_params=compiler_params,
-        name="jaxflash_fwd")(*args)
+        name="jaxflash_fwd"), *args)
     return out, lse
 
 

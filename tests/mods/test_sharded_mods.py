@@ -18,7 +18,10 @@ def _score(s, b, h, q_idx, kv_idx, ids, table):
     return s + table[jnp.minimum(jnp.abs(q_idx - kv_idx), 15), h] + 0.25 * b.astype(s.dtype)
 
 
-def test_batch_x_heads_sharded_mods_equal_unsharded():
+@pytest.mark.parametrize("explicit,impl", [(False, "xla"), (True, "xla"), (True, "pallas")])
+def test_batch_x_heads_sharded_mods_equal_unsharded(explicit, impl):
+    """Auto mesh axes: the partitioner splits the call. Explicit axes (sharding in types): the
+    call runs per shard under shard_map; the mods must see the same global offsets."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (tests/conftest.py forces 8 host devices)")
     B, T, N, K, H = 4, 33, 8, 4, 16
@@ -27,12 +30,14 @@ def test_batch_x_heads_sharded_mods_equal_unsharded():
     ids = jnp.asarray(np.sort(np.asarray(randint(0, 3, (B, T), rng)), axis=1))
     table = randn((16, N), "float32", rng)
     mask = mods.and_masks(mods.causal(), mods.document(0))
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"),
+                axis_types=(kind, kind))
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))
 
     def loss(q, k, v, table):
         bm = mods.create_block_mask(mask, B, N, T, T, (16, 32), aux=(ids, table))
-        out = jaxflash.flash_attention(q, k, v, implementation="xla", score_mod=_score,
+        out = jaxflash.flash_attention(q, k, v, implementation=impl, score_mod=_score,
                                        mask_mod=mask, aux=(ids, table), block_mask=bm)
         return jnp.sum(out * w)
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxflash
-from jaxflash import autodiff, dispatch, reference, sharding
+from jaxflash import _vma, autodiff, dispatch, reference, sharding
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem
 from jaxflash.backends.xla import XlaBackend
 from tests.common import (FWD_TOL, GRAD_TOL, Case, assert_close, assert_sum_close, bernoulli,
@@ -24,11 +24,12 @@ from tests.common import (FWD_TOL, GRAD_TOL, Case, assert_close, assert_sum_clos
 GATHERS = ("all-gather", "all-to-all")
 
 
-def _mesh(shape, names):
+def _mesh(shape, names, explicit=False):
     n = int(np.prod(shape))
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices (tests/conftest.py forces 8 host devices)")
-    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names)
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names, axis_types=(kind,) * len(names))
 
 
 def _collectives(compiled_text):
@@ -61,18 +62,28 @@ SHARDINGS = {
     # The Pallas kernels (interpret mode here) with every optional operand.
     "batch_x_heads_pallas": ((2, 2), ("data", "model"), P("data", None, "model"),
                              P("data", None, "model"), 4, 2),
+    # 4-way on 8 query heads with K = 2: a device's heads are half of one kv head's group, a
+    # split no plan keeps (JAX has no type for it on Explicit axes): heads run whole.
+    "heads_cut_groups": ((4,), ("model",), P(None, None, "model"), P(), 8, 2),
+    "heads_cut_groups_pallas": ((4,), ("model",), P(None, None, "model"), P(), 8, 2),
 }
+GATHERED = ("heads_cut_groups", "heads_cut_groups_pallas")
 
 
-# Shardy on every layout; GSPMD on the mixed layouts only (time).
-@pytest.mark.parametrize("name,partitioner", [(n, "shardy") for n in SHARDINGS] + [
-    (n, "gspmd") for n in ("batch_x_heads", "heads_split_groups")])
-def test_sharded_equals_unsharded(name, partitioner):
+# Shardy on every layout; GSPMD on the mixed layouts only (time). Explicit axes (sharding in
+# types, `jax.make_mesh`'s default) on the layouts that take another path there: the Pallas
+# kernels, a cut group, a split group, MQA.
+@pytest.mark.parametrize("name,partitioner,explicit", [
+    (n, "shardy", False) for n in SHARDINGS if n != "heads_cut_groups_pallas"] + [
+    (n, "gspmd", False) for n in ("batch_x_heads", "heads_split_groups")] + [
+    (n, "shardy", True) for n in ("batch_x_heads_pallas", "heads_cut_groups",
+                                  "heads_cut_groups_pallas", "heads_split_groups", "heads_mqa")])
+def test_sharded_equals_unsharded(name, partitioner, explicit):
     impl = "pallas" if name.endswith("pallas") else "xla"
     if impl == "pallas" and _pallas_reason():
         pytest.skip(_pallas_reason())
     shape, axes, qspec, kvspec, N, K = SHARDINGS[name]
-    mesh = _mesh(shape, axes)
+    mesh = _mesh(shape, axes, explicit)
     causal = name != "batch"
     case = Case(B=8 if "batch" in name else 2, T=16, S=16, N=N, K=K, H=16,
                 kwargs=dict(is_causal=causal, implementation=impl))
@@ -116,10 +127,12 @@ def test_sharded_equals_unsharded(name, partitioner):
                      "loss")
     for what, g, r in zip(("dq", "dk", "dv", "dbias", "dalibi"), grads, ref_grads):
         assert_close(g, r, GRAD_TOL["float32"], what)
-    assert grads[0].sharding.spec == qspec, grads[0].sharding
-    assert out.sharding.spec == qspec, f"output sharding {out.sharding.spec} != {qspec}"
+    same = lambda a, b: tuple(a) + (None,) * (4 - len(a)) == tuple(b) + (None,) * (4 - len(b))
+    assert same(grads[0].sharding.spec, qspec), grads[0].sharding
+    if name not in GATHERED or explicit:  # (Auto axes: the partitioner places a gathered result)
+        assert same(out.sharding.spec, qspec), f"output sharding {out.sharding.spec} != {qspec}"
     counts = _collectives(text)
-    assert all(counts[op] == 0 for op in GATHERS), f"{name}: {counts}"
+    assert (name in GATHERED) == any(counts[op] for op in GATHERS), f"{name}: {counts}"
 
 
 class _Opaque(XlaBackend):
@@ -185,3 +198,70 @@ def _pallas_reason():
     except Exception as e:  # noqa: BLE001 - the fallback is another engineer's work in progress
         return f"pallas backend unavailable: {e}"
     return None if d.backend == "pallas" else str(d)
+
+
+class _KernelLike(XlaBackend):
+    """The reference behind a kernel's calling convention: each pass ends in one call whose
+    results carry no varying-axes type of their own (`jaxflash._vma.kernel_call`, as a Pallas
+    or FFI call does), and the two passes are paired by the custom_vjp."""
+
+    name = "kernel-like"
+    differentiable_backward = False
+
+    def forward(self, q, k, v, arrays, statics, plan):
+        run = lambda q, k, v, arrays: XlaBackend.forward(self, q, k, v, arrays, statics, plan)
+        return _vma.kernel_call(run, q, k, v, arrays)
+
+    def backward(self, q, k, v, arrays, statics, plan, out, lse, dout):
+        grads = XlaBackend.backward(self, q, k, v, arrays, statics, plan, out, lse, dout)
+        # traced with the checks off, x * 1 drops the type: a kernel's result
+        return _vma.kernel_call(lambda *g: jax.tree.map(lambda x: x * 1, g), *grads)
+
+
+@pytest.mark.parametrize("K", [4, 1])
+def test_kernel_passes_inside_shard_map_with_checks(K):
+    """A caller's shard_map with JAX's varying-axes checks on (its default): the kernel passes'
+    results are typed per device, the cotangents take their primals' types, and with MQA (k, v
+    replicated, query heads split) JAX's transpose sums dK / dV over the devices. Forward and
+    gradients equal the unsharded call's; without the typing the custom_vjp refuses."""
+    mesh = _mesh((4,), ("model",))
+    q, k, v, _ = Case(B=2, T=24, S=24, N=8, K=K, H=16).make()
+    w = randn(q.shape, rng=np.random.default_rng(3))
+    statics = AttentionStatics(scale=0.25, is_causal=True)
+
+    def attend(q, k, v):
+        problem = Problem.from_arrays(q, k, v, AttentionArrays(), statics, "cpu")
+        plan = dispatch.Plan(problem, "kernel-like", (), "kernel-like")
+        return autodiff.attention(_KernelLike(), q, k, v, AttentionArrays(), statics, plan)[0]
+
+    heads = P(None, None, "model")
+    sharded = jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads if K > 1 else P(),
+                                                         heads if K > 1 else P()),
+                            out_specs=heads)
+    ref = lambda q, k, v: jaxflash.flash_attention(q, k, v, scale=0.25, is_causal=True,
+                                                   implementation="xla")
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * w))
+    got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss(ref), argnums=(0, 1, 2)))(q, k, v)
+    assert_close(jax.jit(sharded)(q, k, v), jax.jit(ref)(q, k, v), FWD_TOL["float32"], "out")
+    for what, a, b in zip(("dq", "dk", "dv"), got[1], want[1]):
+        assert_close(a, b, GRAD_TOL["float32"], what)
+
+
+def test_cute_passes_lower_inside_shard_map_with_checks():
+    """Lowered for CUDA (no GPU needed): the CuTe kernels' forward and backward inside a
+    shard_map with the checks on trace and lower, the custom calls in the program."""
+    pytest.importorskip("cutlass", reason="lowering the CuTe kernels needs the DSL")
+    mesh = _mesh((2,), ("d",))
+    q = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((4, 1024, 4, 128), jnp.bfloat16)
+
+    def f(q, k, v):
+        body = lambda q, k, v: jnp.sum(jaxflash.flash_attention(
+            q, k, v, is_causal=True).astype(jnp.float32))[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(q, k, v).sum()
+
+    with jaxflash.target_platform("cuda"):
+        for fn in (f, jax.grad(f, argnums=(0, 1, 2))):
+            text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+            assert "CuteDSL" in text

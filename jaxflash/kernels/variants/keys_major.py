@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxflash import _vma
+
 _SQ = getattr(pl, "squeezed", None)
 
 # The Triton kernel: the same bytes as XLA's transpose on the H200 (tests/kernels/
@@ -88,7 +90,7 @@ def _triton_bytes(x8, dims, perm, interpret):
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
         params["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    out = pl.pallas_call(
+    out = _vma.kernel_call(pl.pallas_call(
         functools.partial(_kernel, dims=dims, perm=perm),
         grid=(B, L // ROWS, Hd),
         in_specs=[pl.BlockSpec((_SQ, ROWS, _SQ, H), lambda b, i, h: (b, i, h, 0))],
@@ -97,5 +99,5 @@ def _triton_bytes(x8, dims, perm, interpret):
         interpret=interpret,
         name="fp8_keys_major",
         **params,
-    )(u)
+    ), u)
     return out if x8.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(out, x8.dtype)
