@@ -141,7 +141,7 @@ def _explicit(kind, mesh, backend, statics, call_plan, args):
     """A pass on operands sharded in their types: the same plan as `_partition`'s (read from the
     types), operands resharded to it, and each shard running `_local` under `shard_map`. A call
     that cannot be split (the plan shards nothing, or its mods cannot take offsets) runs whole
-    on operands resharded to replicated, and its result is split as q's heads are."""
+    on operands resharded to replicated; the forward's result comes back split as q is."""
     q, k, v, arrays = args[:4]
     layout = _Layout.of(q, k, v, arrays, statics)
     plan = _Plan((), (), ())
@@ -159,13 +159,14 @@ def _explicit(kind, mesh, backend, statics, call_plan, args):
     run = jax.shard_map(_local(kind, backend, statics, call_plan, plan, layout), mesh=mesh,
                         in_specs=spec(arg_sh), out_specs=spec(res_sh), check_vma=False)
     results = run(*args)
-    if kind == "fwd" and not plan.q_heads:
-        # A split the plan could not keep ran whole: the result is split as q is again.
+    if kind == "fwd":
+        # The result split as q is (a split the plan could not keep, a sequence split, ran
+        # whole): each device keeps its slice, no communication.
         qs = tuple(jax.typeof(q).sharding.spec) + (None,) * 4
         ns = lambda *d: NamedSharding(mesh, P(*d))
         out, lse = results
-        results = (jax.sharding.reshard(out, ns(plan.spec("b")[0], None, qs[2], None)),
-                   jax.sharding.reshard(lse, ns(plan.spec("b")[0], qs[2], None)))
+        results = (jax.sharding.reshard(out, ns(qs[0], qs[1], qs[2], None)),
+                   jax.sharding.reshard(lse, ns(qs[0], qs[2], qs[1])))
     return results
 
 
