@@ -36,7 +36,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxflash import api, dispatch, precision as prec, quantize
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem, accum_dtype
@@ -211,7 +211,15 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                        in_specs=(spec4, spec4, spec4,
                                  tuple(s for s, p in zip(ext_specs, present) if p)) + sc_specs,
                        out_specs=(spec4, P(batch_axis, head_axis, seq_axis)), check_vma=False)
-    out, lse = fn(q, k, v, tuple(x for x in extras if x is not None), *sc_args)
+    args = (q, k, v, tuple(x for x in extras if x is not None)) + sc_args
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        # Explicit axes: shard_map takes operands typed exactly as its specs, so they are
+        # resharded to them (global lengths left replicated, say), as an Auto mesh does.
+        specs = (spec4, spec4, spec4, tuple(s for s, p in zip(ext_specs, present) if p))
+        specs += sc_specs
+        args = jax.tree.map(lambda x, s: jax.sharding.reshard(x, NamedSharding(mesh, s)),
+                            args, specs)
+    out, lse = fn(*args)
     if not return_residual:
         return out
     return out, lax.stop_gradient(jnp.swapaxes(lse, 1, 2))

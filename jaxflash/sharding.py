@@ -52,6 +52,12 @@ from jaxflash._types import AttentionArrays, Problem
 
 logger = logging.getLogger("jaxflash")
 
+try:  # a vmap tracer, whose `val` is the batched value
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover - moved in some jax version: mapped dims unseen
+    class _BatchTracer:
+        pass
+
 try:  # jit-traced values; anything else (eager arrays, vmap tracers) runs unpartitioned.
     from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
 except ImportError:  # pragma: no cover - moved in some jax version: partition every traced call
@@ -86,6 +92,7 @@ _register_batching()
 
 def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     """``backend.forward``, partitioned over sharded batch / head dims under jit."""
+    _check_mapped(backend, q, k, v, arrays)
     mesh = explicit_mesh(q, k, v, arrays)
     if mesh is not None:
         return _explicit("fwd", mesh, backend, statics, plan, (q, k, v, arrays))
@@ -100,6 +107,7 @@ def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
     """``backend.backward``, partitioned over sharded batch / head dims under jit."""
+    _check_mapped(backend, q, k, v, arrays)
     mesh = explicit_mesh(q, k, v, arrays)
     if mesh is not None:
         return _explicit("bwd", mesh, backend, statics, plan,
@@ -126,15 +134,39 @@ def explicit_mesh(*operands):
     the partitioner may split: a kernel traced on them (a Pallas call's refs, a reshape of a
     split head dim) fails, so `_explicit` runs the backend under `shard_map` instead."""
     for x in jax.tree.leaves(operands):
-        sh = getattr(jax.typeof(x), "sharding", None)
-        mesh = getattr(sh, "mesh", None)
-        if mesh is None or getattr(mesh, "empty", True):
-            continue
-        explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                    if t == jax.sharding.AxisType.Explicit}
-        if any(set(_axes(e)) & explicit for e in sh.spec):
+        mesh = _explicit_in_type(x)
+        if mesh is not None:
             return mesh
     return None
+
+
+def _explicit_in_type(x):
+    sh = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sh, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                if t == jax.sharding.AxisType.Explicit}
+    return mesh if any(set(_axes(e)) & explicit for e in sh.spec) else None
+
+
+def _check_mapped(backend, *operands):
+    """Under vmap a type is one example's; the batched value's own type may split the mapped
+    dim over Explicit axes. The Pallas kernels cannot take that (their interpreter and
+    lowering see the split inside the kernel): say so instead of failing deep in JAX."""
+    if getattr(backend, "name", "") != "pallas":
+        return
+    for x in jax.tree.leaves(operands):
+        while isinstance(x, _BatchTracer):
+            dim, x = x.batch_dim, x.val
+            sh = getattr(jax.typeof(x), "sharding", None)
+            spec = tuple(getattr(sh, "spec", ()) or ())
+            if (isinstance(dim, int) and dim < len(spec) and spec[dim] is not None
+                    and _explicit_in_type(x) is not None):
+                raise NotImplementedError(
+                    "the Pallas kernels under jax.vmap over a dim split on Explicit mesh "
+                    f"axes ({jax.typeof(x)}): reshard that dim, or take another backend "
+                    "(implementation='xla', or the default dispatch)")
 
 
 def _explicit(kind, mesh, backend, statics, call_plan, args):

@@ -84,6 +84,18 @@ def _lists(kind):
     return out
 
 
+def _whole(x):
+    """x replicated where its type splits it over Explicit mesh axes: the mask reads any
+    element of an aux array from every block (as the kernels' calls do, `jaxflash.sharding`)."""
+    sh = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sh, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or all(e is None for e in sh.spec):
+        return x
+    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def create_block_mask(mask_mod, B: int, H: int, T: int, S: int, block=(128, 128),
                       aux=()) -> BlockMask:
     """The `BlockMask` of `mask_mod` for batch `B` and heads `H` (1 each when the mask does
@@ -100,6 +112,7 @@ def create_block_mask(mask_mod, B: int, H: int, T: int, S: int, block=(128, 128)
     if min(B, H, T, S) <= 0:
         raise ValueError(f"B, H, T and S must be positive; got {(B, H, T, S)}")
     spec, leaves = make_spec(None, mask_mod, normalize_aux(aux))
+    leaves = [_whole(x) for x in leaves]
     if spec is None:
         raise ValueError("create_block_mask needs a mask_mod")
     nq, nk = -(-T // tm), -(-S // tn)

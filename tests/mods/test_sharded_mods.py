@@ -115,3 +115,21 @@ def test_pallas_mods_inside_shard_map():
     assert_close(part[0][1], whole[0][1], 1e-6, "out")
     for name, a, b in zip(["dq", "dk", "dv", "dslopes"], part[1], whole[1]):
         assert_close(a, b, 1e-5, name)
+
+
+def test_block_mask_of_explicitly_sharded_aux():
+    """create_block_mask reads an aux array split over Explicit mesh axes (document ids
+    sharded with the batch) whole: the same table as from the unsharded ids."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices)")
+    kind = jax.sharding.AxisType.Explicit
+    mesh = Mesh(np.array(jax.devices()[:4]), ("b",), axis_types=(kind,))
+    rng = fresh_rng()
+    ids = jnp.asarray(np.sort(np.asarray(randint(0, 4, (4, 48), rng)), axis=1))
+    mask = mods.and_masks(mods.causal(), mods.document(0))
+    build = jax.jit(lambda ids: mods.create_block_mask(mask, 4, 1, 48, 48, (16, 16), aux=(ids,)))
+    want = build(ids)
+    with jax.set_mesh(mesh):
+        got = build(jax.device_put(ids, NamedSharding(mesh, P("b"))))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

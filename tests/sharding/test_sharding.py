@@ -265,3 +265,20 @@ def test_cute_passes_lower_inside_shard_map_with_checks():
         for fn in (f, jax.grad(f, argnums=(0, 1, 2))):
             text = jax.jit(fn).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
             assert "CuteDSL" in text
+
+
+def test_vmap_over_a_dim_split_on_explicit_axes():
+    """jax.vmap over a dim split on Explicit mesh axes: the XLA backend equals the unsharded
+    call; the Pallas kernels, which cannot take the split, say so (NotImplementedError)."""
+    mesh = _mesh((2,), ("b",), explicit=True)
+    q, k, v, _ = Case(B=2, T=16, S=16, N=2, K=2, H=8).make()
+    qs, ks, vs = (jnp.stack([x, 2 * x]) for x in (q, k, v))    # [V, B, T, N, H]
+    f = lambda impl: jax.jit(jax.vmap(lambda q, k, v: jaxflash.flash_attention(
+        q, k, v, is_causal=True, implementation=impl)))
+    want = f("xla")(qs, ks, vs)
+    args = [jax.device_put(x, NamedSharding(mesh, P("b"))) for x in (qs, ks, vs)]
+    with jax.set_mesh(mesh):
+        assert_close(f("xla")(*args), want, FWD_TOL["float32"], "xla")
+        if not _pallas_reason():
+            with pytest.raises(NotImplementedError, match="vmap over a dim split"):
+                f("pallas")(*args)
