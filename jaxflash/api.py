@@ -281,6 +281,9 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     every mask (``mask``, ``is_causal``, ``local_window_size``, the sequence lengths, the segment
     ids) removes keys. Softmax statistics are float32; the output has the query's dtype.
     float64 inputs (under ``jax_enable_x64``) run on the XLA reference in float64, LSE too.
+    A traced ``scale`` (a learned temperature under jit) multiplies the query before the
+    kernels, in the query's dtype: one more rounding, and in float16 ``|query * scale|`` must
+    stay below 65504 (a static scale multiplies the float32 logits, as jax.nn does).
 
     One deliberate difference from jax.nn: a query row with no key left to attend to gives
     output 0, a finite gradient and LSE = -inf.
@@ -291,8 +294,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
     for an empty call (no kernel is launched), but a backend named by ``implementation``
     must still serve its configuration. N, K, H and Hv must be positive (ValueError).
     T = 1, S = 1, N = K = 1 and inputs that are transposed, sliced or broadcast views are
-    ordinary calls. (Known gap: a size-0 `jax.vmap` axis is not seen by this check, and the
-    "pallas" and "cute" backends fail on it.)
+    ordinary calls; so is a size-0 `jax.vmap` axis (an empty call).
 
     Non-finite values (NaN, +-Inf in query, key, value, bias) are not checked for; no backend
     hangs or raises on them, and the forward follows the reference: a pair (i, j) removed by
@@ -377,7 +379,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                                                q.shape[2], k.shape[2])
             arrays = arrays._replace(q_scale=qs, k_scale=ks, v_scale=vs)
     problem = _problem(q, k, v, arrays, statics)
-    if _is_empty(problem):
+    if _is_empty(problem) or _mapped_empty(q, k, v):
         # No backend runs (no kernel is ever launched on an empty grid); a named backend must
         # still serve the call's configuration, as it must when the call is not empty.
         dispatch.select(_nonempty(problem), implementation)
@@ -471,6 +473,24 @@ def _nonempty(problem: Problem) -> Problem:
     bias = None if problem.bias_shape is None else tuple(one(d) for d in problem.bias_shape)
     return dataclasses.replace(problem, batch=one(problem.batch), q_len=one(problem.q_len),
                                kv_len=one(problem.kv_len), bias_shape=bias)
+
+
+def _mapped_empty(*xs) -> bool:
+    """Whether a `jax.vmap` axis of size 0 maps any operand (the problem, read per example,
+    does not show it): the call is then empty too."""
+    for x in xs:
+        while isinstance(x, _BatchTracer):
+            if isinstance(x.batch_dim, int) and x.val.shape[x.batch_dim] == 0:
+                return True
+            x = x.val
+    return False
+
+
+try:  # a vmap tracer: `val` is the batched value, `batch_dim` its mapped dim
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:  # pragma: no cover - moved in some jax version: such axes unseen
+    class _BatchTracer:
+        pass
 
 
 def _empty_result(q, v, out_dtype=None):
