@@ -621,15 +621,16 @@ def _fp4(query, key, value, bias, mask, *, scale, is_causal, emulate, return_res
     _fp4_checks(query, key, value, bias, mask, implementation, others)
     if return_residual and is_causal:
         raise NotImplementedError("precision='fp4' returns the LSE only on its non-causal path")
-    if min(np.shape(query)[:2] + np.shape(key)[1:2]) == 0:   # nothing to attend: as any call
+    if isinstance(scale, _Tracer):
+        raise NotImplementedError("precision='fp4' takes a static scale (a Python number): "
+                                  "the FP4 path's constants are built from it")
+    dims = np.shape(query)[:2] + np.shape(key)[1:2]   # (symbolic dims are never 0)
+    if any(isinstance(d, int) and d == 0 for d in dims):   # nothing to attend: as any call
         out, lse = _empty_result(jnp.asarray(query), jnp.asarray(value))
         return (out, jnp.swapaxes(lse, -1, -2)) if return_residual else out
-    if not is_causal:
-        # the non-causal Direct-P path has no backward (its roundings have zero derivative):
-        # differentiating it raises instead of returning zeros
-        why = ("precision='fp4' without is_causal is inference only (Direct-P has no "
-               "backward); the causal FP4 path trains")
-        query, key, value = (autodiff.forward_only(x, why) for x in (query, key, value))
+    if not is_causal:   # Direct-P, emulated or the kernel: inference only (raises if differentiated)
+        from jaxflash.fp4.direct_p import no_derivative
+        query, key, value = (no_derivative(x) for x in (query, key, value))
     kernel = _fp4_kernel(query, key, value, is_causal, emulate)
     if frontend._route(emulate, kernel and kernel[:2])[0] == "kernel":
         from jaxflash.kernels import fp4_call

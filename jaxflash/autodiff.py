@@ -96,22 +96,6 @@ def _backward(backend, q, k, v, arrays, statics, plan, out, lse, dout):
     return _first_order_backward(backend, q, k, v, arrays, statics, plan, out, lse, dout)
 
 
-def forward_only(x, reason: str):
-    """`x` unchanged; differentiating through it raises NotImplementedError(`reason`) (for a
-    path whose roundings would give zero gradients silently)."""
-    return _forward_only(reason, x)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _forward_only(reason, x):
-    return x
-
-
-@_forward_only.defjvp
-def _forward_only_jvp(reason, primals, tangents):
-    raise NotImplementedError(reason)
-
-
 def _no_second_order(backend, statics, plan, primals, tangents):
     raise NotImplementedError(
         f"second-order gradients through the '{backend.name}' backend: its kernels have no "

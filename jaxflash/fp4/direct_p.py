@@ -27,8 +27,10 @@ What is emulated (paper section 4; constants from ``jaxflash.fp4.constants``):
   running per-row power of two 2^R (R = the largest published block exponent so far); rescaling
   by powers of two is exact, so this equals the kernel's unscaled FP32 accumulation while
   staying clear of XLA:CPU's flush-to-zero.  The kernel's FP32 range is still modelled: a row
-  whose literal accumulators (2^R acc) would exceed FP32 (e.g. logits > 500 without the guard,
-  where the E8M0 byte saturates at 254) returns NaN, as the kernel's inf/inf would.
+  whose literal accumulators (2^R acc) would exceed FP32 returns NaN, as the kernel's inf/inf
+  would, and so does a row whose every block term underflows (0 / 0).  Without a shift (the
+  "fast" policy, m_i = 0) that bounds a row's logits to about [-87, +80] (e^88 is 2^127): use
+  the guard or "accurate" (a per-row shift) beyond.
 
 Policies (``constants.POLICIES``): "fast" = all-affine, shiftless (m_i = 0: the E8M0 block exponent
 carries the range); "accurate" = m_i from 32 fixed anchor key rows and native EX2 on 25 % of the
@@ -245,7 +247,8 @@ def _direct_p_impl(q, k, v, *, scale, policy, A, B, guard, p_scale_rule, v_scale
     # the barrier stops that); XLA:GPU divides with div.full.f32 (<= 2 ulp, x / x may miss 1),
     # so equal numerator and denominator are mapped to exactly 1 explicitly
     denom = lax.optimization_barrier(jnp.broadcast_to(acc_l[..., None], acc_n.shape))
-    out = jnp.where(acc_n == denom, jnp.float32(1), acc_n / denom)
+    # (a row whose every block term underflowed has 0 / 0: NaN, as in the kernel)
+    out = jnp.where((acc_n == denom) & (denom != 0), jnp.float32(1), acc_n / denom)
     # kernel FP32 range model: literal accumulators are 2^R * acc (numerator before the 1/36,
     # i.e. up to 6 * acc_n with V in the alpha*q/6 convention; denominator 2^R * acc_l / 6)
     big = jnp.maximum(acc_l * jnp.float32(1 / 6), 6.0 * jnp.max(jnp.abs(acc_n), axis=-1))
@@ -260,6 +263,21 @@ def _direct_p_impl(q, k, v, *, scale, policy, A, B, guard, p_scale_rule, v_scale
            - jnp.float32(np.log(6.0)))
     lse = jnp.where(overflow, jnp.nan, lse)
     return out, lse.reshape(Bt, N, T)
+
+
+@jax.custom_jvp
+def no_derivative(x):
+    """x unchanged; differentiating through it raises. Direct-P's roundings have derivative
+    zero almost everywhere: autodiff would return zero gradients silently."""
+    return x
+
+
+@no_derivative.defjvp
+def no_derivative_jvp(primals, tangents):
+    raise NotImplementedError(
+        "the Direct-P FP4 path (non-causal precision='fp4', direct_p_attention) is inference "
+        "only: its roundings have no useful derivative; the causal FP4 path "
+        "(fp4_training_attention) trains")
 
 
 def direct_p_attention(q, k, v, *, scale: Optional[float] = None,
@@ -292,6 +310,7 @@ def direct_p_attention(q, k, v, *, scale: Optional[float] = None,
         raise ValueError(f"key_tile must be a multiple of {C.P_BLOCK}")
     pol = resolve_policy(policy, A, B)
     scale = float(1.0 / np.sqrt(q.shape[3])) if scale is None else float(scale)
+    q, k, v = (no_derivative(x) for x in (q, k, v))
     return _direct_p_impl(
         q, k, v, scale=scale, policy=tuple(sorted(pol.items())), A=pol["A"], B=pol["B"],
         guard=_resolve_guard(guard), p_scale_rule=p_scale_rule or C.P_SCALE_RULE,

@@ -136,11 +136,23 @@ def _decode_table(spec: _Spec) -> np.ndarray:
 _TABLES = {id(s): _decode_table(s) for s in (_E2M1, _E4M3, _E5M2)}
 
 
+def amax_abs(x, axis) -> jax.Array:
+    """max |x| over `axis` (kept), NaN where the slice holds a NaN. Said explicitly: XLA:CPU's
+    vectorized max-reduce was seen to drop a NaN for some shapes, and the formats' NaN rules
+    (a NaN block's scale) must not depend on that."""
+    m = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    return jnp.where(jnp.any(jnp.isnan(x), axis=axis, keepdims=True), jnp.nan, m)
+
+
 def _f32_bits(x) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         x = x.astype(jnp.float32)
-    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)  # exact widening
+    # The barrier keeps XLA from constant-folding the encoders: its folding of this integer
+    # arithmetic on a transposed constant (K / V closed over by a jitted caller) gave wrong
+    # codes, while the same program on arguments is right. No run-time cost.
+    x = lax.optimization_barrier(x.astype(jnp.float32))
+    return lax.bitcast_convert_type(x, jnp.uint32)  # exact widening
 
 
 def _encode(x, spec: _Spec, saturate: bool, relu: bool = False) -> jax.Array:
@@ -320,7 +332,7 @@ def _blocks(x, block: int):
 @functools.partial(jax.jit, static_argnames=('axes',))
 def nvfp4_global_scale(x, axes: Optional[Union[int, Sequence[int]]] = None) -> jax.Array:
     """G = 448 * 6 / amax(x) over ``axes`` (all by default; kept as size-1 dims); 1 where amax = 0."""
-    amax = jnp.max(jnp.abs(jnp.asarray(x).astype(jnp.float32)), axis=axes, keepdims=True)
+    amax = amax_abs(jnp.asarray(x).astype(jnp.float32), axes)
     return jnp.where(amax > 0, (E4M3_MAX * E2M1_MAX) / jnp.where(amax > 0, amax, 1.0), 1.0)
 
 
@@ -332,7 +344,7 @@ def nvfp4_quantize(x, global_scale=None, *, global_axes=None) -> NVFP4:
         global_scale = nvfp4_global_scale(x, global_axes)
     G = jnp.asarray(global_scale, jnp.float32)
     Gb = G[..., None] if G.ndim == xb.ndim - 1 else G  # [..., 1] -> [..., 1, 1]
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    amax = amax_abs(xb, -1)
     s = e4m3_encode(amax * (Gb * _SIXTH))
     s_hat = e4m3_decode(s)
     ok = s_hat > 0
@@ -370,7 +382,7 @@ def _mx_exponent(amax, rule: str):
 def mxfp4_quantize(x, *, rule: str = "ocp") -> MXFP4:
     """MXFP4: blocks of 32 along the last axis, E8M0 scale (see module doc for the rules)."""
     xb = _blocks(x, MXFP4_BLOCK)
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    amax = amax_abs(xb, -1)
     e, zero, bad = _mx_exponent(amax, rule)
     u = jnp.clip(e + E8M0_BIAS, 0, 254)
     codes = e2m1_encode(xb * _pow2(-(u - E8M0_BIAS)))
@@ -417,6 +429,6 @@ def fake_quant_fp8(x, fmt: str = "e4m3", *, scale_axes=None, scale=None) -> jax.
                       "e5m2": (e5m2_encode, e5m2_decode, E5M2_MAX)}[fmt]
     x = jnp.asarray(x).astype(jnp.float32)
     if scale is None:
-        amax = jnp.max(jnp.abs(x), axis=scale_axes, keepdims=True)
+        amax = amax_abs(x, scale_axes)
         scale = jnp.where(amax > 0, fmax / jnp.where(amax > 0, amax, 1.0), 1.0)
     return dec(enc(x * scale)) * (1.0 / scale)

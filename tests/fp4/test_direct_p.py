@@ -270,3 +270,58 @@ def test_flash_attention_fp4_follows_the_call_rules():
         jax.grad(lambda q: jnp.sum(fa(q, k, v).astype(jnp.float32)))(q)
     g = jax.grad(lambda q: jnp.sum(fa(q, k, v, is_causal=True).astype(jnp.float32)))(q)
     assert np.all(np.isfinite(np.asarray(g, np.float32))) and np.any(np.asarray(g) != 0)
+
+
+def test_public_direct_p_functions_refuse_gradients():
+    """direct_p_attention and the non-causal fp4_attention are inference only: differentiating
+    them raises instead of returning zero gradients."""
+    q, k, v = (_rand((1, 32, 2, 32), s) for s in (41, 42, 43))
+    for f in (lambda q: DP.direct_p_attention(q, k, v),
+              lambda q: fp4_attention(q, k, v, emulate=True)):
+        with pytest.raises(NotImplementedError, match="inference only"):
+            jax.grad(lambda q: jnp.sum(f(q)))(q)
+
+
+def test_training_path_under_jit_with_constant_keys():
+    """K and V closed over by a jitted caller (XLA constant-folds what depends on them only)
+    give the result of the same call on arguments, forward and gradient."""
+    import jaxflash
+    q, k, v = (np.asarray(_rand((1, 40, 2, 32), s)) for s in (7, 8, 9))
+    f = lambda a, b, c: jaxflash.flash_attention(a, b, c, is_causal=True, precision="fp4",
+                                                 emulate=True)
+    want = np.asarray(jax.jit(f)(q, k, v))
+    got = np.asarray(jax.jit(lambda a: f(a, k, v))(q))
+    np.testing.assert_array_equal(got, want)
+    gw = np.asarray(jax.jit(jax.grad(lambda a, b, c: jnp.sum(f(a, b, c))))(q, k, v))
+    gg = np.asarray(jax.jit(jax.grad(lambda a: jnp.sum(f(a, k, v))))(q))
+    np.testing.assert_array_equal(gg, gw)
+
+
+def test_fast_policy_row_that_underflows_is_nan():
+    """A row whose every logit is far below 0 under the shiftless "fast" policy: every block
+    term underflows, 0 / 0, NaN (as the kernel's), never a made-up value."""
+    H, S = 32, 64
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((1, S, 1, H)).astype(np.float32)
+    k[..., :16] = 1.0
+    v = rng.standard_normal((1, S, 1, H)).astype(np.float32)
+    q = rng.standard_normal((1, 2, 1, H)).astype(np.float32)
+    q[..., :16] = -100.0 / 16 * np.sqrt(H)      # adds -100 to every logit
+    out = np.asarray(DP.direct_p_attention(q, k, v, policy="fast"))
+    assert np.all(np.isnan(out))
+    assert np.all(np.isfinite(np.asarray(DP.direct_p_attention(q, k, v, policy="accurate"))))
+
+
+def test_fp4_scale_and_export_rules():
+    """A traced scale is refused by name; a symbolic batch dim exports (and matches)."""
+    import jaxflash
+    from jax import export
+    q = _rand((2, 64, 2, 32), 5)
+    with pytest.raises(NotImplementedError, match="static scale"):
+        jax.jit(lambda q, s: jaxflash.flash_attention(q, q, q, scale=s, precision="fp4",
+                                                      emulate=True))(q, 0.2)
+    b = export.symbolic_shape("b")[0]
+    spec = jax.ShapeDtypeStruct((b, 64, 2, 32), jnp.float32)
+    f = jax.jit(lambda q: jaxflash.flash_attention(q, q, q, precision="fp4", emulate=True,
+                                                   is_causal=True))
+    np.testing.assert_array_equal(np.asarray(export.export(f)(spec).call(q)), np.asarray(f(q)))

@@ -372,3 +372,17 @@ def test_fake_quant_fp8_per_tensor():
     y = _np(F.fake_quant_fp8(x, "e4m3"))
     np.testing.assert_allclose(y, x, rtol=2 ** -4)
     assert y[0, 2] == -2.0
+
+
+@pytest.mark.parametrize("shape", [(4, 96), (1, 1, 32, 128)])
+def test_nan_block_scale_does_not_depend_on_the_reduce(shape):
+    """A block holding a NaN gets the NaN scale (MXFP4 E8M0 0xFF; NVFP4 E4M3 NaN) for every
+    shape: XLA:CPU's vectorized max-reduce drops the NaN for some (such as V's [1, 1, 32, 128]
+    view), so the NaN is found explicitly."""
+    x = np.full(shape, 0.3, np.float32)
+    x.reshape(-1, shape[-1])[-1, 2] = np.nan
+    mx = F.mxfp4_quantize(x)
+    assert np.asarray(mx.scales).reshape(-1, shape[-1] // 32)[-1, 0] == 0xFF
+    assert np.all(np.isnan(np.asarray(F.mxfp4_dequantize(mx)).reshape(-1, shape[-1])[-1, :32]))
+    nv = F.nvfp4_dequantize(F.nvfp4_quantize(x))
+    assert np.all(np.isnan(np.asarray(nv).reshape(-1, shape[-1])[-1, :16]))
