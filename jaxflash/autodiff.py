@@ -192,8 +192,8 @@ def _fp8_quantized_bwd(backend, statics, plan, res, cts):
         bias=None if arr8.bias is None else dbias.astype(arr8.bias.dtype),
         alibi_slopes=None if arr8.alibi_slopes is None else dalibi.astype(jax.numpy.float32))
     qd, kd, vd = (d.dtype for d in dtypes)
-    # q8 / k8 / v8 are typed like the float inputs they quantize: their sharding is the
-    # inputs' (on Explicit axes a split the kernels ran whole comes back whole).
+    # q8 / k8 / v8 are typed like the float inputs they quantize: each gradient takes that
+    # type (on Explicit axes, a split the kernels had to run whole is split again here).
     dq, dk, dv = (_sharded_like(g.astype(d), x) for g, x, d in ((dq, q8, qd), (dk, k8, kd),
                                                                 (dv, v8, vd)))
     dsigns = None
