@@ -211,11 +211,46 @@ def _file_lock(directory: str, name: str):
         yield
         return
     with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        locked = _acquire(f, directory, name)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if locked:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# How long a process waits for another one compiling the same variant before compiling it
+# too (a compile takes seconds to a few minutes; a longer wait means that process hangs).
+LOCK_WAIT_S = 900.0
+
+
+def _acquire(f, directory: str, name: str) -> bool:
+    """Take the lock on `f`, saying so while another process holds it. A file system without
+    locks (ENOLCK, ...) or a holder past `LOCK_WAIT_S` means compiling unlocked: time, not
+    correctness (entries are replaced whole)."""
+    import fcntl
+    start, said = time.monotonic(), False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            logger.warning("jaxflash: the kernel cache %s takes no file locks (%s); compiling "
+                           "%s without one (processes may compile it twice)", directory, e, name)
+            return False
+        waited = time.monotonic() - start
+        if not said and waited > 2.0:
+            said = True
+            logger.warning("jaxflash: waiting for another process compiling %s (lock %s)",
+                           name, os.path.join(directory, name + ".lock"))
+        if waited > LOCK_WAIT_S:
+            logger.warning("jaxflash: gave up waiting %.0f s for the lock on %s; compiling it "
+                           "here too", waited, name)
+            return False
+        time.sleep(0.1)
 
 
 _warned_dirs: set[str] = set()

@@ -25,7 +25,10 @@ import threading
 
 # The DSL reads its target (``CUTE_DSL_ARCH``, else the local GPU, else sm_100a) once, into its
 # settings singleton; when that differs from ``--gpu-arch`` it may try to build a host JIT engine
-# for a GPU that is not there and fail to export. We keep the two equal per compile (below).
+# for a GPU that is not there and fail to export. We keep the two equal per compile (below). The
+# variable is set for the import only: left set, it would name the target of every later
+# variant (`jaxflash.ffi.variant.current_arch` reads it), whatever the GPU.
+_ARCH_BEFORE = os.environ.get("CUTE_DSL_ARCH")
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -34,6 +37,9 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: E402
 from cutlass.jax.types import (  # noqa: E402
     DEFAULT_CUTLASS_DEVICE_MEMSPACE, JaxArray, JaxTracedArray, jax_to_cutlass_dtype)
+
+if _ARCH_BEFORE is None:
+    os.environ.pop("CUTE_DSL_ARCH", None)
 
 from jaxflash.ffi.variant import Launch, TensorArg, load_ref  # noqa: E402
 

@@ -236,6 +236,9 @@ class Launch:
         h.update(self.to_json_str().encode())
         h.update(b"\n")
         h.update(self.source_hash.encode())
+        build = dsl_build_settings()
+        if build:  # (the default build's keys carry nothing here)
+            h.update(f"\ndsl-build {build}".encode())
         return h.hexdigest()
 
     @property
@@ -261,7 +264,9 @@ class Launch:
 # every jaxflash.kernels module it imports (transitively, found by parsing import statements,
 # never by importing: the DSL may be absent), the config's module, and the bridge's own
 # launcher (compiler.py), whose code is compiled into every binary.
-_HASHED_PACKAGES = ("jaxflash.kernels",)
+# The FP4 kernels compile the Direct-P constants (and their operand prep uses the formats) from
+# jaxflash.fp4: those modules are part of their keys too.
+_HASHED_PACKAGES = ("jaxflash.kernels", "jaxflash.fp4.constants", "jaxflash.fp4.formats")
 _ALWAYS = ("jaxflash.ffi.compiler",)
 
 
@@ -356,6 +361,18 @@ def _hash_files(files: tuple[tuple[str, str, float], ...]) -> str:
 def source_files(kernel_ref: str, config_ref: str) -> list[tuple[str, str]]:
     roots = [kernel_ref.partition(":")[0], config_ref.partition(":")[0], *_ALWAYS]
     return _closure(roots)
+
+
+# DSL settings that change the binary it builds (line info, debug code, assertions, the
+# optimization level): a build with one set is another artifact than the default build.
+DSL_BUILD_ENV = ("CUTE_DSL_LINEINFO", "CUTE_DSL_DEBUG", "CUTE_DSL_ENABLE_ASSERTIONS",
+                 "CUTE_DSL_COMPILER_OPT")
+
+
+def dsl_build_settings() -> str:
+    """The `DSL_BUILD_ENV` settings in effect, '' for the default build."""
+    return ";".join(f"{n}={os.environ[n].strip()}" for n in DSL_BUILD_ENV
+                    if os.environ.get(n, "").strip() not in ("", "0"))
 
 
 def source_hash(kernel_ref: str, config_ref: str) -> str:
