@@ -37,6 +37,19 @@ def accum_dtype(dtype):
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.float32)
 
 
+def env_flag(name: str) -> bool:
+    """An on / off environment setting: 1, true, yes, on (any case) is on; unset, empty, 0,
+    false, no, off is off; anything else raises ValueError naming the variable."""
+    import os
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${name}={os.environ[name]!r} is neither on (1, true, yes, on) nor off "
+                     f"(0, false, no, off, empty)")
+
+
 def cuda_arch() -> tuple[int, int]:
     """The CUDA arch the kernels are built for: ``$CUTE_DSL_ARCH`` (the project's way of naming
     the target when lowering on a machine without a GPU, e.g. ``sm_90a``), else the local GPU's,

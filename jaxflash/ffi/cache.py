@@ -36,6 +36,7 @@ import time
 import uuid
 from typing import Optional
 
+from jaxflash._types import env_flag
 from jaxflash.ffi.variant import Launch
 
 logger = logging.getLogger("jaxflash.ffi")
@@ -61,7 +62,7 @@ class Binary:
 # -- DSL availability --------------------------------------------------------------------------
 def dsl_available() -> bool:
     """Whether the CuTe DSL can compile here (``JAXFLASH_NO_DSL=1`` forces runtime-only mode)."""
-    if os.environ.get(ENV_NO_DSL, "") not in ("", "0"):
+    if env_flag(ENV_NO_DSL):
         return False
     # Look the package up without importing it: importing `cutlass` fixes the DSL's target
     # architecture for the whole process (from CUTE_DSL_ARCH, else the local GPU, else sm_100a),

@@ -358,3 +358,45 @@ def test_runtime_library_that_is_not_one_names_the_fix(unregistered, monkeypatch
     msg = str(ei.value)
     assert str(bogus) in msg and "nvidia-cutlass-dsl" in msg and runtime.TARGET in msg
     assert not runtime.is_registered()  # a later, fixed call can still register
+
+
+def test_cache_without_file_locks_compiles_unlocked_and_says_so(fake_dsl, monkeypatch, caplog):
+    """A file system without locks (ENOLCK): the variant compiles, one warning names the
+    directory, instead of an OSError out of the lowering."""
+    import errno
+    import fcntl
+
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="jaxflash"):
+        binary = cache.get_binary(selftest_launch(SelfTestConfig("float32"), "sm_90a"))
+    assert binary.module
+    assert any("takes no file locks" in r.getMessage() for r in caplog.records)
+
+
+def test_importing_the_compiler_leaves_the_target_unset():
+    """The compiler sets $CUTE_DSL_ARCH for the DSL's import only: left set, it would name
+    the target of every later variant in the process, whatever the GPU."""
+    pytest.importorskip("cutlass", reason="the compiler imports the CuTe DSL")
+    code = ("import os; os.environ.pop('CUTE_DSL_ARCH', None); import jaxflash.ffi.compiler; "
+            "print(os.environ.get('CUTE_DSL_ARCH'))")
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "None"
+
+
+@pytest.mark.parametrize("value,off", [("false", True), ("No", True), (" 0 ", True), ("", True),
+                                       ("1", False), ("on", False)])
+def test_on_off_settings_read_as_written(monkeypatch, value, off):
+    """$JAXFLASH_NO_DSL (and every on / off setting) reads false / no / 0 as off; a value that
+    is neither raises ValueError naming the variable."""
+    from jaxflash._types import env_flag
+    monkeypatch.setenv(cache.ENV_NO_DSL, value)
+    assert env_flag(cache.ENV_NO_DSL) is (not off)
+    monkeypatch.setenv(cache.ENV_NO_DSL, "maybe")
+    with pytest.raises(ValueError, match=cache.ENV_NO_DSL):
+        env_flag(cache.ENV_NO_DSL)

@@ -66,3 +66,40 @@ def test_code_edits_change_the_key(edited, suffix):
 def test_code_text_keeps_strings_that_are_code():
     src = 'def f():\n    """doc"""\n    x = "# not a comment"  # a comment\n    return x\n'
     assert variant.code_text(src) == 'def f():\n    x = "# not a comment"\n    return x'
+
+
+def test_fp4_constants_are_in_the_fp4_kernels_key():
+    """The sm_100a FP4 kernel compiles the Direct-P constants (jaxflash.fp4.constants): editing
+    one changes its key; a bf16 kernel does not read them."""
+    from jaxflash.kernels.variants.fwd_fp4_launch import sm100_fwd_fp4_launch
+    from jaxflash.kernels.variants.sm100_fwd_fp4 import Sm100FwdFp4Config
+    launch = sm100_fwd_fp4_launch(Sm100FwdFp4Config(head_dim=128), "sm_100a")
+    mods = [m for m, _ in variant.source_files(launch.kernel, variant._ref(launch.config))]
+    assert "jaxflash.fp4.constants" in mods
+    real = variant._read_source
+    try:
+        variant._hash_files.cache_clear()
+        before = launch.key
+        variant._read_source = lambda p: (real(p).replace("E8M0_BIAS = 127", "E8M0_BIAS = 126")
+                                          if p.endswith("jaxflash/fp4/constants.py") else real(p))
+        variant._hash_files.cache_clear()
+        assert launch.key != before
+    finally:
+        variant._read_source = real
+        variant._hash_files.cache_clear()
+    bf16 = fwd_launch(FwdConfig(head_dim=128), "sm_90a")
+    assert not any(m.startswith("jaxflash.fp4")
+                   for m, _ in variant.source_files(bf16.kernel, variant._ref(bf16.config)))
+
+
+def test_dsl_build_settings_key_their_own_artifacts(monkeypatch):
+    """A build with line info (or debug code, assertions, another optimization level) is
+    another binary: another key. Unset or "0" is the default build, whose key is unchanged."""
+    launch = fwd_launch(FwdConfig(head_dim=128), "sm_90a")
+    for name in variant.DSL_BUILD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    default = launch.key
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "0")
+    assert launch.key == default
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    assert launch.key != default

@@ -14,7 +14,7 @@ imports it. Which checks cleared which feature is in docs/design.md.
 """
 from __future__ import annotations
 
-import os
+from jaxflash._types import env_flag
 
 ENV = "JAXFLASH_CUTE_UNVERIFIED"
 BLACKWELL_PENDING = ("the sm_100a kernels (compiled and instruction-checked only, gated until a "
@@ -22,7 +22,7 @@ BLACKWELL_PENDING = ("the sm_100a kernels (compiled and instruction-checked only
 
 
 def allowed() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+    return env_flag(ENV)
 
 
 # Per config class: (feature name, predicate) pairs; a config using a named feature is pending.
