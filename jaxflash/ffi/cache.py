@@ -86,8 +86,18 @@ def dsl_version() -> Optional[str]:
 
 
 def kernel_dir() -> Optional[str]:
-    d = os.environ.get(ENV_KERNEL_DIR)
-    return os.path.abspath(os.path.expanduser(d)) if d else None
+    """$JAXFLASH_KERNEL_DIR as a path (surrounding blanks dropped); one warning per process
+    when it names no directory (a typo would otherwise read as every variant being absent)."""
+    d = os.environ.get(ENV_KERNEL_DIR, "").strip()
+    if not d:
+        return None
+    path = os.path.abspath(os.path.expanduser(d))
+    if not os.path.isdir(path) and path not in _warned_dirs:
+        _warned_dirs.add(path)
+        logger.warning("jaxflash: $%s=%s is not a directory (%s); no precompiled kernel is read "
+                       "from it", ENV_KERNEL_DIR, path,
+                       "a file" if os.path.exists(path) else "nothing there")
+    return path
 
 
 def cache_root() -> str:
@@ -118,6 +128,8 @@ def read_entry(directory: str, launch: Launch, version: Optional[str]
     """(module bytes, "") for a valid entry, else (None, why). `version` None accepts any DSL
     version (runtime-only mode: the runtime library checks the object's own version)."""
     obj, meta = _paths(directory, launch)
+    if not os.path.isdir(directory):
+        return None, "not a directory"
     if not os.path.exists(meta):
         return None, "absent"
     try:
@@ -337,14 +349,15 @@ def _load_or_build(launch: Launch) -> Binary:
         if data is not None:
             return _binary(data, "kernel_dir")
         tried.append(f"${ENV_KERNEL_DIR}={kd}: {why}")
-        if why != "absent":
+        if why not in ("absent", "not a directory"):   # (the latter said once, `kernel_dir`)
             logger.warning("jaxflash: not loading %s from %s: %s", launch.name, kd, why)
     else:
         tried.append(f"${ENV_KERNEL_DIR} is not set")
     if version is None:
         raise MissingVariantError(
             f"no compiled kernel for variant {launch.name}\n  {launch.describe()}\n"
-            f"and the CuTe DSL is not installed here (runtime-only mode), so it cannot be "
+            f"and the CuTe DSL is not available here (not installed, or ${ENV_NO_DSL} on: "
+            f"runtime-only mode), so it cannot be "
             f"compiled. Looked in: {'; '.join(tried)}.\nBuild it on any machine with the DSL:\n  "
             f"{aot_command(launch)}\nthen point ${ENV_KERNEL_DIR} at that directory.")
     cdir = cache_dir(version)
@@ -352,7 +365,7 @@ def _load_or_build(launch: Launch) -> Binary:
         data, why = read_entry(cdir, launch, version)
         if data is not None:
             return _binary(data, "disk_cache")
-        if why != "absent":
+        if why not in ("absent", "not a directory"):
             logger.warning("jaxflash: rebuilding %s in %s: %s", launch.name, cdir, why)
         from jaxflash.ffi import compiler
         t0 = time.perf_counter()

@@ -400,3 +400,19 @@ def test_on_off_settings_read_as_written(monkeypatch, value, off):
     monkeypatch.setenv(cache.ENV_NO_DSL, "maybe")
     with pytest.raises(ValueError, match=cache.ENV_NO_DSL):
         env_flag(cache.ENV_NO_DSL)
+
+
+def test_kernel_dir_that_names_no_directory_is_said_once(fake_dsl, monkeypatch, tmp_path, caplog):
+    """$JAXFLASH_KERNEL_DIR with a typo, a file, or a trailing newline: one warning naming it
+    (not a silent "absent" per variant); blanks around the path are dropped."""
+    bad = tmp_path / "nowhere"
+    monkeypatch.setenv(cache.ENV_KERNEL_DIR, f"{bad}\n")
+    cache._warned_dirs.discard(str(bad))
+    with caplog.at_level(logging.WARNING, logger="jaxflash"):
+        assert cache.kernel_dir() == str(bad)
+        cache.kernel_dir()
+    said = [r.getMessage() for r in caplog.records if "is not a directory" in r.getMessage()]
+    assert len(said) == 1 and str(bad) in said[0]
+    data, why = cache.read_entry(str(bad), selftest_launch(SelfTestConfig("float32"), "sm_90a"),
+                                 DSL)
+    assert data is None and why == "not a directory"
