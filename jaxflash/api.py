@@ -437,6 +437,8 @@ def explain(query, key, value, bias=None, mask=None, *, implementation: Optional
                             kwargs, _fp4_others({**kwargs, **fp8_kw}))
     if req is not None:
         implementation = req.implementation
+    if isinstance(kwargs.get("scale"), _Tracer):
+        kwargs["scale"] = 1.0   # as flash_attention runs it: folded into the query
     q, k, v, arrays, statics, _ = _prepare_abstract(
         query, key, value, bias, mask, implementation=implementation,
         allow_fp8=req is not None and req.spec.source == "fp8", **kwargs)

@@ -171,8 +171,9 @@ def select(problem: Problem, implementation: str | None) -> tuple[Backend, Plan]
     p = plan(problem, implementation)
     if p.backend is None:
         raise NotImplementedError(str(p))
-    if implementation is None and p.refused:
+    if implementation is None:
         skipped = [n for n, _ in p.refused if n in _PREFERENCE.get(problem.platform, ())]
-        if skipped and skipped[0] != p.backend:
+        # a fallback: a preferred backend skipped, or a forward whose backward runs elsewhere
+        if (skipped and skipped[0] != p.backend) or getattr(p.detail, "bwd_reason", None):
             logger.info("%s", p)
     return _BACKENDS[p.backend], p

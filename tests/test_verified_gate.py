@@ -584,3 +584,12 @@ def test_short_window_takes_the_short_loop_schedule():
     assert not forward_config(problem(4096, 4096, 4, 4, (1024, 0), True)).wg_epilogue
     assert not forward_config(problem(8192, 8192, 4, 4, (4096, 0), True)).tile_pipe
     assert not forward_config(problem(8192, 8192, 4, 4, (1024, 0), True, 30.0)).wg_epilogue
+
+
+@pytest.mark.parametrize("value,on", [("false", False), ("off", False), ("0", False),
+                                      ("", False), ("1", True), ("true", True)])
+def test_unverified_switch_reads_as_written(monkeypatch, value, on):
+    """JAXFLASH_CUTE_UNVERIFIED=false (or off, 0) keeps the gate closed."""
+    from jaxflash.kernels.policy import verified
+    monkeypatch.setenv(verified.ENV, value)
+    assert verified.allowed() is on

@@ -359,3 +359,15 @@ def test_what_jax_nn_accepts_runs_as_it_does():
     for a, b in zip(jax.tree.leaves(ours(q, jnp.float32(0.7))),
                     jax.tree.leaves(ref(q, jnp.float32(0.7)))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_explain_takes_a_traced_scale():
+    """explain plans a traced scale as flash_attention runs it (folded into the query)."""
+    q = jnp.ones((1, 16, 2, 32), jnp.float32)
+
+    def f(q, s):
+        d = jaxflash.explain(q, q, q, scale=s, is_causal=True)
+        assert d.backend is not None
+        return jaxflash.flash_attention(q, q, q, scale=s, is_causal=True)
+
+    jax.jit(f)(q, 0.3)

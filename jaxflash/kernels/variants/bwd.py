@@ -140,7 +140,7 @@ class BwdConfig:
                 object.__setattr__(self, "num_stages", 1)
         ok, why = self.check()
         if not ok:
-            raise ValueError(f"invalid BwdConfig {self}: {why}")
+            raise ValueError(f"BwdConfig: {why}")
 
     def check(self) -> tuple[bool, str]:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -138,7 +138,7 @@ class FwdConfig:
             object.__setattr__(self, "tile_n", default[1])
         ok, why = self.check()
         if not ok:
-            raise ValueError(f"invalid FwdConfig {self}: {why}")
+            raise ValueError(f"FwdConfig: {why}")
 
     # -- validation ------------------------------------------------------------------------
     def check(self) -> tuple[bool, str]:
