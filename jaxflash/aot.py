@@ -138,12 +138,14 @@ def main(argv=None) -> int:
         return 0
     if not a.out:
         p.error("--out is required")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--out {a.out} is not a directory")
     from jaxflash.ffi.variant import Launch
     launches = []
     for v in a.variant:
         try:
             launch = Launch.from_json(v)
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, ImportError, AttributeError) as e:
             p.error(f"--variant {v[:80]!r}: not a variant's JSON ({type(e).__name__}: {e})")
         if launch.arch != a.arch:
             p.error(f"--variant is for {launch.arch}, --arch says {a.arch}")
