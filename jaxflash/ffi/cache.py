@@ -182,8 +182,30 @@ def write_entry(directory: str, launch: Launch, module: bytes, version: str) -> 
          "launch": launch.to_json(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with _dir_lock(directory, shared=False):  # the pair is replaced as one (see the docstring)
         _atomic_write(obj, module)  # object first: metadata appears only once it is whole
-        _atomic_write(meta, json.dumps(m, indent=1, sort_keys=True).encode())
+        try:
+            _atomic_write(meta, json.dumps(m, indent=1, sort_keys=True).encode())
+        except BaseException:
+            with contextlib.suppress(OSError):  # no object without its metadata
+                os.unlink(obj)
+            raise
+    _sweep_temporaries(directory)
     return obj
+
+
+# A writer killed between creating its temporary file and renaming it leaves the file; one
+# older than this is nobody's any more and is removed by the next write to the directory.
+STALE_TMP_S = 24 * 3600.0
+
+
+def _sweep_temporaries(directory: str) -> None:
+    now = time.time()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name.startswith(".tmp-"):
+                path = os.path.join(directory, name)
+                with contextlib.suppress(OSError):
+                    if now - os.stat(path).st_mtime > STALE_TMP_S:
+                        os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -416,3 +416,31 @@ def test_kernel_dir_that_names_no_directory_is_said_once(fake_dsl, monkeypatch, 
     data, why = cache.read_entry(str(bad), selftest_launch(SelfTestConfig("float32"), "sm_90a"),
                                  DSL)
     assert data is None and why == "not a directory"
+
+
+def test_write_leaves_no_orphan_and_sweeps_old_temporaries(tmp_path, monkeypatch):
+    """A metadata write that fails removes the object it would describe; a temporary file left
+    by a killed writer long ago is removed by the next write, a fresh one (a writer at work) is
+    kept."""
+    launch = selftest_launch(SelfTestConfig("float32"), "sm_90a")
+    d = str(tmp_path)
+    old = os.path.join(d, ".tmp-1-dead-x.o")
+    new = os.path.join(d, ".tmp-2-live-y.o")
+    for p in (old, new):
+        open(p, "wb").write(b"partial")
+    os.utime(old, (0, 0))
+    cache.write_entry(d, launch, b"module", DSL)
+    assert not os.path.exists(old) and os.path.exists(new)
+    real = cache._atomic_write
+
+    def full_disk(path, data):
+        if path.endswith(".json"):
+            raise OSError(28, "No space left on device")
+        real(path, data)
+
+    other = selftest_launch(SelfTestConfig("float16"), "sm_90a")
+    monkeypatch.setattr(cache, "_atomic_write", full_disk)
+    with pytest.raises(OSError):
+        cache.write_entry(d, other, b"module", DSL)
+    obj, meta = cache._paths(d, other)
+    assert not os.path.exists(obj) and not os.path.exists(meta)
