@@ -245,7 +245,8 @@ class _Layout(NamedTuple):
         if spec is not None:
             bm = arrays.block_mask
             bmd = None if bm is None else (dense(bm.full_count) + (tuple(bm.block),
-                                                                   tuple(bm.seq_lens)))
+                                                                   tuple(bm.seq_lens),
+                                                                   bm.ranges is not None))
             grads = tuple(spec.has_score and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
                           for x in arrays.mod_aux)
             mods = (tuple(x.ndim for x in arrays.mod_aux), grads, bmd)
@@ -298,6 +299,9 @@ class _Layout(NamedTuple):
                 repl.extend(x for x in (b, n, "bmq", "bmk") if x.startswith("bm"))
                 ops += [f"{b} {n} bmq", f"{b} {n} bmq bmk"] * 2
                 ops += [f"{b} {n} bmk", f"{b} {n} bmk bmq"] * 2
+                if bmd[4]:  # the kept range tables: per row, four ints
+                    ops += [f"{b} {n} bmq bmr", f"{b} {n} bmk bmr"]
+                    repl.append("bmr")
         out, lse = f"b t {nq} hv", f"b {nq} t"
         if kind == "fwd":
             res = [out, lse]
@@ -428,7 +432,9 @@ def _shardings(kind, mesh, plan: _Plan, layout: _Layout):
         if bmd is not None:
             c = ns("b" if bmd[0] else None, "n" if bmd[1] else None, None)
             i = ns("b" if bmd[0] else None, "n" if bmd[1] else None, None, None)
-            bm = BlockMask(c, i, c, i, c, i, c, i, block=bmd[2], seq_lens=bmd[3])
+            r = i if bmd[4] else None
+            bm = BlockMask(c, i, c, i, c, i, c, i, ranges=r, ranges_t=r, block=bmd[2],
+                           seq_lens=bmd[3])
     arrays = AttentionArrays(
         bias=dense(layout.bias), mask=dense(layout.mask),
         q_seqlen=ns("b") if layout.q_seqlen else None,

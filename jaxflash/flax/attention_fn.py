@@ -170,7 +170,8 @@ def make_attention_fn(implementation: Optional[str] = None, *, is_causal: bool =
     ``is_causal``), e.g.
     ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(implementation="pallas"))``.
     ``is_causal=True`` masks causally whatever the layer passes (Flax's layers pass their own
-    ``is_causal``, False by default). Keeps an inspectable signature (Linen filters keywords
+    ``is_causal``, False by default), except a single query against longer keys: a decode step
+    of Flax's KV cache, which Flax masks itself. Keeps an inspectable signature (Linen filters keywords
     by it)."""
     allowed = {"scale", "softcap", "local_window_size", "attention_precision", "score_mod",
                "mask_mod", "aux"}
@@ -184,7 +185,12 @@ def make_attention_fn(implementation: Optional[str] = None, *, is_causal: bool =
 
     @functools.wraps(attention_fn)
     def causal_fn(*args, is_causal=False, **kwargs):
-        return fn(*args, is_causal=True, **kwargs)
+        # A single query against a longer key sequence is a decode step of Flax's own cache
+        # (its mask already stops at the cache index); a top-left causal mask would leave it
+        # key 0 alone.
+        q, k = args[0], args[1]
+        step = q.shape[-3] == 1 and k.shape[-3] > 1
+        return fn(*args, is_causal=is_causal or not step, **kwargs)
 
     causal_fn.__signature__ = inspect.signature(fn)
     return causal_fn

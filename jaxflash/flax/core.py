@@ -148,6 +148,12 @@ def attend_sequence(q, k, v, opts: AttentionOptions, *, self_attn: bool, mask=No
     batch = q.shape[:-3]
     T, S = q.shape[-3], k.shape[-3]
     if opts.rope:
+        if positions is not None and kv_positions is None and not self_attn:
+            # keys from a separate array: self-attention on a copy, or cross-attention whose
+            # keys have positions of their own; guessing either would be silently wrong
+            raise ValueError(f"rope: positions given for the queries {tuple(q.shape)} but no "
+                             f"kv_positions for keys of a separate inputs_k {tuple(k.shape)}: "
+                             f"pass kv_positions (for self-attention, inputs_k=None)")
         pos = default_positions(batch, T) if positions is None else positions
         if kv_positions is None:
             kv_positions = pos if self_attn else default_positions(batch, S)
@@ -167,8 +173,9 @@ def attend_sequence(q, k, v, opts: AttentionOptions, *, self_attn: bool, mask=No
 def update_cache(cached_key, cached_value, index, k, v):
     """Write the new ``k, v [B..., t, K, H]`` at ``index`` of the caches ``[B..., L, K, H]``.
 
-    Returns the updated caches. The caller must keep index + t <= L: under jit that cannot be
-    checked, and dynamic_update_slice would clamp the write position.
+    Returns the updated caches. index + t must stay <= L: a concrete index past it raises
+    ValueError; under jit (a traced index) the keys written are NaN, so the outputs are too,
+    never a silently clamped write over older keys.
     """
     if k.shape[:-3] != cached_key.shape[:-3] or k.shape[-2:] != cached_key.shape[-2:]:
         raise ValueError(f"decode: new keys {k.shape} do not fit the cache {cached_key.shape} "
@@ -176,6 +183,14 @@ def update_cache(cached_key, cached_value, index, k, v):
     if k.shape[-3] > cached_key.shape[-3]:
         raise ValueError(f"decode: {k.shape[-3]} new tokens exceed the cache length "
                          f"{cached_key.shape[-3]}")
+    t, L = k.shape[-3], cached_key.shape[-3]
+    if not isinstance(index, jax.core.Tracer):
+        end = int(jnp.max(jnp.asarray(index))) + t
+        if end > L:
+            raise ValueError(f"decode: {t} new tokens at cache index {end - t} pass the cache "
+                             f"length {L} (init_cache with a longer max length)")
+    else:
+        k = jnp.where(jnp.asarray(index, jnp.int32) + t <= L, k, jnp.nan).astype(k.dtype)
     nb = k.ndim - 3
     zero = jnp.zeros((), jnp.int32)
     idx = (zero,) * nb + (jnp.asarray(index, jnp.int32), zero, zero)

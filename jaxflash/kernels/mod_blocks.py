@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from jaxflash.kernels.variants.mod_program import parse
+from jaxflash.mods.block_mask import block_ranges
 
 _NAMES = {"f32": jnp.float32, "i32": jnp.int32, "bool": jnp.bool_}
 _LAX = {"neg": lax.neg, "abs": lax.abs, "sign": lax.sign, "floor": lax.floor,
@@ -104,23 +105,8 @@ def _classes(prog, aux, Bb, Hb, rows: int, cols: int, row_tile: int, col_tile: i
     return jnp.moveaxis(ne, 0, 2), jnp.moveaxis(full, 0, 2)
 
 
-def ranges(nonempty, full):
-    """[..., n] classes -> [..., 4] int32 (lo, full_lo, full_hi, hi); an empty row is all 0,
-    a row without full blocks has full_lo = full_hi = lo."""
-    n = nonempty.shape[-1]
-    j = jnp.arange(n, dtype=jnp.int32)
-    any_ = nonempty.any(-1)
-    lo = jnp.where(any_, jnp.argmax(nonempty, -1), 0).astype(jnp.int32)
-    hi = jnp.where(any_, n - jnp.argmax(nonempty[..., ::-1], -1), 0).astype(jnp.int32)
-    full = full & nonempty
-    # run length of full blocks ending at j: j - (last non-full index before or at j)
-    last_bad = lax.cummax(jnp.where(full, -1, j), axis=full.ndim - 1)
-    run = jnp.where(full, j - last_bad, 0)
-    end = jnp.argmax(run, -1).astype(jnp.int32)
-    best = jnp.max(run, -1).astype(jnp.int32)
-    f_hi = jnp.where(best > 0, end + 1, lo)
-    f_lo = jnp.where(best > 0, end + 1 - best, lo)
-    return jnp.stack([lo, f_lo, f_hi, hi], -1)
+# The range table of a row's block classes: one definition, shared with `BlockMask`.
+ranges = block_ranges
 
 
 def _dims(prog, B: int, N: int):
@@ -173,6 +159,13 @@ def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: boo
     rows_b, cols_b = (tn, tm) if rows_are_keys else (tm, tn)
     if rows_b != tile_rows or cols_b % tile_cols:
         return None
+    kept = bm.ranges_t if rows_are_keys else bm.ranges
+    f = cols_b // tile_cols
+    if (kept is not None and not (rows_are_keys and kept.shape[1] > 1 and N != K)
+            and n_cols == kept_cols(bm, rows_are_keys) * f):
+        # The ranges the BlockMask keeps, in kernel blocks (each of its blocks is f of them,
+        # of its kind): no conversion at the call (the GQA union of the backward excepted).
+        return kept * jnp.int32(f)
     if rows_are_keys:
         kinds = _kinds(bm.full_count_t, bm.full_idx_t, bm.partial_count_t, bm.partial_idx_t,
                        bm.full_idx.shape[-2])
@@ -187,6 +180,12 @@ def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: boo
         ne = ne.reshape(ne.shape[0], K, G, *ne.shape[2:]).any(2)
         full = full.reshape(full.shape[0], K, G, *full.shape[2:]).all(2)
     return ranges(ne, full)
+
+
+def kept_cols(bm, rows_are_keys: bool) -> int:
+    """The BlockMask's column blocks per row (its query blocks for the transposed rows)."""
+    nq, nk = bm.num_blocks
+    return nq if rows_are_keys else nk
 
 
 def reads_aux(mask_text: str) -> bool:

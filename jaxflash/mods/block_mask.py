@@ -12,6 +12,8 @@ through it, and sharded over its batch / head dims like any array.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -36,11 +38,17 @@ class BlockMask:
     full_idx_t: jax.Array
     partial_count_t: jax.Array
     partial_idx_t: jax.Array
+    # Per row, (lo, full_lo, full_hi, hi) of its visible blocks ([Bm, Hm, nq, 4] and, for the
+    # transposed rows, [Bm, Hm, nk, 4]; `block_ranges`): the CuTe kernels' range table, kept
+    # here so a call whose tiles are the mask's blocks converts nothing. None in a BlockMask
+    # built by other means (the kernels then derive it from the lists).
+    ranges: Optional[jax.Array] = None
+    ranges_t: Optional[jax.Array] = None
     block: tuple = (128, 128)
     seq_lens: tuple = (0, 0)
 
     def tree_flatten(self):
-        names = [f.name for f in dataclasses.fields(self)][:8]
+        names = [f.name for f in dataclasses.fields(self)][:10]
         return tuple(getattr(self, n) for n in names), (self.block, self.seq_lens)
 
     @classmethod
@@ -133,5 +141,29 @@ def create_block_mask(mask_mod, B: int, H: int, T: int, S: int, block=(128, 128)
     kind = jax.lax.map(one_q_block, jnp.arange(nq, dtype=jnp.int32))  # [nq, B, H, nk]
     kind = jnp.moveaxis(kind, 0, 2)                                    # [B, H, nq, nk]
     fc, fi, pc, pi = _lists(kind)
-    fct, fit, pct, pit = _lists(jnp.swapaxes(kind, -1, -2))
-    return BlockMask(fc, fi, pc, pi, fct, fit, pct, pit, block=(tm, tn), seq_lens=(T, S))
+    kind_t = jnp.swapaxes(kind, -1, -2)
+    fct, fit, pct, pit = _lists(kind_t)
+    return BlockMask(fc, fi, pc, pi, fct, fit, pct, pit,
+                     ranges=block_ranges(kind > 0, kind == 2),
+                     ranges_t=block_ranges(kind_t > 0, kind_t == 2),
+                     block=(tm, tn), seq_lens=(T, S))
+
+
+def block_ranges(nonempty, full):
+    """[..., n] block classes -> [..., 4] int32 (lo, full_lo, full_hi, hi): the visible blocks
+    lie in [lo, hi), and [full_lo, full_hi) is the longest run of full ones (the first of
+    equals); an empty row is all 0, a row without full blocks has full_lo = full_hi = lo."""
+    n = nonempty.shape[-1]
+    j = jnp.arange(n, dtype=jnp.int32)
+    any_ = nonempty.any(-1)
+    lo = jnp.where(any_, jnp.argmax(nonempty, -1), 0).astype(jnp.int32)
+    hi = jnp.where(any_, n - jnp.argmax(nonempty[..., ::-1], -1), 0).astype(jnp.int32)
+    full = full & nonempty
+    # run length of full blocks ending at j: j - (last non-full index before or at j)
+    last_bad = jax.lax.cummax(jnp.where(full, -1, j), axis=full.ndim - 1)
+    run = jnp.where(full, j - last_bad, 0)
+    end = jnp.argmax(run, -1).astype(jnp.int32)
+    best = jnp.max(run, -1).astype(jnp.int32)
+    f_hi = jnp.where(best > 0, end + 1, lo)
+    f_lo = jnp.where(best > 0, end + 1 - best, lo)
+    return jnp.stack([lo, f_lo, f_hi, hi], -1)

@@ -525,3 +525,45 @@ def test_layers_take_mods_with_aux_at_call():
         layer(x[:, :1], aux=(slopes,), decode=True)
     with pytest.raises(ValueError, match="aux given"):
         fl.FlashMultiHeadAttention(N, F, rngs=nnx.Rngs(0))(x, aux=(slopes,))
+
+
+def test_bound_causal_attention_fn_in_flax_decode():
+    """make_attention_fn(is_causal=True) inside Flax's own decode loop: each step (one query
+    against the cache) is masked by Flax's cache mask, not by a top-left causal one, so the
+    steps equal the causal full forward."""
+    B, L, F, N = 2, 5, 16, 2
+    fn = fl.make_attention_fn(is_causal=True)
+    train = nnx.MultiHeadAttention(N, F, decode=False, attention_fn=fn, rngs=nnx.Rngs(4))
+    dec = nnx.MultiHeadAttention(N, F, decode=True, attention_fn=fn, rngs=nnx.Rngs(4))
+    nnx.update(dec, nnx.state(train, nnx.Param))
+    x = np.asarray(_inputs((B, L, F)))
+    full = nnx.jit(lambda m, x: m(x))(train, x)
+    dec.init_cache((B, L, F))
+    step = nnx.jit(lambda m, x: m(x))
+    outs = np.concatenate([step(dec, x[:, t:t + 1]) for t in range(L)], axis=1)
+    assert_close(outs, full, FWD, "decode steps vs causal forward")
+
+
+def test_rope_positions_need_key_positions_for_separate_keys():
+    """rope with positions given and keys from a separate array: kv_positions must be given
+    (self-attention on a copy and cross-attention cannot be told apart); self-attention by
+    identity takes the query positions."""
+    B, T, F, N = 1, 6, 16, 2
+    m = fl.FlashMultiHeadAttention(N, F, is_causal=True, rope=True, rngs=nnx.Rngs(0))
+    x = _inputs((B, T, F))
+    pos = jnp.asarray(np.arange(3, 3 + T)[None])
+    with pytest.raises(ValueError, match="kv_positions"):
+        m(x, jnp.array(x), positions=pos)
+    assert_close(m(x, jnp.array(x), positions=pos, kv_positions=pos), m(x, positions=pos), FWD,
+                 "explicit key positions")
+
+
+def test_decode_past_the_cache_is_refused():
+    """A chunk that would run past the cache raises (eagerly) instead of overwriting keys."""
+    B, L, F, N = 1, 6, 16, 2
+    m = fl.FlashMultiHeadAttention(N, F, is_causal=True, rngs=nnx.Rngs(0))
+    x = np.asarray(_inputs((B, 7, F)))
+    m.init_cache((B, L, F))
+    m(x[:, :4], decode=True)
+    with pytest.raises(ValueError, match="cache length 6"):
+        m(x[:, 4:7], decode=True)

@@ -260,3 +260,30 @@ def test_aux_free_masks_get_a_constant_table_once_per_shape():
             assert mod_blocks.constant_table.cache_info().misses == 1
             mod_blocks.constant_table(*args)
             assert mod_blocks.constant_table.cache_info().hits >= 1
+
+
+@pytest.mark.parametrize("T,S,block,tile,backward,N,K", [
+    (96, 160, (32, 32), (32, 32), False, 4, 2),     # the kernel's tiles are the mask's blocks
+    (96, 192, (64, 64), (64, 32), False, 4, 2),     # each key block is two kernel blocks
+    (128, 160, (64, 32), (32, 32), True, 4, 2),     # backward: query blocks split in two
+    (90, 150, (64, 32), (32, 32), True, 4, 2),      # a ragged end: derived, not scaled
+    (96, 160, (32, 32), (32, 32), True, 4, 2),      # per-head mask, GQA union: derived
+])
+def test_kept_ranges_equal_the_derived_table(T, S, block, tile, backward, N, K):
+    """A BlockMask keeps its range tables (`BlockMask.ranges`, `.ranges_t`); the kernel table
+    taken from them is the one derived from its lists, whenever it is taken."""
+    import dataclasses
+    from jaxflash import mods
+    rng = np.random.default_rng(11)
+    ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, max(T, S))), axis=1).astype(np.int32))
+    fn = mods.and_masks(mods.causal(), mods.document(0),
+                        lambda b, h, q, k, ids: (h % 2 == 0) | (k >= q - 40))
+    bm = mods.create_block_mask(fn, 2, N, T, S, block=block, aux=(ids,))
+    assert bm.ranges.shape == bm.full_count.shape + (4,)
+    assert bm.ranges_t.shape == bm.full_count_t.shape + (4,)
+    rows, cols = (tile[1], tile[0]) if backward else tile
+    n_cols = -(-(T if backward else S) // cols)
+    kept = mod_blocks.table_from_block_mask(bm, rows, cols, backward, N, K, n_cols)
+    bare = dataclasses.replace(bm, ranges=None, ranges_t=None)
+    derived = mod_blocks.table_from_block_mask(bare, rows, cols, backward, N, K, n_cols)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(derived))

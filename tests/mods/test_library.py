@@ -97,7 +97,7 @@ def test_block_mask_is_a_pytree_that_jit_passes_through():
                                                     aux=(ids,)))(ids)
     assert bm.block == (16, 16) and bm.seq_lens == (64, 64)
     leaves, tree = jax.tree_util.tree_flatten(bm)
-    assert len(leaves) == 8 and jax.tree_util.tree_unflatten(tree, leaves).block == (16, 16)
+    assert len(leaves) == 10 and jax.tree_util.tree_unflatten(tree, leaves).block == (16, 16)
     # four documents of one tile each: the diagonal tiles are full, the rest empty
     assert np.asarray(bm.full_count).tolist() == [[[1, 1, 1, 1]]]
     assert np.asarray(bm.partial_count).sum() == 0
