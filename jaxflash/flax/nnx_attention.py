@@ -125,7 +125,8 @@ class FlashMultiHeadAttention(nnx.Module):
 
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, segment_ids=None,
                  kv_segment_ids=None, positions=None, kv_positions=None,
-                 decode: Optional[bool] = None, aux=None):
+                 decode: Optional[bool] = None, aux=None, is_causal: bool = False,
+                 deterministic: Optional[bool] = None, rngs=None, sow_weights: bool = False):
         """inputs ``[batch..., length, features]`` -> ``[batch..., length, out_features]``.
 
         mask: ``[batch..., heads or 1, q_len, kv_len]`` (True/nonzero = attend).
@@ -135,7 +136,19 @@ class FlashMultiHeadAttention(nnx.Module):
         decode: feed the next ``t >= 1`` tokens, attending to everything cached so far (call
           `init_cache` first). Self-attention only.
         aux: the arrays the layer's score_mod / mask_mod read (`jaxflash.flash_attention`).
+        is_causal: causal for this call too (as ``nnx.MultiHeadAttention``'s call argument).
+        deterministic / rngs: taken for ``nnx.MultiHeadAttention``'s call signature; this layer
+          has no attention dropout, so they change nothing. sow_weights=True is refused: the
+          kernels form no weights (Flax's layer with `jaxflash.flax_layers.attention_fn` sows).
         """
+        if sow_weights:
+            raise NotImplementedError(
+                "sow_weights: the kernels never form the attention weights; use "
+                "nnx.MultiHeadAttention with attention_fn=jaxflash.flax_layers.attention_fn, "
+                "which sows them on its explicit-weights path")
+        opts = self.opts
+        if is_causal and not opts.is_causal:
+            opts = dataclasses.replace(opts, is_causal=True)
         if inputs_k is None:
             if inputs_v is not None:
                 raise ValueError("inputs_k cannot be None when inputs_v is given")
@@ -161,19 +174,19 @@ class FlashMultiHeadAttention(nnx.Module):
             if inputs_k is not inputs_q or segment_ids is not None:
                 raise ValueError("decode supports self-attention without segment ids only")
             index = self.cache_index[...]
-            if self.opts.rope:
+            if opts.rope:
                 pos = core.default_positions(batch, T, index) if positions is None else positions
-                q = core.apply_rope(q, pos, self.opts.rope_theta)
-                k = core.apply_rope(k, pos, self.opts.rope_theta)
+                q = core.apply_rope(q, pos, opts.rope_theta)
+                k = core.apply_rope(k, pos, opts.rope_theta)
             ck, cv = core.update_cache(self.cached_key[...], self.cached_value[...], index, k, v)
             self.cached_key[...] = ck
             self.cached_value[...] = cv
             self.cache_index[...] = index + T
-            x = core.attend_cached(q, ck.astype(q.dtype), cv.astype(q.dtype), index, self.opts,
+            x = core.attend_cached(q, ck.astype(q.dtype), cv.astype(q.dtype), index, opts,
                                    mask=mask)
             return self.out(x)
 
-        x = core.attend_sequence(q, k, v, self.opts, self_attn=inputs_k is inputs_q, mask=mask,
+        x = core.attend_sequence(q, k, v, opts, self_attn=inputs_k is inputs_q, mask=mask,
                                  positions=positions, kv_positions=kv_positions,
                                  segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                                  aux=aux)

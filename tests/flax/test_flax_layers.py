@@ -567,3 +567,17 @@ def test_decode_past_the_cache_is_refused():
     m(x[:, :4], decode=True)
     with pytest.raises(ValueError, match="cache length 6"):
         m(x[:, 4:7], decode=True)
+
+
+def test_nnx_layer_takes_flax_call_arguments():
+    """The NNX layer takes nnx.MultiHeadAttention's call arguments: is_causal at the call
+    (equal to the layer's own flag), deterministic / rngs (no dropout here: no effect), and
+    refuses sow_weights by name."""
+    B, T, F, N = 2, 7, 16, 2
+    plain = fl.FlashMultiHeadAttention(N, F, rngs=nnx.Rngs(0))
+    causal = fl.FlashMultiHeadAttention(N, F, is_causal=True, rngs=nnx.Rngs(0))
+    x = _inputs((B, T, F))
+    assert_close(plain(x, is_causal=True), causal(x), FWD, "call-level is_causal")
+    assert_close(plain(x, deterministic=False, rngs=nnx.Rngs(1)), plain(x), FWD, "deterministic")
+    with pytest.raises(NotImplementedError, match="sow_weights"):
+        plain(x, sow_weights=True)
