@@ -350,20 +350,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale: Optional[
                     others=_fp4_others(locals()))
     if req is not None:
         implementation = req.implementation
-    if isinstance(scale, _Tracer):
-        # A traced scale (a learned temperature under jit) is no kernel constant: it scales
-        # the query instead, s (q . k) = (s q) . k, and autodiff gives its gradient through
-        # the product (FP8 inputs: it scales q's dequantization scales, exactly).
-        s = jnp.asarray(scale)
-        if s.size != 1 or not jnp.issubdtype(s.dtype, jnp.floating):
-            raise ValueError(f"scale must be one floating number; got {s.shape} {s.dtype}")
-        s = s.reshape(())
-        if req is not None and req.spec.source == "fp8":
-            q_scale = jnp.asarray(q_scale, jnp.float32) * s.astype(jnp.float32)
-        else:
-            qx = jnp.asarray(query)
-            query = (qx.astype(accum_dtype(qx.dtype)) * s).astype(qx.dtype)
-        scale = 1.0
+    query, q_scale, scale = fold_traced_scale(scale, query, q_scale, req)
     q, k, v, arrays, statics, batch_shape = _prepare(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -493,6 +480,25 @@ try:  # a vmap tracer: `val` is the batched value, `batch_dim` its mapped dim
 except ImportError:  # pragma: no cover - moved in some jax version: such axes unseen
     class _BatchTracer:
         pass
+
+
+def fold_traced_scale(scale, query, q_scale, req):
+    """(query, q_scale, scale) with a traced scale (a learned temperature under jit) folded in:
+    it is no kernel constant, so it scales the query instead, s (q . k) = (s q) . k, and
+    autodiff gives its gradient through the product (FP8 inputs: it scales q's dequantization
+    scales, exactly). A static scale comes back as it is."""
+    if not isinstance(scale, _Tracer):
+        return query, q_scale, scale
+    s = jnp.asarray(scale)
+    if s.size != 1 or not jnp.issubdtype(s.dtype, jnp.floating):
+        raise ValueError(f"scale must be one floating number; got {s.shape} {s.dtype}")
+    s = s.reshape(())
+    if req is not None and req.spec.source == "fp8":
+        q_scale = jnp.asarray(q_scale, jnp.float32) * s.astype(jnp.float32)
+    else:
+        qx = jnp.asarray(query)
+        query = (qx.astype(accum_dtype(qx.dtype)) * s).astype(qx.dtype)
+    return query, q_scale, 1.0
 
 
 def _empty_result(q, v, out_dtype=None):

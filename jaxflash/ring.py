@@ -113,6 +113,7 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                            implementation=implementation, dout_dtype=dout_dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    query, q_scale, scale = api.fold_traced_scale(scale, query, q_scale, req)
     shapes = (f"query {jnp.shape(query)}, key {jnp.shape(key)}, value {jnp.shape(value)}")
     if not all(jnp.ndim(x) == 4 for x in (query, key, value)):
         raise ValueError(f"ring_attention takes [B, T, N, H] arrays (one batch dim); got {shapes}")

@@ -234,3 +234,18 @@ def test_explicit_mesh_operands_resharded():
         assert_sum_close(got[0], want[0], np.abs(np.asarray(w)), FWD_TOL["float32"], "loss")
         for what, a, b in zip(("dq", "dk", "dv"), got[1], want[1]):
             assert_close(a, b, GRAD_TOL["float32"], what)
+
+
+def test_traced_scale_is_folded_as_in_flash_attention():
+    """A traced scale (a learned temperature under jit) works as in flash_attention: folded
+    into the query; forward and its gradient equal the static scale's."""
+    mesh = _mesh((2,), ("sp",))
+    q, k, v, _ = Case(B=1, T=16, S=16, N=2, K=1, H=8).make()
+    ring = lambda q, s: jaxflash.ring_attention(q, k, v, mesh=mesh, seq_axis="sp", scale=s,
+                                                is_causal=True, implementation="xla")
+    traced = jax.jit(ring)(q, 0.3)
+    assert_close(traced, jax.jit(lambda q: ring(q, 0.3))(q), FWD_TOL["float32"], "out")
+    g = jax.jit(jax.grad(lambda s: jnp.sum(ring(q, s))))(jnp.float32(0.3))
+    eps = 1e-3
+    fd = (jnp.sum(ring(q, 0.3 + eps)) - jnp.sum(ring(q, 0.3 - eps))) / (2 * eps)
+    assert abs(float(g) - float(fd)) <= 1e-2 * max(1.0, abs(float(fd)))
