@@ -84,6 +84,15 @@ def fp8_request(query, key, value, *, precision, q_scale, k_scale, v_scale, out_
             raise ValueError("out_dtype is for FP8 calls (FP8 inputs or precision='fp8')")
         if emulate and precision is None:
             raise ValueError("emulate=True is for precision='fp8' or 'fp4'")
+        if precision is None:   # (precision='fp4' refuses these by name itself)
+            fp8_only = [n for n, on in (("hadamard", hadamard is not None),
+                                        ("hadamard_seed", hadamard_seed is not None),
+                                        ("scale_granularity", scale_granularity != "block"),
+                                        ("dout_dtype", dout_dtype is not None),
+                                        ("scale_block", scale_block != 128)) if on]
+            if fp8_only:
+                raise ValueError(f"{', '.join(fp8_only)}: options of FP8 calls (FP8 inputs or "
+                                 f"precision='fp8'); this call is float ({shapes})")
         return None
     if fp8_in and len(given) < 3:
         missing = [n for n, s in zip(("q_scale", "k_scale", "v_scale"), scales) if s is None]

@@ -27,6 +27,8 @@ Rules (the FP8 kernels follow them bit for bit when they quantize):
   with a caller's ``scale=``) clip to +-FMAX, never to NaN / Inf. E5M2's Inf is never produced.
 - Zero blocks: ``amax == 0`` gives ``scale = 1`` and all-zero codes (no division by zero; a
   dequantized zero block is exactly zero). A caller's scale of 0 makes its block dequantize to 0.
+- Tiny blocks: a nonzero amax below `AMAX_FLOOR` (2^-112) is raised to it, so ``FMAX / amax``
+  stays finite (below about 1e-36 it would overflow and the block's zeros become NaN).
 - Non-finite input: a block holding NaN or +-Inf has a NaN or Inf amax; it dequantizes to NaN
   (poisoned visibly, not silently clipped). Scales are not checked for sign or finiteness.
 - Rounding is round-to-nearest-even (XLA's float32 -> float8 convert; ``cvt.rn.satfinite``
@@ -52,6 +54,11 @@ import numpy as np
 __all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "quantize", "dequantize", "expand_scale",
            "scale_shape", "hadamard", "hadamard_signed", "inverse_hadamard", "hadamard_signs",
            "fwht", "saturating_cast", "is_fp8"]
+
+
+# The least amax a nonzero block is quantized with: FMAX / AMAX_FLOOR is finite in float32 for
+# E4M3 (448 * 2^112 ~ 2^120.8) and E5M2 (57344 * 2^112 ~ 2^127.8).
+AMAX_FLOOR = 2.0 ** -112
 
 
 def inverse_fmax(dtype) -> np.float32:
@@ -140,6 +147,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, *, granularity: str = "block", block_si
     if scale is None:
         xb, axes = _blocked(x32, granularity, block_size)
         amax = jnp.max(jnp.abs(xb), axis=axes, initial=0.0)   # an empty block is a zero one
+        amax = jnp.where(amax > 0, jnp.maximum(amax, jnp.float32(AMAX_FLOOR)), amax)
         # XLA's max may drop NaNs: a NaN must reach the scale (the block dequantizes to NaN).
         amax = jnp.where(jnp.any(jnp.isnan(xb), axis=axes), jnp.nan, amax)
         fmax = jnp.float32(FP8_MAX[d])

@@ -104,8 +104,8 @@ def _triton(x, dtype, block, signs, interpret=False, gemm=False, amax_floor=0.0,
                              amax_floor=amax_floor, divide=divide, interpret=interpret)
 
 
-def _triton_gemm(x, dtype, block, signs, interpret=False):
-    return _triton(x, dtype, block, signs, interpret, gemm=True)
+def _triton_gemm(x, dtype, block, signs, interpret=False, amax_floor=0.0):
+    return _triton(x, dtype, block, signs, interpret, gemm=True, amax_floor=amax_floor)
 
 
 def pick(x, block: int, platform: str, impl=None) -> str:
@@ -177,7 +177,9 @@ def quantize_operand(x, dtype, granularity: str, block: int, signs=None, *,
         return layout.quantize_canonical(x, dtype, granularity, block)
     which = pick(x, block, platform, impl)
     return {"reference": _reference, "xla": _xla, "triton": _triton,
-            "triton_gemm": _triton_gemm}[which](x, dtype, block, signs)
+            "triton_gemm": _triton_gemm}[which](x, dtype, block, signs,
+                                                **({} if which == "reference" else
+                                                   {"amax_floor": Q.AMAX_FLOOR}))
 
 
 # The FP8 backward's dO quantization (`quantize_rows`): the Triton kernel, bit for bit XLA's

@@ -173,3 +173,14 @@ def test_fp8_with_mods_is_refused():
         jaxflash.flash_attention(jnp.zeros(qb.shape, qb.dtype), jnp.zeros(kb.shape, kb.dtype),
                                  jnp.zeros(kb.shape, kb.dtype), precision="fp8",
                                  score_mod=lambda s, b, h, q, k: s * 0.5)
+
+
+@pytest.mark.parametrize("kw", [dict(hadamard_seed=3), dict(hadamard=True),
+                                dict(scale_granularity="head"), dict(dout_dtype=jnp.float8_e4m3fn),
+                                dict(scale_block=64)])
+def test_fp8_options_on_a_float_call_are_refused(kw):
+    """FP8-only options on a float call (no FP8 inputs, precision=None) are refused by name,
+    not ignored."""
+    q = jnp.ones((1, 16, 2, 32), jnp.float32)
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        jaxflash.flash_attention(q, q, q, **kw)

@@ -417,3 +417,19 @@ def test_kernels_only_on_the_arch_they_ran_on(monkeypatch):
         _, vjp = jax.vjp(lambda y: Q.hadamard_signed(y, signs), g)
         np.testing.assert_array_equal(np.asarray(P.hadamard_transpose(g, signs, "gpu"), np.float32),
                                       np.asarray(vjp(g)[0], np.float32))
+
+
+def test_tiny_blocks_stay_finite_in_every_arrangement():
+    """A block whose nonzero amax is below 2^-112 (where FMAX / amax would overflow and its
+    zeros turn NaN): the amax floor, the same codes and scales in the rules, the XLA
+    arrangement and the Triton kernel (interpret mode), and no NaN."""
+    x = np.zeros((1, 128, 2, 32), np.float32)
+    x[0, 3, 0, 5] = 1e-37
+    x[0, 70, 1, :] = np.linspace(-1e-36, 1e-36, 32)
+    x = jnp.asarray(x)
+    for fp8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        want = _expected(x, fp8, 64, None)
+        assert not np.any(np.isnan(np.asarray(want[0].astype(jnp.float32))))
+        _same(P.quantize_operand(x, fp8, "block", 64, platform="cpu"), want, "xla")
+        _same(P._triton(x, fp8, 64, None, interpret=True, amax_floor=Q.AMAX_FLOOR), want,
+              "triton")
