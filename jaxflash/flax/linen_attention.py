@@ -41,6 +41,13 @@ class FlashMultiHeadAttention(nn.Module):
     kernel_init: Callable = nn.linear.default_kernel_init
     out_kernel_init: Optional[Callable] = None
     bias_init: Callable = nn.initializers.zeros_init()
+    out_bias_init: Optional[Callable] = None
+    precision: Any = None           # the projections' (linen.MultiHeadDotProductAttention's)
+    # Taken for linen.MultiHeadDotProductAttention's fields; no attention dropout here (the
+    # kernels have none): a dropout_rate other than 0 is refused.
+    dropout_rate: float = 0.0
+    broadcast_dropout: bool = True
+    deterministic: Optional[bool] = None
 
     @nn.compact
     def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None, segment_ids=None,
@@ -62,11 +69,17 @@ class FlashMultiHeadAttention(nn.Module):
             implementation=self.implementation, attention_precision=self.attention_precision,
             score_mod=self.score_mod, mask_mod=self.mask_mod)
 
+        if self.dropout_rate:
+            raise NotImplementedError(
+                f"dropout_rate={self.dropout_rate}: the flash kernels have no attention "
+                f"dropout; use linen.MultiHeadDotProductAttention with "
+                f"attention_fn=jaxflash.flax_layers.attention_fn, which falls back for it")
+
         def dense(heads, name):
             return nn.DenseGeneral(features=(heads, head_dim), axis=-1, dtype=self.dtype,
                                    param_dtype=self.param_dtype, use_bias=self.use_bias,
                                    kernel_init=self.kernel_init, bias_init=self.bias_init,
-                                   name=name)
+                                   precision=self.precision, name=name)
 
         q = dense(self.num_heads, "query")(inputs_q)
         k = dense(num_kv_heads, "key")(inputs_k)
@@ -107,4 +120,5 @@ class FlashMultiHeadAttention(nn.Module):
         return nn.DenseGeneral(features=out_features, axis=(-2, -1), dtype=self.dtype,
                                param_dtype=self.param_dtype, use_bias=self.use_bias,
                                kernel_init=self.out_kernel_init or self.kernel_init,
-                               bias_init=self.bias_init, name="out")(x)
+                               bias_init=self.out_bias_init or self.bias_init,
+                               precision=self.precision, name="out")(x)

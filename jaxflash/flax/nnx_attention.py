@@ -38,12 +38,15 @@ class FlashMultiHeadAttention(nnx.Module):
       score_mod, mask_mod: custom attention (`jaxflash.mods`); the arrays they read (learnable
         ones too, e.g. an ``nnx.Param``'s value) come with each call as ``aux``. Not in decode.
       dtype, param_dtype, use_bias, kernel_init, out_kernel_init, bias_init, out_bias_init,
-      kernel_metadata, out_kernel_metadata, bias_metadata: as for ``nnx.MultiHeadAttention``
+      kernel_metadata, out_kernel_metadata, bias_metadata, out_bias_metadata,
+      query_ln_scale_metadata, key_ln_scale_metadata, precision (the projections'):
+      as for ``nnx.MultiHeadAttention``
       (wrap an init with ``nnx.with_partitioning`` to shard parameters; meshes with Auto axes:
       the layer passes no ``out_sharding`` to its projections, which Explicit axes would need).
 
-    No attention dropout here (the flash kernels have none): for it, use Flax's own module with
-    `jaxflash.flax_layers.attention_fn`, which falls back visibly. With packed sequences
+    No attention dropout here (the flash kernels have none): ``dropout_rate`` other than 0 is
+    refused (``broadcast_dropout`` / ``deterministic`` are taken and change nothing); for it,
+    use Flax's own module with `jaxflash.flax_layers.attention_fn`, which falls back visibly. With packed sequences
     (``segment_ids``) and rope, pass ``positions`` that restart at each segment.
     """
 
@@ -60,7 +63,16 @@ class FlashMultiHeadAttention(nnx.Module):
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                  out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                  bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-                 rngs: nnx.Rngs):
+                 out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 precision=None, dropout_rate: float = 0.0, broadcast_dropout: bool = True,
+                 deterministic: Optional[bool] = None, rngs: nnx.Rngs):
+        if dropout_rate:
+            raise NotImplementedError(
+                f"dropout_rate={dropout_rate}: the flash kernels have no attention dropout; use "
+                f"nnx.MultiHeadAttention with attention_fn=jaxflash.flax_layers.attention_fn, "
+                f"which falls back to the explicit-weights path for it")
         self.num_heads = num_heads
         self.in_features = in_features
         self.qkv_features = qkv_features or in_features
@@ -79,27 +91,30 @@ class FlashMultiHeadAttention(nnx.Module):
         self.dtype = dtype
 
         def linear(in_f, out_f, axis=-1, k_init=kernel_init, b_init=bias_init,
-                   k_meta=kernel_metadata):
+                   k_meta=kernel_metadata, b_meta=bias_metadata):
             return nnx.LinearGeneral(in_f, out_f, axis=axis, use_bias=use_bias, dtype=dtype,
                                      param_dtype=param_dtype, kernel_init=k_init,
-                                     bias_init=b_init, kernel_metadata=k_meta,
-                                     bias_metadata=bias_metadata, rngs=rngs)
+                                     bias_init=b_init, precision=precision,
+                                     kernel_metadata=k_meta, bias_metadata=b_meta, rngs=rngs)
 
         self.query = linear(in_features, (num_heads, self.head_dim))
         self.key = linear(self.in_kv_features, (self.num_kv_heads, self.head_dim))
         self.value = linear(self.in_kv_features, (self.num_kv_heads, self.head_dim))
         if normalize_qk:
             self.query_ln = nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype,
-                                          param_dtype=param_dtype, rngs=rngs)
+                                          param_dtype=param_dtype, rngs=rngs,
+                                          scale_metadata=query_ln_scale_metadata)
             self.key_ln = nnx.LayerNorm(self.head_dim, use_bias=False, dtype=dtype,
-                                        param_dtype=param_dtype, rngs=rngs)
+                                        param_dtype=param_dtype, rngs=rngs,
+                                        scale_metadata=key_ln_scale_metadata)
         else:
             self.query_ln = nnx.data(None)
             self.key_ln = nnx.data(None)
         self.out = linear((num_heads, self.head_dim), self.out_features, axis=(-2, -1),
                           k_init=out_kernel_init or kernel_init,
                           b_init=out_bias_init or bias_init,
-                          k_meta=out_kernel_metadata or kernel_metadata)
+                          k_meta=out_kernel_metadata or kernel_metadata,
+                          b_meta=out_bias_metadata or bias_metadata)
         self.cached_key = nnx.data(None)
         self.cached_value = nnx.data(None)
         self.cache_index = nnx.data(None)

@@ -581,3 +581,27 @@ def test_nnx_layer_takes_flax_call_arguments():
     assert_close(plain(x, deterministic=False, rngs=nnx.Rngs(1)), plain(x), FWD, "deterministic")
     with pytest.raises(NotImplementedError, match="sow_weights"):
         plain(x, sow_weights=True)
+
+
+def test_layers_take_flax_constructor_arguments():
+    """Both layers take Flax's constructor arguments for the projections (precision, the out
+    bias init / metadata, the LayerNorm scale metadata) with Flax's meaning, and refuse a
+    nonzero dropout_rate by name (the kernels have no dropout)."""
+    B, T, F, N = 2, 5, 16, 2
+    x = _inputs((B, T, F))
+    ones = nnx.initializers.ones
+    m = fl.FlashMultiHeadAttention(N, F, out_bias_init=ones, precision="highest",
+                                   normalize_qk=True, out_bias_metadata={"tag": "ob"},
+                                   query_ln_scale_metadata={"tag": "qs"}, rngs=nnx.Rngs(0))
+    assert np.all(np.asarray(m.out.bias[...]) == 1.0)
+    assert m.out.bias.get_metadata()["tag"] == "ob"
+    assert m.query_ln.scale.get_metadata()["tag"] == "qs"
+    assert m(x).shape == (B, T, F)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fl.FlashMultiHeadAttention(N, F, dropout_rate=0.1, rngs=nnx.Rngs(0))
+    lin = fl.LinenFlashMultiHeadAttention(num_heads=N, out_bias_init=linen.initializers.ones,
+                                          precision="highest")
+    params = lin.init(jax.random.key(0), x)
+    assert np.all(np.asarray(params["params"]["out"]["bias"]) == 1.0)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        fl.LinenFlashMultiHeadAttention(num_heads=N, dropout_rate=0.1).init(jax.random.key(0), x)
