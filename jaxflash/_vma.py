@@ -1,6 +1,10 @@
-"""Kernel calls inside a caller's `shard_map` with JAX's varying-axes checks on (its default).
+"""The SPMD facts a value's type carries, read in one place: the Explicit mesh axes it is
+sharded over (`explicit_axes`, `typed_sharding`), the manual axes it varies over inside a
+caller's `shard_map` (`varying_axes`, `vary`, `kernel_call`), and a vmap tracer's batched value
+(`BatchTracer`).
 
-There every value's type names the manual mesh axes it varies over, and each primitive has a
+Kernel calls inside a caller's `shard_map` with JAX's varying-axes checks on (its default):
+there every value's type names the manual mesh axes it varies over, and each primitive has a
 rule for those types. A kernel call (a Pallas call, our FFI custom call) has none: a Pallas call
 refuses to trace, and an FFI call's results would be typed as the same on every device (they
 are not). `kernel_call` makes a kernel's operands vary alike, traces the call with the checks
@@ -14,6 +18,27 @@ from __future__ import annotations
 import contextlib
 
 import jax
+
+try:  # a vmap tracer: `val` is the batched value, `batch_dim` its mapped dim
+    from jax._src.interpreters.batching import BatchTracer
+except ImportError:  # pragma: no cover - moved in some jax version: mapped dims unseen
+    class BatchTracer:
+        pass
+
+
+def explicit_axes(mesh) -> frozenset:
+    """The names of `mesh`'s axes of type Explicit (none for no mesh or an empty one)."""
+    if mesh is None or getattr(mesh, "empty", True):
+        return frozenset()
+    return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                     if t == jax.sharding.AxisType.Explicit)
+
+
+def typed_sharding(x):
+    """x's sharding when its type is on a mesh with Explicit axes (sharding in types, as
+    `jax.make_mesh` makes by default), else None."""
+    sh = getattr(jax.typeof(x), "sharding", None)
+    return sh if explicit_axes(getattr(sh, "mesh", None)) else None
 
 
 def varying_axes(*trees) -> tuple:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import autodiff, dispatch, precision as prec, quantize
+from jaxflash import _vma, autodiff, dispatch, precision as prec, quantize
 from jaxflash import mods as _mods
 from jaxflash._types import GPU_PLATFORMS, AttentionArrays, AttentionStatics, Problem, accum_dtype
 from jaxflash.fp8 import prologue
@@ -468,18 +468,11 @@ def _mapped_empty(*xs) -> bool:
     """Whether a `jax.vmap` axis of size 0 maps any operand (the problem, read per example,
     does not show it): the call is then empty too."""
     for x in xs:
-        while isinstance(x, _BatchTracer):
+        while isinstance(x, _vma.BatchTracer):
             if isinstance(x.batch_dim, int) and x.val.shape[x.batch_dim] == 0:
                 return True
             x = x.val
     return False
-
-
-try:  # a vmap tracer: `val` is the batched value, `batch_dim` its mapped dim
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
-except ImportError:  # pragma: no cover - moved in some jax version: such axes unseen
-    class _BatchTracer:
-        pass
 
 
 def fold_traced_scale(scale, query, q_scale, req):

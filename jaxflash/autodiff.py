@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from jaxflash import sharding
+from jaxflash import _vma, sharding
 from jaxflash._types import AttentionArrays
 from jaxflash.fp8 import layout, prologue
 
@@ -69,12 +69,9 @@ def _as_primal(ct, x):
 def _sharded_like(ct, x):
     """`ct` resharded to x's sharding where x's type has Explicit axes, and varying over the
     manual axes x varies over inside a caller's shard_map (else unchanged)."""
-    ct = sharding.vary(ct, sharding.varying_axes(x))
-    sh = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sh, "mesh", None)
-    if not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return ct
-    return jax.sharding.reshard(ct, jax.sharding.NamedSharding(mesh, sh.spec))
+    ct = _vma.vary(ct, _vma.varying_axes(x))
+    sh = _vma.typed_sharding(x)
+    return ct if sh is None else jax.sharding.reshard(ct, sh)
 
 
 # A kernel's forward and backward are not differentiable themselves. A first derivative
@@ -139,7 +136,7 @@ def attention(backend, q, k, v, arrays, statics, plan):
 def _vary_alike(*operands):
     """Inside a caller's shard_map (varying-axes checks on): every operand typed as varying
     over the axes any of them does, before a custom_vjp (see `jaxflash.sharding`)."""
-    return sharding.vary(operands, sharding.varying_axes(*operands))
+    return _vma.vary(operands, _vma.varying_axes(*operands))
 
 
 # ---------------------------------------------------------------------------------------------

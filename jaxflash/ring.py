@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxflash import api, dispatch, precision as prec, quantize
+from jaxflash import _vma, api, dispatch, precision as prec, quantize
 from jaxflash._types import AttentionArrays, AttentionStatics, Problem, accum_dtype
 from jaxflash.backends.base import Backend
 from jaxflash.fp8 import layout as fp8_layout, prologue
@@ -213,7 +213,7 @@ def ring_attention(query, key, value, *, mesh, seq_axis: str, batch_axis=None, h
                                  tuple(s for s, p in zip(ext_specs, present) if p)) + sc_specs,
                        out_specs=(spec4, P(batch_axis, head_axis, seq_axis)), check_vma=False)
     args = (q, k, v, tuple(x for x in extras if x is not None)) + sc_args
-    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    if _vma.explicit_axes(mesh):
         # Explicit axes: shard_map takes operands typed exactly as its specs, so they are
         # resharded to them (global lengths left replicated, say), as an Auto mesh does.
         specs = (spec4, spec4, spec4, tuple(s for s, p in zip(ext_specs, present) if p))

@@ -52,12 +52,6 @@ from jaxflash._types import AttentionArrays, Problem
 
 logger = logging.getLogger("jaxflash")
 
-try:  # a vmap tracer, whose `val` is the batched value
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
-except ImportError:  # pragma: no cover - moved in some jax version: mapped dims unseen
-    class _BatchTracer:
-        pass
-
 try:  # jit-traced values; anything else (eager arrays, vmap tracers) runs unpartitioned.
     from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _JitTracer
 except ImportError:  # pragma: no cover - moved in some jax version: partition every traced call
@@ -96,13 +90,17 @@ def forward(backend, q, k, v, arrays: AttentionArrays, statics, plan):
     mesh = explicit_mesh(q, k, v, arrays)
     if mesh is not None:
         return _explicit("fwd", mesh, backend, statics, plan, (q, k, v, arrays))
-    axes = varying_axes(q, k, v, arrays)
+    # Inside a caller's shard_map with JAX's varying-axes checks on, the operands are per-device
+    # arrays already: no partitioning op (its lowering would re-trace the body with the checks
+    # on). Kernel calls type their own results (`jaxflash._vma`); the results are cast once
+    # more for backends that compute some in XLA from fewer operands.
+    axes = _vma.varying_axes(q, k, v, arrays)
     if axes or not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
         res = backend.forward(q, k, v, arrays, statics, plan)
     else:
         op = _op("fwd", _Layout.of(q, k, v, arrays, statics))
         res = op(backend, q, k, v, arrays, statics, plan)
-    return vary(res, axes)
+    return _vma.vary(res, axes)
 
 
 def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse, dout):
@@ -112,20 +110,15 @@ def backward(backend, q, k, v, arrays: AttentionArrays, statics, plan, out, lse,
     if mesh is not None:
         return _explicit("bwd", mesh, backend, statics, plan,
                          (q, k, v, arrays, out, lse, dout))
-    axes = varying_axes(q, k, v, arrays, out, lse, dout)
+    axes = _vma.varying_axes(q, k, v, arrays, out, lse, dout)   # (as the forward's)
     if axes or not _wanted(q, k, v) or not _mods_ok(backend, statics, arrays):
         res = backend.backward(q, k, v, arrays, statics, plan, out, lse, dout)
     else:
         op = _op("bwd", _Layout.of(q, k, v, arrays, statics))
         res = op(backend, q, k, v, arrays, statics, plan, out, lse, dout)
-    return vary(res, axes)
+    return _vma.vary(res, axes)
 
 
-# Inside a caller's `shard_map` with JAX's varying-axes checks on (its default) the operands
-# are per-device arrays already: no partitioning op is added (its lowering would re-trace the
-# body with the checks on). Each kernel call types its own results (`jaxflash._vma`); the
-# results are cast once more here for backends that compute some in XLA from fewer operands.
-varying_axes, vary = _vma.varying_axes, _vma.vary
 
 
 def explicit_mesh(*operands):
@@ -141,13 +134,12 @@ def explicit_mesh(*operands):
 
 
 def _explicit_in_type(x):
-    sh = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sh, "mesh", None)
-    if mesh is None or getattr(mesh, "empty", True):
+    """x's mesh when its type splits a dim over an Explicit axis, else None."""
+    sh = _vma.typed_sharding(x)
+    if sh is None:
         return None
-    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                if t == jax.sharding.AxisType.Explicit}
-    return mesh if any(set(_axes(e)) & explicit for e in sh.spec) else None
+    explicit = _vma.explicit_axes(sh.mesh)
+    return sh.mesh if any(set(_axes(e)) & explicit for e in sh.spec) else None
 
 
 def _check_mapped(backend, *operands):
@@ -157,7 +149,7 @@ def _check_mapped(backend, *operands):
     if getattr(backend, "name", "") != "pallas":
         return
     for x in jax.tree.leaves(operands):
-        while isinstance(x, _BatchTracer):
+        while isinstance(x, _vma.BatchTracer):
             dim, x = x.batch_dim, x.val
             sh = getattr(jax.typeof(x), "sharding", None)
             spec = tuple(getattr(sh, "spec", ()) or ())

@@ -105,10 +105,6 @@ def _classes(prog, aux, Bb, Hb, rows: int, cols: int, row_tile: int, col_tile: i
     return jnp.moveaxis(ne, 0, 2), jnp.moveaxis(full, 0, 2)
 
 
-# The range table of a row's block classes: one definition, shared with `BlockMask`.
-ranges = block_ranges
-
-
 def _dims(prog, B: int, N: int):
     return (B if prog.uses("b") else 1), (N if prog.uses("h") else 1)
 
@@ -120,7 +116,7 @@ def forward_table(mask_text: str, aux, B: int, N: int, T: int, S: int, tile_m: i
     prog = parse(mask_text)
     Bb, Hb = _dims(prog, B, N)
     ne, full = _classes(prog, aux, Bb, Hb, T, S, tile_m, tile_n, False, offsets)
-    return ranges(ne, full)
+    return block_ranges(ne, full)
 
 
 def backward_table(mask_text: str, aux, B: int, N: int, K: int, T: int, S: int, tile_m: int,
@@ -134,7 +130,7 @@ def backward_table(mask_text: str, aux, B: int, N: int, K: int, T: int, S: int, 
         G = N // K
         ne = ne.reshape(Bb, K, G, *ne.shape[2:]).any(2)
         full = full.reshape(Bb, K, G, *full.shape[2:]).all(2)
-    return ranges(ne, full)
+    return block_ranges(ne, full)
 
 
 def _kinds(count_full, idx_full, count_part, idx_part, n: int):
@@ -161,8 +157,9 @@ def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: boo
         return None
     kept = bm.ranges_t if rows_are_keys else bm.ranges
     f = cols_b // tile_cols
+    bm_cols = bm.num_blocks[0 if rows_are_keys else 1]   # the mask's blocks along a row
     if (kept is not None and not (rows_are_keys and kept.shape[1] > 1 and N != K)
-            and n_cols == kept_cols(bm, rows_are_keys) * f):
+            and n_cols == bm_cols * f):
         # The ranges the BlockMask keeps, in kernel blocks (each of its blocks is f of them,
         # of its kind): no conversion at the call (the GQA union of the backward excepted).
         return kept * jnp.int32(f)
@@ -179,13 +176,7 @@ def table_from_block_mask(bm, tile_rows: int, tile_cols: int, rows_are_keys: boo
         G = N // K
         ne = ne.reshape(ne.shape[0], K, G, *ne.shape[2:]).any(2)
         full = full.reshape(full.shape[0], K, G, *full.shape[2:]).all(2)
-    return ranges(ne, full)
-
-
-def kept_cols(bm, rows_are_keys: bool) -> int:
-    """The BlockMask's column blocks per row (its query blocks for the transposed rows)."""
-    nq, nk = bm.num_blocks
-    return nq if rows_are_keys else nk
+    return block_ranges(ne, full)
 
 
 def reads_aux(mask_text: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxflash import _vma
 from jaxflash.mods import dense
 from jaxflash.mods.spec import make_spec, normalize_aux
 
@@ -95,13 +96,11 @@ def _lists(kind):
 def _whole(x):
     """x replicated where its type splits it over Explicit mesh axes: the mask reads any
     element of an aux array from every block (as the kernels' calls do, `jaxflash.sharding`)."""
-    sh = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sh, "mesh", None)
-    if mesh is None or getattr(mesh, "empty", True) or all(e is None for e in sh.spec):
+    sh = _vma.typed_sharding(x)
+    if sh is None or all(e is None for e in sh.spec):
         return x
-    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-        return x
-    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sh.mesh,
+                                                              jax.sharding.PartitionSpec()))
 
 
 def create_block_mask(mask_mod, B: int, H: int, T: int, S: int, block=(128, 128),
