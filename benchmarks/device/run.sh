@@ -37,8 +37,10 @@
 #   mods      score / mask mods in the CuTe kernels and the Triton-compiled Pallas kernels
 #             against the float32 reference (tests/kernels/test_mods_gpu.py,
 #             tests/mods/test_mods_gpu.py)                                        (~4 min)
-#   mbench    the mods' speed: benchmarks.mods_kernel_bench (mod vs built-in, sparse vs dense)
-#             and benchmarks.mods_bench (cute / pallas / cuDNN / xla on the issue's mods)
+#   mbench    the mods' speed: benchmarks.mods_kernel_bench (mod vs built-in, sparse vs dense;
+#             MBENCH_CEILING=1 adds short dense loops vs 16k, ours and cuDNN's: needs
+#             `mods_kernel_bench --build DIR --ceiling`) and benchmarks.mods_bench (cute / pallas
+#             / cuDNN / xla on the issue's mods)
 #   lmprec    examples LM with bf16 / FP8 / emulated FP4 attention, 400 steps each
 #             (benchmarks.lm_precision), FP8 accuracy (benchmarks.fp8_accuracy)
 #   blackwell the sm_100a first-run kit (devtools.blackwell_first_run): on a B200 / GB200 the
@@ -192,6 +194,11 @@ mods)
 mbench)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 250 python3 -m benchmarks.mods_kernel_bench \
     --out $OUT/mods-kernel-bench-h200-$D.json 2>&1 | grep -v -i warn | tail -20
+  # MBENCH_CEILING=1: short dense loops against 16k, ours and cuDNN's (what a sparse row's
+  # few tiles can reach)
+  [ "${MBENCH_CEILING:-0}" = 1 ] && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 \
+    python3 -m benchmarks.mods_kernel_bench --ceiling \
+    --out $OUT/mods-ceiling-h200-$D.json 2>&1 | grep -v -i warn | tail -6
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 python3 -m benchmarks.mods_bench --out $OUT \
     --budget-s 150 2>&1 | grep -v -i warn | tail -20 ;;
 lmprec)
