@@ -54,9 +54,23 @@ def _docs(rng, B, S, n, align=1):
                                  for c in cuts]).astype(np.int32))
 
 
+def _doc_pair(b, h, q_idx, kv_idx, q_ids, kv_ids):
+    return q_ids[b, q_idx] == kv_ids[b, kv_idx]
+
+
+def _sorted_rows(ids, tm=128):
+    """(query ids, key ids): the query tiles of ``ids [1, S]`` ordered by how many key tiles
+    they meet, fewest first."""
+    t = np.asarray(ids)[0].reshape(-1, tm)
+    lo, hi = t.min(1), t.max(1)
+    seen = np.array([np.sum((hi >= lo[m]) & (lo <= hi[m])) for m in range(len(t))])
+    return jnp.asarray(t[np.argsort(seen, kind="stable")].reshape(1, -1)), ids
+
+
 def cases(rng):
     """name -> (S, built-in kwargs or None, mod kwargs, sparse: whether to count tiles)."""
     slopes = L.alibi_slopes(HEADS)
+    docs = _docs(rng, 1, 16384, 8)
     return {
         "causal-4k": (4096, dict(is_causal=True), dict(mask_mod=L.causal()), False),
         "causal-16k": (16384, dict(is_causal=True), dict(mask_mod=L.causal()), False),
@@ -66,13 +80,17 @@ def cases(rng):
                        dict(is_causal=True, score_mod=L.softcap(30.0)), False),
         "alibi-8k": (8192, dict(is_causal=True, alibi_slopes=slopes),
                      dict(is_causal=True, score_mod=L.alibi(), aux=(slopes,)), False),
-        "document-16k": (16384, None,
-                         dict(mask_mod=L.document(), aux=(_docs(rng, 1, 16384, 8),)), True),
+        "document-16k": (16384, None, dict(mask_mod=L.document(), aux=(docs,)), True),
         # documents starting on tile boundaries: no partial tile, what the mask evaluation of
         # the boundary tiles costs the row above
         "document-aligned-16k": (16384, None,
                                  dict(mask_mod=L.document(),
                                       aux=(_docs(rng, 1, 16384, 8, align=128),)), True),
+        # the first documents with the query tiles reordered by the number of key tiles they
+        # see, shortest first: the kernels' order for a mask_mod (largest m first) then runs
+        # the longest rows first (LPT), what a table-driven tile order would do
+        "document-sorted-16k": (16384, None, dict(mask_mod=_doc_pair,
+                                                  aux=_sorted_rows(docs)), True),
     }
 
 
