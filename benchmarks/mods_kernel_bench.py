@@ -115,6 +115,10 @@ SCHEDULES = {
     "ps_tp": {"persistent": True, "tile_pipe": True},
     "ps_tp_we": {"persistent": True, "tile_pipe": True, "wg_epilogue": True},
     "ps_tp_pairs": {"persistent": True, "tile_pipe": True, "tile_order": "pairs"},
+    # mask_mod calls: longest rows first by the block table (a document's rows are not
+    # longest at large m)
+    "table": {"tile_order": "table"},
+    "ps_tp_table": {"persistent": True, "tile_pipe": True, "tile_order": "table"},
 }
 
 
@@ -152,7 +156,9 @@ def schedule_calls(rng):
             kw["block_mask"] = mods.create_block_mask(mod["mask_mod"], TOKENS // S, 1, S, S,
                                                       block=(128, 128), aux=mod.get("aux", ()))
         causal = bool(kw.get("is_causal"))
-        names = [n for n in SCHEDULES if causal or n != "ps_tp_pairs"]
+        # (the window and causal mods run as their built-ins, which take no table order)
+        names = [n for n in SCHEDULES if (causal or n != "ps_tp_pairs")
+                 and ("table" not in n or name.startswith("document"))]
         out.append((f"{name}/{form}", kw, S, names, mod))
     return out
 
