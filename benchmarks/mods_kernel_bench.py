@@ -54,19 +54,6 @@ def _docs(rng, B, S, n, align=1):
                                  for c in cuts]).astype(np.int32))
 
 
-def _doc_pair(b, h, q_idx, kv_idx, q_ids, kv_ids):
-    return q_ids[b, q_idx] == kv_ids[b, kv_idx]
-
-
-def _sorted_rows(ids, tm=128):
-    """(query ids, key ids): the query tiles of ``ids [1, S]`` ordered by how many key tiles
-    they meet, fewest first."""
-    t = np.asarray(ids)[0].reshape(-1, tm)
-    lo, hi = t.min(1), t.max(1)
-    seen = np.array([np.sum((hi >= lo[m]) & (lo <= hi[m])) for m in range(len(t))])
-    return jnp.asarray(t[np.argsort(seen, kind="stable")].reshape(1, -1)), ids
-
-
 def cases(rng):
     """name -> (S, built-in kwargs or None, mod kwargs, sparse: whether to count tiles)."""
     slopes = L.alibi_slopes(HEADS)
@@ -86,11 +73,6 @@ def cases(rng):
         "document-aligned-16k": (16384, None,
                                  dict(mask_mod=L.document(),
                                       aux=(_docs(rng, 1, 16384, 8, align=128),)), True),
-        # the first documents with the query tiles reordered by the number of key tiles they
-        # see, shortest first: the kernels' order for a mask_mod (largest m first) then runs
-        # the longest rows first (LPT), what a table-driven tile order would do
-        "document-sorted-16k": (16384, None, dict(mask_mod=_doc_pair,
-                                                  aux=_sorted_rows(docs)), True),
     }
 
 
@@ -115,10 +97,6 @@ SCHEDULES = {
     "ps_tp": {"persistent": True, "tile_pipe": True},
     "ps_tp_we": {"persistent": True, "tile_pipe": True, "wg_epilogue": True},
     "ps_tp_pairs": {"persistent": True, "tile_pipe": True, "tile_order": "pairs"},
-    # mask_mod calls: longest rows first by the block table (a document's rows are not
-    # longest at large m)
-    "table": {"tile_order": "table"},
-    "ps_tp_table": {"persistent": True, "tile_pipe": True, "tile_order": "table"},
 }
 
 
@@ -156,9 +134,7 @@ def schedule_calls(rng):
             kw["block_mask"] = mods.create_block_mask(mod["mask_mod"], TOKENS // S, 1, S, S,
                                                       block=(128, 128), aux=mod.get("aux", ()))
         causal = bool(kw.get("is_causal"))
-        # (the window and causal mods run as their built-ins, which take no table order)
-        names = [n for n in SCHEDULES if (causal or n != "ps_tp_pairs")
-                 and ("table" not in n or name.startswith("document"))]
+        names = [n for n in SCHEDULES if causal or n != "ps_tp_pairs"]
         out.append((f"{name}/{form}", kw, S, names, mod))
     return out
 

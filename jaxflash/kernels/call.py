@@ -81,8 +81,6 @@ def mod_inputs(cfg, arrays, q, k, backward: bool) -> list:
         elif table is None:
             table = mod_blocks.forward_table(cfg.mask_mod, aux, B, N, T, S, cfg.tile_m,
                                              cfg.tile_n, off)
-        if not backward and cfg.tile_order == "table":
-            table = mod_blocks.with_row_order(table)
         ins.append(table.astype(jnp.int32))
     return ins + [jnp.asarray(x, dt) for x, (dt, _) in zip(aux, getattr(cfg, "aux", ()))]
 

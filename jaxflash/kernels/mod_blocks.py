@@ -133,19 +133,6 @@ def backward_table(mask_text: str, aux, B: int, N: int, K: int, T: int, S: int, 
     return block_ranges(ne, full)
 
 
-def with_row_order(table):
-    """[..., rows, 4] -> [..., rows, 5]: a forward table with, in row r of the fifth column,
-    the tile row of rank r when rows go longest first (most key blocks between lo and hi;
-    ties: the larger row first, the order a causal table would have anyway). The kernel's
-    longest-first tile order (``tile_order="table"``) reads it instead of taking large m first,
-    so a document mask's long rows start before its short ones wherever they sit."""
-    table = jnp.asarray(table, jnp.int32)
-    n = table.shape[-2]
-    cost = table[..., 3] - table[..., 0]
-    rank_rev = jnp.argsort(-cost[..., ::-1], axis=-1, stable=True).astype(jnp.int32)
-    return jnp.concatenate([table, (n - 1 - rank_rev)[..., None]], axis=-1)
-
-
 def _kinds(count_full, idx_full, count_part, idx_part, n: int):
     """[..., rows] counts and [..., rows, m] index lists -> [..., rows, n] int8 kinds (0 empty,
     1 partial, 2 full); list padding scatters 0."""

@@ -130,18 +130,3 @@ def test_document_with_block_mask_lengths_and_deterministic():
     kw = dict(mask_mod=L.document(), aux=(seg,), block_mask=bm,
               key_value_seq_lengths=jnp.array([T, 901], jnp.int32), deterministic=True)
     _check(B, T, T, N, K, H, kw)
-
-
-@pytest.mark.parametrize("sched", [{"tile_order": "table"},
-                                   {"tile_order": "table", "persistent": True,
-                                    "tile_pipe": True}], ids=["grid", "persistent"])
-def test_document_longest_rows_first(sched, monkeypatch):
-    """The forward's tiles in the order of the block table's row lengths (``tile_order=
-    "table"``, on the one-tile-per-CTA grid and on the persistent loop): every tile still runs
-    once, with its own rows, GQA and two batches with different documents."""
-    from jaxflash.kernels.policy import choose
-    monkeypatch.setattr(choose, "schedule_for", lambda *a, **k: dict(sched))
-    B, T, N, K, H = 2, 1500, 4, 2, 128
-    rng = fresh_rng()
-    seg = jnp.asarray(_docs(rng, B, T, 6))
-    _check(B, T, T, N, K, H, dict(mask_mod=L.document(), aux=(seg,)))

@@ -348,7 +348,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
                         num_slots = scheduler.num_slots(num_m_blocks, mQ.shape[2], mQ.shape[3])
                     while tile < num_slots:
                         m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks,
-                                                                mQ, mK, blk)
+                                                                mQ, mK)
                         if const_expr(scheduler.pairs):
                             if m_block >= 0:
                                 tile_state, q_state, kv_state = self.announce_and_produce(
@@ -441,7 +441,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
     def produce_tile(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32,
                      mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk, blocks: BlockRange, sQ, sK, sV,
                      tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v, q_state, kv_state):
-        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK, mQBlk)
+        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
         return self.produce_at(m_block, head, batch, mQ, mK, mV, mQSeqlen, mKVSeqlen, mQBlk,
                                blocks, sQ, sK, sV, tma_Q, tma_K, tma_V, pipe_q, pipe_k, pipe_v,
                                q_state, kv_state)
@@ -463,7 +463,7 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
                      kv_state, tiled_mma_qk, tiled_mma_pv, tidx: Int32, warp_idx: Int32,
                      pre_scale: Float32, scale_log2: Float32, window_left: Int32,
                      window_right: Int32, T: Int32):
-        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK, segs[4])
+        m_block, head, batch = self.tile_coords(tile, scheduler, num_m_blocks, mQ, mK)
         return self.consume_at(m_block, head, batch, mQ, mK, mQSeqlen, mKVSeqlen, blocks, cargs,
                                segs, q_state, kv_state, tiled_mma_qk, tiled_mma_pv, tidx,
                                warp_idx, pre_scale, scale_log2, window_left, window_right, T)
@@ -509,20 +509,11 @@ class FlashFwdSm90(FwdEpilogue, FwdScores):
 
     @cute.jit
     def tile_coords(self, tile: Int32, scheduler: cutlass.Constexpr, num_m_blocks: Int32, mQ,
-                    mK, blk=None):
-        """(m_block, head, batch) of a linear tile index. With ``tile_order="table"`` the
-        scheduler's longest-first rank (m_block counted down from the last) is looked up in
-        the mask_mod table's order column (``blk``: the block tables)."""
+                    mK):
+        """(m_block, head, batch) of a linear tile index."""
         S = mK.shape[0]
         kv_bytes_per_head = S * (self.hd + self.hdv) * (self.dtype.width // 8)
-        m_block, head, batch = scheduler.decode(tile, num_m_blocks, mQ.shape[2], mQ.shape[3],
-                                                kv_bytes_per_head)
-        if const_expr(self.cfg.tile_order == "table"):
-            mModBlk = blk[1]
-            b = cutlass.min(batch, mModBlk.shape[0] - 1)
-            h = cutlass.min(head, mModBlk.shape[1] - 1)
-            m_block = mModBlk[b, h, num_m_blocks - 1 - m_block, 4]
-        return m_block, head, batch
+        return scheduler.decode(tile, num_m_blocks, mQ.shape[2], mQ.shape[3], kv_bytes_per_head)
 
     @cute.jit
     def tile_bounds(self, m_block: Int32, head: Int32, batch: Int32, mQ, mK, mQSeqlen,

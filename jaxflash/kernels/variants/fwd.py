@@ -82,9 +82,7 @@ class FwdConfig:
     tile_order: "auto" (longest-first for causal / window, heads in sections whose K/V fit
       ``L2_SECTION_MB`` of L2; natural otherwise) or "pairs" (persistent with tile_pipe,
       causal / window: tile m with tile nm - 1 - m of the same head on one CTA, pairs dealt
-      round-robin; `scheduler.TileScheduler`) or "table" (mask_mod: longest-first by the
-      block table's own row lengths, which a document mask's rows do not follow in m; the
-      table carries a fifth column, the m of each rank, `mod_blocks.with_row_order`).
+      round-robin; `scheduler.TileScheduler`).
     mask_skip: where only the key length can cut a block (no causal / window bound), test once
       per block, warp-uniformly, whether the block reaches past the key length and skip the
       per-element compare when it does not. Every tile's first (rightmost) block is masked on
@@ -177,11 +175,8 @@ class FwdConfig:
             ok, why = self._check_mods()
             if not ok:
                 return False, why
-        if self.tile_order not in ("auto", "pairs", "table"):
-            return False, f"tile_order {self.tile_order!r} not in ('auto', 'pairs', 'table')"
-        if self.tile_order == "table" and not self.mask_mod:
-            return False, ("tile_order 'table' orders the tiles by the mask_mod's block table: "
-                           "it needs a mask_mod")
+        if self.tile_order not in ("auto", "pairs"):
+            return False, f"tile_order {self.tile_order!r} not in ('auto', 'pairs')"
         if self.tile_order == "pairs" and not (self.tile_pipe
                                                and (self.is_causal or self.has_window)):
             return False, ("tile_order 'pairs' needs tile_pipe=True (the producer skips empty "
@@ -240,8 +235,8 @@ class FwdConfig:
     def lpt(self) -> bool:
         """Whether tiles go longest-first (their cost varies with m under a right bound, or
         may under a mask_mod)."""
-        return self.tile_order == "table" or (self.tile_order == "auto" and (
-            self.is_causal or self.has_window or bool(self.mask_mod)))
+        return self.tile_order == "auto" and (self.is_causal or self.has_window
+                                              or bool(self.mask_mod))
 
     @property
     def num_mma_warpgroups(self) -> int:
@@ -260,8 +255,8 @@ class FwdConfig:
                  + ("we" if self.wg_epilogue else "") + ("lz" if self.lazy_rescale else ""))
         if self.lpt:
             sched += f"_lpt{L2_SECTION_MB}"
-        if self.tile_order in ("pairs", "table"):
-            sched += f"_{self.tile_order}"
+        if self.tile_order == "pairs":
+            sched += "_pairs"
         if self.ctas_per_sm != 1:
             sched += f"_c{self.ctas_per_sm}"
         if self.mask_skip:

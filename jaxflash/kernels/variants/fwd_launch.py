@@ -67,15 +67,14 @@ def _launch(kernel_ref: str, config, arch: str) -> Launch:
 def mod_inputs(config) -> list:
     """A mod variant's extra inputs: the (batch, head) offsets [2] int32 the mods add to the
     kernel's own indices (a shard's first global ones; zeros unsharded), the block range table
-    [Bb, Hb, blocks, 4] int32 (with a mask_mod; `jaxflash.kernels.mod_blocks`; a fifth column,
-    the tile order, with ``tile_order="table"``), then the aux arrays at their fixed shapes."""
+    [Bb, Hb, blocks, 4] int32 (with a mask_mod; `jaxflash.kernels.mod_blocks`), then the aux
+    arrays at their fixed shapes."""
     # (configs without mods, the Blackwell forward's, have neither field)
     score, mask = getattr(config, "score_mod", ""), getattr(config, "mask_mod", "")
     if not (score or mask):
         return []
     ins = [TensorArg("int32", (2,))]
-    cols = 5 if getattr(config, "tile_order", "") == "table" else 4
-    ins += [TensorArg("int32", (None, None, None, cols))] if mask else []
+    ins += [TensorArg("int32", (None, None, None, 4))] if mask else []
     return ins + [TensorArg(dt, shape) for dt, shape in config.aux]
 
 
