@@ -586,6 +586,35 @@ def test_short_window_takes_the_short_loop_schedule():
     assert not forward_config(problem(8192, 8192, 4, 4, (1024, 0), True, 30.0)).wg_epilogue
 
 
+def test_causal_short_window_runs_as_the_window_alone():
+    """is_causal with a short window (left, right >= 0) is the window (left, 0) alone: in the
+    short-window regime the plan takes that variant (measured faster), and the launches'
+    window scalars clip the right bound under the causal flag, so the causal variant and the
+    window-alone one read the same bounds; elsewhere the statics stay as given."""
+    from jaxflash._types import AttentionStatics, Problem
+    from jaxflash.backends.cute import CuteBackend
+    from jaxflash.kernels.policy.choose import forward_config, window_only
+    from jaxflash.kernels.variants.fwd_launch import fwd_scalars
+
+    def statics(window, causal):
+        return AttentionStatics(scale=128 ** -0.5, is_causal=causal, window=window)
+
+    def problem(S, st):
+        return Problem(batch=1, q_len=S, kv_len=S, num_heads=4, num_kv_heads=2, head_dim=128,
+                       head_dim_v=128, dtype="bfloat16", statics=st, platform="cuda")
+    alone = forward_config(problem(16384, statics((1024, 0), False)))
+    for right in (0, 40):
+        st = statics((1024, right), True)
+        assert window_only(st, 128, 16384) == statics((1024, 0), False)
+        assert fwd_scalars(st)[1] == (1024, 0)
+        assert forward_config(problem(16384, window_only(st, 128, 16384))).key == alone.key
+        assert CuteBackend().plan(problem(16384, st)).fwd.config.key == alone.key
+    assert fwd_scalars(statics((1024, 40), False))[1] == (1024, 40)
+    for st, S in ((statics((1024, 0), True), 4096), (statics((4096, 0), True), 16384),
+                  (statics((1024, -1), True), 16384)):
+        assert window_only(st, 128, S) is st
+
+
 @pytest.mark.parametrize("value,on", [("false", False), ("off", False), ("0", False),
                                       ("", False), ("1", True), ("true", True)])
 def test_unverified_switch_reads_as_written(monkeypatch, value, on):

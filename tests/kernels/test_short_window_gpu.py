@@ -11,6 +11,9 @@ from tests.kernels.test_mods_gpu import _check
 CASES = [  # (T, S, N, K, window, causal)
     (6000, 6000, 4, 2, (1024, 0), True),
     (4999, 5003, 4, 1, (300, 211), False),
+    # causal with a right bound past the diagonal: the window (700, 0) alone's variant, given
+    # the clipped bounds (`choose.window_only`)
+    (5001, 5001, 4, 2, (700, 40), True),
 ]
 
 

@@ -116,5 +116,10 @@ def fwd_inputs(config: FwdConfig, q, k, v, q_seqlen=None, kv_seqlen=None, alibi_
 def fwd_scalars(statics) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """(float scalars, int scalars) of a call with `jaxflash._types.AttentionStatics`."""
     softcap = statics.softcap if statics.softcap is not None else 1.0
-    ints = tuple(int(w) for w in statics.window) if statics.window is not None else ()
+    ints = ()
+    if statics.window is not None:
+        left, right = (int(w) for w in statics.window)
+        # under the causal flag the right bound is at most 0: given so, the same scalars serve
+        # the window-alone variant a causal short window runs as (`choose.window_only`)
+        ints = (left, min(right, 0) if statics.is_causal else right)
     return (float(statics.scale), float(softcap)), ints
