@@ -122,8 +122,8 @@ def window_only(statics, head_dim: int, kv_len: int):
 
     The two masks are one (both keep left >= q - k >= 0, `jaxflash.masking.keep`), but the
     causal flag makes another variant: at hd 128, 16k keys, window (1024, 0), its forward took
-    1.06x, 1.07x, 1.15x and 1.06x the window alone's in four runs of `benchmarks.mods_bench`
-    (H200 and H100; forward + backward 1.00x and 1.08x). The window mask_mod runs as this built-in
+    1.06x, 1.06x and 1.15x the window alone's in three runs of `benchmarks.mods_bench` (H200,
+    H200, H100; forward + backward 1.00x and 1.08x in two). The window mask_mod runs as this built-in
     too (`mod_builtin`), hence as fast as the fastest built-in form. Plain calls only (no
     score_mod, no FP8)."""
     w = statics.window
