@@ -123,9 +123,9 @@ def window_only(statics, head_dim: int, kv_len: int):
     The two masks are one (both keep left >= q - k >= 0, `jaxflash.masking.keep`), but the
     causal flag makes another variant: at hd 128, 16k keys, window (1024, 0), its forward took
     1.06x, 1.06x and 1.15x the window alone's in three runs of `benchmarks.mods_bench` (H200,
-    H200, H100; forward + backward 1.00x and 1.08x in two). The window mask_mod runs as this built-in
-    too (`mod_builtin`), hence as fast as the fastest built-in form. Plain calls only (no
-    score_mod, no FP8)."""
+    H200, H100; forward + backward 1.00x and 1.08x in two). The window mask_mod runs as this
+    built-in too (`mod_builtin`), hence as fast as the fastest built-in form. Plain calls only
+    (no score_mod, no FP8)."""
     w = statics.window
     if (not statics.is_causal or w is None or w[1] < 0 or statics.mods is not None
             or getattr(statics, "fp8", None) is not None
