@@ -64,6 +64,9 @@ def evaluate(prog, inputs: dict, aux=()) -> tuple:
         args = [val(a) for a in e.args]
         if e.prim == "integer_pow":
             r = lax.integer_pow(args[0], e.param)
+        elif e.prim == "round":
+            r = lax.round(args[0], lax.RoundingMethod.TO_NEAREST_EVEN if e.param == "even"
+                          else lax.RoundingMethod.AWAY_FROM_ZERO)
         elif e.prim == "convert_element_type":
             r = args[0].astype(_NAMES[e.param])
         elif e.prim == "select_n":

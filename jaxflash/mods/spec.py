@@ -212,20 +212,24 @@ def _reads(obj, depth: int, seen: set):
             if n not in glb:
                 continue
             v = glb[n]
-            if inspect.ismodule(v) or isinstance(v, type) or not (callable(v) or isinstance(
-                    v, _SCALARS + (np.ndarray, jax.Array, tuple, list, dict))):
+            if inspect.ismodule(v) or isinstance(v, type) or _plain_object(v):
                 # a module's, a class's or an object's attributes the code may read (the
                 # code's names hold attribute names too)
                 out.extend((n, a, _reads(getattr(v, a), depth + 1, seen)) for a in names
-                           if isinstance(getattr(v, a, _MISSING), _SCALARS + (np.ndarray,))
-                           or inspect.isfunction(getattr(v, a, None)))
+                           if _readable_attr(v, a))
             else:
                 out.append((n, _reads(v, depth + 1, seen)))
         for cell in obj.__closure__ or ():
             try:
-                out.append(_reads(cell.cell_contents, depth + 1, seen))
+                v = cell.cell_contents
             except ValueError:  # an empty cell
                 out.append(None)
+                continue
+            if _plain_object(v):   # an object the closure holds: the attributes the code names
+                out.append(tuple((a, _reads(getattr(v, a), depth + 1, seen)) for a in names
+                                 if _readable_attr(v, a)))
+            else:
+                out.append(_reads(v, depth + 1, seen))
         return tuple(out)
     if isinstance(obj, type):   # a class a closure holds: its own scalar attributes
         return tuple((a, _reads(v, depth + 1, seen)) for a, v in vars(obj).items()
@@ -237,6 +241,17 @@ def _reads(obj, depth: int, seen: set):
                 tuple((a, _reads(v, depth + 1, seen)) for a, v in vars(cls).items()
                       if isinstance(v, _SCALARS + (np.ndarray,))))
     return None
+
+
+def _plain_object(v) -> bool:
+    """An object that is not a value `_reads` reads whole (a config instance, say)."""
+    return not (callable(v) or inspect.ismodule(v) or isinstance(
+        v, _SCALARS + (np.ndarray, jax.Array, tuple, list, dict, type)))
+
+
+def _readable_attr(v, a: str) -> bool:
+    x = getattr(v, a, _MISSING)
+    return isinstance(x, _SCALARS + (np.ndarray,)) or inspect.isfunction(x)
 
 
 def _names(code) -> tuple:

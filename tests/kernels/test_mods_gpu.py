@@ -74,6 +74,9 @@ def _cases():
          lambda r, B, T, S, N: dict(score_mod=_user_score, aux=(jnp.asarray(
              r.standard_normal(S).astype(np.float32)),))),
         ("user-mask", 300, 333, 4, 1, 64, lambda r, B, T, S, N: dict(mask_mod=_user_mask)),
+        # ties of jnp.round (half to even) on every odd key-query distance
+        ("round-ties", 301, 300, 4, 2, 64, lambda r, B, T, S, N: dict(
+            score_mod=lambda s, b, h, q, k: s + 0.25 * jnp.round((k - q) * 0.5) / 64.0)),
     ]
 
 

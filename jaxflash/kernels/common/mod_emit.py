@@ -75,9 +75,17 @@ def _emit(e, args, dts, aux, shapes):
         return _select(x > zero, one, _select(x < zero, -one, zero))
     if p in ("floor", "ceil", "sqrt", "rsqrt"):
         return getattr(cute.math, p)(x)
-    if p == "round":  # half away from zero (lax.round's default)
-        h = Float32(0.5)
-        return _select(x >= Float32(0.0), cute.math.floor(x + h), cute.math.ceil(x - h))
+    if p == "round":
+        # From the truncation, whose remainder x - t is exact (x + 0.5 would round): half away
+        # from zero (lax.round's default), or to even (param "even": jnp.round's).
+        t = cute.math.trunc(x)
+        d = cute.arch.fmax(x - t, t - x)
+        up = d >= Float32(0.5)
+        if e.param == "even":
+            odd = (t - Float32(2.0) * cute.math.trunc(t * Float32(0.5))) != Float32(0.0)
+            up = (d > Float32(0.5)) | ((d == Float32(0.5)) & odd)
+        step = _select(x < Float32(0.0), Float32(-1.0), Float32(1.0))
+        return _select(up, t + step, t)
     if p == "exp":
         return cute.math.exp2(x * Float32(LOG2_E), fastmath=True)
     if p == "exp2":

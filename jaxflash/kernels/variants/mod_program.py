@@ -177,8 +177,9 @@ class _Builder:
             lo, hi = max(r[0][0], r[1][0]), max(r[0][1], r[1][1])
         elif prim == "min":
             lo, hi = min(r[0][0], r[1][0]), min(r[0][1], r[1][1])
-        elif prim == "clamp":
-            lo, hi = max(r[0][0], min(r[1][0], r[2][1])), min(r[2][1], max(r[1][1], r[0][0]))
+        elif prim == "clamp":  # clamp(lo, x, hi) = min(max(x, lo), hi), bound by bound
+            lo = min(max(r[1][0], r[0][0]), r[2][0])
+            hi = min(max(r[1][1], r[0][1]), r[2][1])
         elif prim == "abs":
             lo, hi = (0 if r[0][0] <= 0 <= r[0][1] else min(abs(r[0][0]), abs(r[0][1])),
                       max(abs(r[0][0]), abs(r[0][1])))
@@ -196,7 +197,8 @@ class _Builder:
         folded = self._fold(prim, args, dtype)
         if folded is not None:
             return folded
-        key = (prim, args, dtype, param)
+        # (literals by their text: 0.0 and -0.0 are equal but not the same operand)
+        key = (prim, tuple(_fmt_atom(a) for a in args), dtype, param)
         if key in self.cse:
             return self.cse[key]
         name = f"v{self.count}"
@@ -260,9 +262,12 @@ def _walk(jaxpr, consts, env, b: _Builder):
             raise NotImplementedError("primitive 'pow' (x ** y with a float exponent) cannot be "
                                       "translated; use exp(y * log(x))")
         if prim not in SUPPORTED:
+            hint = (" (jnp.take, .at[].get and fancy indexing trace to it: read aux elements "
+                    "as aux[i] / aux[i, j])" if prim in ("gather", "slice", "concatenate")
+                    else "")
             raise NotImplementedError(
-                f"primitive '{prim}' cannot be translated into a CuTe kernel (a mod may use "
-                f"{', '.join(SUPPORTED[:-1])}, and aux[i, ...] reads)")
+                f"primitive '{prim}' cannot be translated into a CuTe kernel{hint} (a mod may "
+                f"use {', '.join(SUPPORTED[:-1])}, and aux[i, ...] reads)")
         for a in args:
             if isinstance(a, str) and a.startswith("x"):
                 raise NotImplementedError(f"{prim} of a whole aux array: aux arrays can only "
@@ -277,7 +282,16 @@ def _walk(jaxpr, consts, env, b: _Builder):
             param = int(eqn.params["y"])
         elif prim == "convert_element_type":
             param = _dt(out.aval, "a conversion target")
+        elif prim == "round" and _half_even(eqn.params.get("rounding_method")):
+            param = "even"   # (away from zero, lax.round's default, has no param)
         env[out] = b.emit(prim, tuple(args), _dt(out.aval, f"the result of {prim}"), param)
+
+
+def _half_even(method) -> bool:
+    """Whether a round's ``rounding_method`` (a `lax.RoundingMethod`) is TO_NEAREST_EVEN
+    (jnp.round's, jnp.rint's), not AWAY_FROM_ZERO."""
+    from jax import lax
+    return method is not None and int(method) == int(lax.RoundingMethod.TO_NEAREST_EVEN)
 
 
 def program_from_jaxpr(closed, kind: str) -> Program:
@@ -402,7 +416,11 @@ def _apply(e: Eqn, a: list, aux: dict):
         if p in ("floor", "ceil"):
             return getattr(np, p)(x)
         if p == "round":
-            return np.where(x >= 0, np.floor(x + np.float32(0.5)), np.ceil(x - np.float32(0.5)))
+            if e.param == "even":
+                return np.rint(x)
+            # half away from zero, in float64 (x + 0.5 rounds in float32)
+            x64 = np.float64(x)
+            return np.float32(np.sign(x64) * np.floor(np.abs(x64) + 0.5))
         if p in ("exp", "exp2", "log", "log1p", "expm1", "tanh", "sqrt"):
             return getattr(np, p)(x)
         if p == "logistic":
@@ -422,7 +440,10 @@ def _apply(e: Eqn, a: list, aux: dict):
             return r if e.param >= 0 else np.float32(1) / r
         if p == "convert_element_type":
             if e.param == "i32" and x.dtype == np.float32:
-                return np.int32(np.trunc(x)) if np.isfinite(x) else np.int32(0)
+                # saturating, NaN to 0 (XLA's convert; the kernels' cvt.rzi.s32.f32)
+                if np.isnan(x):
+                    return np.int32(0)
+                return np.int32(np.clip(np.trunc(np.float64(x)), _I32[0], _I32[1]))
             return x.astype(_NP[e.param])
         if p == "select_n":
             return a[1 + int(x)]
@@ -538,6 +559,21 @@ def kernel_programs(score_text: str, mask_text: str) -> tuple:
     return sp, mp, names, scales
 
 
+_CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def _custom_rules(jaxpr) -> set:
+    """The custom-derivative call primitives a jaxpr holds (nested calls too)."""
+    found = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name in _CUSTOM_RULES:
+            found.add(e.primitive.name)
+        inner = e.params.get(INLINE_CALLS.get(e.primitive.name, ""), None)
+        if inner is not None:
+            found |= _custom_rules(getattr(inner, "jaxpr", inner))
+    return found
+
+
 def spec_texts(spec) -> dict:
     """A call's `jaxflash.mods.ModSpec` as kernel program texts: "score" (value), "score_grad"
     (value and d/d score) and "mask" ("" where absent); {} without mods. NotImplementedError
@@ -558,7 +594,19 @@ def _spec_texts(spec) -> dict:
     if spec.has_score:
         prog = program_from_jaxpr(mods.score_jaxpr(spec), "score")
         out["score"] = to_text(prog)
-        out["score_grad"] = to_text(with_derivative(prog))
+        rules = _custom_rules(mods.score_jaxpr(spec).jaxpr)
+        if rules & {"custom_vjp_call", "custom_vjp_call_jaxpr"}:
+            raise NotImplementedError(
+                "the score_mod calls a jax.custom_vjp function: its reverse-mode rule has no "
+                "form the kernels' backward (a derivative by the score) can take")
+        if rules:
+            # A derivative rule of the user's (jax.custom_jvp: a straight-through estimator,
+            # relu's at 0) is not the primal body's derivative: take jax.jvp's, which applies
+            # it.
+            out["score_grad"] = to_text(program_from_jaxpr(mods.score_deriv_jaxpr(spec),
+                                                           "score"))
+        else:
+            out["score_grad"] = to_text(with_derivative(prog))
     if spec.has_mask:
         out["mask"] = to_text(program_from_jaxpr(mods.mask_jaxpr(spec), "mask"))
     return out
@@ -589,7 +637,8 @@ def factor_scales(p: Program) -> tuple:
     if last is not None and last.prim == "mul" and outs[0] not in outs[1:] and not any(
             last.out in e.args for e in eqns):
         lits = [a for a in last.args if not isinstance(a, str)]
-        if len(lits) == 1 and lits[0][0]:
+        # (a positive factor only: the kernel takes each row's max before scaling)
+        if len(lits) == 1 and 0 < lits[0][0] < math.inf:
             out_scale = lits[0][0]
             outs[0] = next(a for a in last.args if isinstance(a, str))
             eqns.remove(last)
