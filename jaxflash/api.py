@@ -190,6 +190,8 @@ def _prepare(query, key, value, bias, mask, *, scale, is_causal, query_seq_lengt
         qseg_c, kvseg_c = qsg.reshape(B, T), kvsg.reshape(B, S)
 
     mods, aux_c = _mods.make_spec(score_mod, mask_mod, aux)
+    if mods is not None:  # the ready-made mods' aux shapes, as the built-ins check theirs
+        _mods.library.check_aux((score_mod, mask_mod), _mods.normalize_aux(aux), B, N, T, S)
     _check_block_mask(block_mask, mods, B, N, T, S, shapes)
     mods_note = None
     form = None if (is_causal or window is not None) else _builtin_mask_form(mods, T, S)

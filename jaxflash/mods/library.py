@@ -10,12 +10,63 @@ between batches belong in ``aux``.
 Semantics match the built-in arguments of `jaxflash.flash_attention` where one exists
 (``is_causal``, ``local_window_size``, ``q_segment_ids`` / ``kv_segment_ids``, ``alibi_slopes``,
 ``softcap``): the same call with the mod gives the same result.
+
+Those reading ``aux`` carry ``check_aux(aux, B, N, T, S)`` (`check_aux` below): a call checks
+their arrays' shapes and dtypes as the built-ins check theirs (a mod's out-of-range reads
+clamp, so a short table would otherwise give plausible wrong numbers); combinators check
+their parts'.
 """
 from __future__ import annotations
 
 import math
 
 import jax.numpy as jnp
+import numpy as np
+
+
+def check_aux(mods, aux: tuple, B: int, N: int, T: int, S: int) -> None:
+    """ValueError naming the shapes where an aux array does not fit what one of ``mods``
+    (functions or None) reads; mods without a ``check_aux`` are not checked."""
+    for m in mods:
+        check = getattr(m, "check_aux", None)
+        if check is not None:
+            check(aux, B, N, T, S)
+
+
+def _aux_rule(fn, slot: int, what: str, dims, kind: str):
+    """Attach a check to `fn`: ``aux[slot]``'s dims are ``dims(B, N, T, S)``, each an int or a
+    ``(text, allowed(dim) -> bool)`` pair, and its dtype kind ``kind`` ("f" floating, "i"
+    integer)."""
+    def check(aux, B, N, T, S):
+        if slot >= len(aux):
+            raise ValueError(f"{fn.__name__} reads aux[{slot}] ({what}); the call's aux has "
+                             f"{len(aux)} element(s)")
+        x = aux[slot]
+        want = dims(B, N, T, S)
+        got = tuple(getattr(x, "shape", np.shape(x)))
+        ok = len(got) == len(want) and all(
+            g == w if isinstance(w, int) else w[1](g) for g, w in zip(got, want))
+        if not ok:
+            spell = "(" + ", ".join(str(w) if isinstance(w, int) else w[0] for w in want) + (
+                ",)" if len(want) == 1 else ")")
+            raise ValueError(f"{fn.__name__}: aux[{slot}] must be {what}, shape {spell} with "
+                             f"(B, N, T, S) = ({B}, {N}, {T}, {S}); got {got}")
+        dt = jnp.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        if not (jnp.issubdtype(dt, jnp.floating) if kind == "f"
+                else jnp.issubdtype(dt, jnp.integer)):
+            raise ValueError(f"{fn.__name__}: aux[{slot}] ({what}) must be "
+                             f"{'floating' if kind == 'f' else 'integer'}; got {dt}")
+    fn.check_aux = check
+    return fn
+
+
+def _one_or(n: int):
+    return (f"1 or {n}", lambda g: g in (1, n))
+
+
+def _with_parts(fn, parts):
+    fn.check_aux = lambda aux, B, N, T, S: check_aux(parts, aux, B, N, T, S)
+    return fn
 
 
 def causal():
@@ -53,7 +104,10 @@ def document(slot: int = 0):
     def document_mask(b, h, q_idx, kv_idx, *aux):
         ids = aux[slot]
         return ids[b, q_idx] == ids[b, kv_idx]
-    return document_mask
+    # (a leading 1 is every batch row's ids)
+    return _aux_rule(document_mask, slot, "doc_ids [B, L], L >= max(T, S)",
+                     lambda B, N, T, S: (_one_or(B), (f">= {max(T, S)}",
+                                                      lambda g: g >= max(T, S))), "i")
 
 
 def prefix_lm(slot: int = 0):
@@ -61,7 +115,8 @@ def prefix_lm(slot: int = 0):
     ``prefix_len [B]`` int32; query i sees key j iff ``j <= i`` or ``j < prefix_len[b]``."""
     def prefix_lm_mask(b, h, q_idx, kv_idx, *aux):
         return (kv_idx <= q_idx) | (kv_idx < aux[slot][b])
-    return prefix_lm_mask
+    return _aux_rule(prefix_lm_mask, slot, "prefix_len [B]", lambda B, N, T, S: (_one_or(B),),
+                     "i")
 
 
 def softcap(cap: float):
@@ -81,7 +136,7 @@ def alibi(slot: int = 0):
     def alibi_score(score, b, h, q_idx, kv_idx, *aux):
         dist = jnp.abs(q_idx - kv_idx).astype(jnp.float32)
         return score - aux[slot][h] * dist
-    return alibi_score
+    return _aux_rule(alibi_score, slot, "slopes [N]", lambda B, N, T, S: (N,), "f")
 
 
 def alibi_slopes(num_heads: int):
@@ -124,7 +179,8 @@ def t5_bias(slot: int = 0, num_buckets: int = 32, max_distance: int = 128,
     def t5_score(score, b, h, q_idx, kv_idx, *aux):
         bucket = t5_bucket(kv_idx - q_idx, num_buckets, max_distance, bidirectional)
         return score + aux[slot][bucket, h]
-    return t5_score
+    return _aux_rule(t5_score, slot, "table [num_buckets, N]",
+                     lambda B, N, T, S: (num_buckets, N), "f")
 
 
 def and_masks(*masks):
@@ -134,7 +190,7 @@ def and_masks(*masks):
         for m in masks[1:]:
             out = out & m(b, h, q_idx, kv_idx, *aux)
         return out
-    return and_mask
+    return _with_parts(and_mask, masks)
 
 
 def or_masks(*masks):
@@ -144,7 +200,7 @@ def or_masks(*masks):
         for m in masks[1:]:
             out = out | m(b, h, q_idx, kv_idx, *aux)
         return out
-    return or_mask
+    return _with_parts(or_mask, masks)
 
 
 def chain(*score_mods):
@@ -153,4 +209,4 @@ def chain(*score_mods):
         for f in score_mods:
             score = f(score, b, h, q_idx, kv_idx, *aux)
         return score
-    return chained_score
+    return _with_parts(chained_score, score_mods)

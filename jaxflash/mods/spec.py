@@ -12,6 +12,11 @@ What is static and what is not:
   over those jaxprs' text, the values of any arrays they close over (constants compiled into
   the code), and the aux avals. Two specs are equal exactly when their keys are, so a mod
   re-created per call (a lambda) hits the same caches, and a changed mod changes the key.
+  Whether an eager call traces a mod anew is decided by the Python values it reads
+  (`_python_constants`); a NumPy array of more than 65,536 elements among them is told apart by
+  identity, not content: change such an array by replacing it, or pass it as aux.
+- Floating aux leaves narrower than float32 are read in float32 (as the kernels compute mods),
+  so a learnable bf16 table's gradient accumulates in float32 before it is cast back.
 - The aux *values* are runtime arrays: they never enter the key, so changing them (a learnable
   relative-position table after an optimizer step, other document boundaries) never recompiles.
 - A mod that closes over a traced value (an array from the enclosing ``jax.jit``) cannot be
@@ -148,8 +153,11 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
         # a symbolic dim (jax.export shape polymorphism) stays symbolic: only the XLA
         # reference serves such calls, and its name keys them
         avals.append((tuple(int(d) if isinstance(d, (int, np.integer)) else d for d in x.shape),
-                      str(jax.dtypes.canonicalize_dtype(x.dtype))))   # as jnp.asarray makes it
-    leaves = [jnp.asarray(x) for x in leaves]
+                      str(_compute_dtype(x.dtype))))
+    # Floating leaves narrower than float32 are read in float32, as the kernels compute mods:
+    # a learnable bf16 table's gradient then sums its many (query, key) contributions in
+    # float32 and comes back (through the cast) in the leaf's dtype.
+    leaves = [jnp.asarray(x).astype(_compute_dtype(x.dtype)) for x in leaves]
     avals = tuple(avals)
     h = hashlib.sha256()
     h.update(repr(avals).encode())
@@ -160,6 +168,14 @@ def make_spec(score_mod=None, mask_mod=None, aux=()) -> tuple[Optional[ModSpec],
             h.update(_jaxpr_digest(fn, _python_constants(fn), tree, avals, name).encode())
     spec = ModSpec(score_mod, mask_mod, tree, avals, h.hexdigest())
     return spec, tuple(leaves)
+
+
+def _compute_dtype(dtype):
+    """The dtype a mod reads an aux leaf in: as jnp.asarray makes it, floats at least 32-bit."""
+    d = jax.dtypes.canonicalize_dtype(dtype)
+    if jnp.issubdtype(d, jnp.floating) and np.dtype(d).itemsize < 4:
+        return np.dtype(np.float32)
+    return d
 
 
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
@@ -314,7 +330,12 @@ def _cached_jaxpr(spec: ModSpec, name: str, deriv: bool):
         out, d = jax.jvp(lambda x: flat(x, *rest).astype(jnp.float32), (s,), (jnp.float32(1),))
         return out, d
 
-    return jax.make_jaxpr(value_and_dscore)(_F32, *([_I32] * 4), *spec.aux_shape_structs())
+    try:
+        return jax.make_jaxpr(value_and_dscore)(_F32, *([_I32] * 4), *spec.aux_shape_structs())
+    except Exception as e:  # noqa: BLE001 - jax's refusal (a callback, a custom_vjp)
+        # the kernels need this derivative; a backend asking for it then declines the call
+        raise NotImplementedError(f"the score_mod has no derivative by the score that a kernel "
+                                  f"can compute: {type(e).__name__}: {str(e)[:200]}") from e
 
 
 def score_jaxpr(spec: ModSpec):
