@@ -64,13 +64,15 @@ def test_bf16_table_gradient_sums_in_float32(impl):
         f = lambda t: jnp.sum(jaxflash.flash_attention(
             q, k, v, score_mod=mods.t5_bias(), aux=(t,), implementation=impl) * w)
         return jax.grad(f)(tab)
-    want = np.asarray(g(table), np.float64)
-    got = g(table.astype(jnp.bfloat16))
+    t16 = table.astype(jnp.bfloat16)
+    # the float32 gradient at the same (bf16-representable) table values
+    want = np.asarray(g(t16.astype(jnp.float32)), np.float64)
+    got = g(t16)
     assert got.dtype == jnp.bfloat16
     got = np.asarray(got.astype(jnp.float32), np.float64)
     big = np.abs(want) > 0.1 * np.abs(want).max()
-    # bf16 rounding of the result (2^-8 relative), with the bf16 rounding of the table itself
-    assert np.max(np.abs(got - want)[big] / np.abs(want)[big]) < 2e-2
+    # the result's bf16 rounding (2^-9 relative), twice for margin
+    assert np.max(np.abs(got - want)[big] / np.abs(want)[big]) < 4e-3
 
 
 def test_callback_score_mod_declined_by_pallas_run_by_xla():
