@@ -29,9 +29,6 @@ class CuteBackend(Backend):
         if problem.block_sparse is not None and problem.mods is None:
             raise NotImplementedError("a block_mask without a mask_mod")
         from jaxflash.kernels import plan
-        problem = dataclasses.replace(problem, statics=_statics(problem.statics,
-                                                                problem.head_dim,
-                                                                problem.kv_len))
         detail = plan.plan(problem)
         if detail.bwd is None and not detail.fp8:
             # the backward would be the Pallas kernels'; where they cannot serve the call (a
@@ -81,12 +78,3 @@ class CuteBackend(Backend):
                                             interpret=plan.platform == "cpu")
         from jaxflash.kernels import call
         return call.backward(plan.detail.bwd, q, k, v, arrays, statics, out, lse, dout)
-
-
-def _statics(statics, head_dim: int, kv_len: int):
-    """The call's statics as the plan takes them: a causal short window as the window alone
-    (the same mask, a faster variant: `choose.window_only`; the launches' window scalars,
-    `fwd_launch.fwd_scalars`, clip the right bound under the causal flag, so either variant
-    reads them right)."""
-    from jaxflash.kernels.policy import choose
-    return choose.window_only(statics, head_dim, kv_len)

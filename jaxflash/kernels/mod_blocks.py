@@ -38,8 +38,7 @@ _LAX = {"neg": lax.neg, "abs": lax.abs, "sign": lax.sign, "floor": lax.floor,
         "max": lax.max, "min": lax.min, "and": lax.bitwise_and, "or": lax.bitwise_or,
         "xor": lax.bitwise_xor, "not": lax.bitwise_not, "eq": lax.eq, "ne": lax.ne,
         "lt": lax.lt, "le": lax.le, "gt": lax.gt, "ge": lax.ge,
-        "round": lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO),
-        "clamp": lax.clamp}
+        "clamp": lax.clamp}   # (round: by its param, below)
 
 
 def evaluate(prog, inputs: dict, aux=()) -> tuple:

@@ -133,6 +133,10 @@ def fp8_backward_launch(problem, arch: Optional[str] = None) -> Launch:
 def plan(problem, arch: Optional[str] = None) -> CutePlan:
     """The CuTe plan of `problem`; NotImplementedError if the forward cannot run."""
     arch = arch or current_arch()
+    # a causal short window plans as the window alone: the same mask, a faster variant (the
+    # launches' window scalars clip the right bound under the causal flag, so either reads them)
+    problem = dataclasses.replace(problem, statics=choose.window_only(
+        problem.statics, problem.head_dim, problem.kv_len))
     if problem.statics.fp8 is not None:
         fwd = fp8_forward_launch(problem, arch)
         try:

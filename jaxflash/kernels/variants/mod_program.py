@@ -37,6 +37,7 @@ import math
 from typing import Any, Optional
 
 import numpy as np
+from jax import lax
 
 from jaxflash.mods.spec import INLINE_CALLS, SHARDING_IDENTITY
 
@@ -290,7 +291,6 @@ def _walk(jaxpr, consts, env, b: _Builder):
 def _half_even(method) -> bool:
     """Whether a round's ``rounding_method`` (a `lax.RoundingMethod`) is TO_NEAREST_EVEN
     (jnp.round's, jnp.rint's), not AWAY_FROM_ZERO."""
-    from jax import lax
     return method is not None and int(method) == int(lax.RoundingMethod.TO_NEAREST_EVEN)
 
 
